@@ -1,0 +1,60 @@
+"""Training settings shared by the compiler, the reference step and the executor (no torch).
+
+Precedence, everywhere: command-line flags > the .sched file > the defaults written here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup and cosine decay, and global gradient-norm clipping."""
+
+    lr: float = 6e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 6e-5
+    """Floor of the cosine decay, reached at `decay_steps`."""
+    warmup: int = 10
+    """Linear warmup steps (step 0 runs at lr / warmup)."""
+    decay_steps: int = 0
+    """Length of the cosine decay in steps; 0 means the run's step count."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (dim >= 2)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and self.min_lr >= 0 and self.min_lr <= self.lr):
+            raise ValueError("need 0 <= min_lr <= lr and lr > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("betas must lie in [0, 1)")
+        if self.warmup < 0 or self.decay_steps < 0 or self.clip < 0 or self.weight_decay < 0:
+            raise ValueError("warmup, decay_steps, clip and weight_decay must be >= 0")
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): linear warmup, cosine decay."""
+        decay = self.decay_steps or total_steps
+        if self.warmup and step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if step >= decay:
+            return self.min_lr
+        span = max(1, decay - self.warmup)
+        ratio = (step - self.warmup) / span
+        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "corpus"
+    """'corpus' (the embedded default), a UTF-8 text file, or a uint16 token file."""
+    kind: str = "auto"
+    """'text', 'tokens' or 'auto' (by suffix: .bin/.npy are tokens, anything else text)."""
