@@ -1,0 +1,224 @@
+"""The checking pass: prove the schedule graph legal, or say exactly where it is not.
+
+Rules, each with its code (errors.CODES):
+
+* every op the step needs is placed once; nothing else is   [missing-op] [duplicate-op]
+  [unexpected-op] [nosync-comm]
+* the run graph is acyclic; no op waits on its own stream's future   [cycle] [deadlock]
+* every need holds in the run graph: activations and saved tensors [out-of-order],
+  cross-stream needs by an event [missing-event], reductions after the last gradient
+  write [early-reduce], the optimizer after every reduction [optimizer-wait], a unit's
+  parameters only while gathered [use-after-free]
+* every rank issues the same collectives in the same order on each stream   [spmd]
+* the predicted peak memory fits the declared budget   [memory-budget]
+
+Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
+streams of compute ops) are judged earlier, in resolve.py.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from schedc.errors import Diagnostics, Note
+from schedc.graph import (
+    GRADS,
+    LAST_USE,
+    PARAMS,
+    UPDATE,
+    ScheduleGraph,
+    happens_before,
+    ordered,
+)
+from schedc.ir import REDUCTIONS, Kind, Op
+from schedc.lower import Plan, lower
+from schedc.memory import MemoryReport, predict
+from schedc.resolve import Spec
+from schedc.source import Span
+
+
+def check(spec: Spec, graphs: dict[int | None, ScheduleGraph]) -> Diagnostics:
+    """Every rule on every rank's graph; all findings, sorted by the caller."""
+    diag = Diagnostics(spec.source)
+    plans: dict[int | None, Plan] = {}
+    for rank, sg in graphs.items():
+        ok = _placement(sg, diag)
+        ok = _acyclic(sg, diag) and ok
+        if ok:
+            _needs(sg, diag)
+            plans[rank] = lower(sg)
+    if len(plans) == len(graphs):
+        _spmd(spec, graphs, plans, diag)
+        if spec.memory is not None:
+            _memory(spec, plans[None], diag)
+    return diag
+
+
+def _program_span(sg: ScheduleGraph, stream: str | None) -> Span | None:
+    for p in sg.spec.programs:
+        if p.stream == stream and p.rank in (None, sg.rank):
+            return p.span
+    return None
+
+
+def _who(sg: ScheduleGraph) -> str:
+    return "" if sg.rank is None else f" on rank {sg.rank}"
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
+    spec, g, ok = sg.spec, sg.g, True
+    for op, d in g.nodes(data=True):
+        if d.get("again") is not None:
+            diag.error("duplicate-op", f"{op} is written twice{_who(sg)}", d["again"],
+                       hint="each op runs once per step; delete one",
+                       notes=(Note("first written here", d["span"]),))
+            ok = False
+        if d.get("stream") is None and d.get("required"):
+            where = spec.streams[op.kind]
+            diag.error("missing-op", _missing_message(sg, op),
+                       _program_span(sg, where) or d.get("span"),
+                       hint=f"add `{op}` to `program {where}` (with the `after` it needs)")
+            ok = False
+        if d.get("stream") is not None and not d.get("required"):
+            if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
+                diag.error("nosync-comm", f"{op} communicates in micro-step {op.mb}, but no_sync "
+                           f"keeps gradients local until the last (mb{spec.accum - 1})",
+                           d["span"], hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`")
+            else:
+                diag.error("unexpected-op", f"{op} is not part of this schedule{_why_not(sg, op)}",
+                           d["span"], hint="`schedc check --dump program` prints the ops it has")
+            ok = False
+    return ok
+
+
+def _missing_message(sg: ScheduleGraph, op: Op) -> str:
+    who = _who(sg)
+    if op.kind is Kind.ALLREDUCE:
+        return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
+    if op.kind is Kind.REDUCESCATTER:
+        return f"unit '{op.target}' is never reduce-scattered in micro-step {op.mb}{who}"
+    if op.kind is Kind.ALLGATHER:
+        return f"unit '{op.target}' is never gathered for its {op.phase.value} in mb{op.mb}{who}"
+    return f"{op} is missing from the written program{who}"
+
+
+def _why_not(sg: ScheduleGraph, op: Op) -> str:
+    fs = sg.spec.strategy
+    if op.kind is Kind.ALLGATHER and op.phase and op.phase.value == "bwd" and fs is not None \
+            and not getattr(fs, "reshard_after_forward", True):
+        return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
+    return ""
+
+
+# -- the run graph ------------------------------------------------------------------------------
+
+
+def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
+    g, ok = sg.g, True
+    for u, v, d in g.edges(data=True):
+        if d.get("sync") == "after" and g.nodes[u]["pos"] >= g.nodes[v]["pos"]:
+            diag.error("deadlock", f"{v} waits for {u}, which comes later on stream "
+                       f"'{g.nodes[v]['stream']}'{_who(sg)}", d.get("span") or g.nodes[v]["span"],
+                       hint=f"a stream runs in order: move {u} before {v}, or drop the wait")
+            ok = False
+    if not ok:
+        return False
+    runs = sg.syncs()
+    try:
+        cycle = nx.find_cycle(runs)
+    except nx.NetworkXNoCycle:
+        return True
+    path = [u for u, _ in cycle] + [cycle[0][0]]
+    events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
+    u, v = events[0] if events else cycle[0]
+    diag.error("cycle", f"the schedule waits in a circle{_who(sg)}: "
+               + " -> ".join(str(op) for op in path),
+               g.edges[u, v].get("span") or g.nodes[v]["span"],
+               hint="each arrow is program order or an `after`; break one of the waits")
+    return False
+
+
+def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
+    g = sg.g
+    clock = happens_before(sg)
+    for u, v, whys in sg.needs():
+        if g.nodes[u].get("stream") is None or g.nodes[v].get("stream") is None:
+            continue  # reported as missing
+        if ordered(sg, clock, u, v):
+            continue
+        code, msg, hint = _unmet(sg, u, v, whys)
+        diag.error(code, msg + _who(sg), g.nodes[v]["span"], hint=hint)
+
+
+def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, str]:
+    g = sg.g
+    su, sv = g.nodes[u]["stream"], g.nodes[v]["stream"]
+    cross = su != sv
+    wait = f"write `{v} after {u}`"
+    if v.kind is Kind.STEP and UPDATE in whys:
+        return ("optimizer-wait", f"the optimizer step does not wait for {u}",
+                f"{wait}: the update must read reduced gradients")
+    if v.kind in REDUCTIONS and GRADS in whys:
+        tied = " (the tied wte/lm_head weight gets its last gradient from bwd[embed])" if (
+            u.target == "embed") else ""
+        return ("early-reduce", f"{v} can start before {u} has written its gradients{tied}",
+                wait if cross else f"place {v} after {u}")
+    if LAST_USE in whys:
+        return ("use-after-free", f"{v} releases '{v.target}' while {u} may still read it",
+                f"free a unit only after its last reader: place {v} after {u}"
+                + (" or wait for it" if cross else ""))
+    if PARAMS in whys and not cross:
+        return ("use-after-free", f"{v} reads '{u.target}' before {u} gathers it",
+                f"place {u} before {v}")
+    if cross:
+        return ("missing-event", f"{v} on stream '{sv}' needs {u} on stream '{su}' "
+                f"({', '.join(whys)}) but nothing makes it wait", wait)
+    return ("out-of-order", f"{v} comes before {u} on stream '{sv}', but needs its "
+            f"{', '.join(whys)}", f"place {u} first")
+
+
+# -- ranks and memory ---------------------------------------------------------------------------
+
+
+def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> None:
+    """Every rank must issue the same collectives, in the same order, on each stream."""
+    base = plans[None]
+    for rank, plan in plans.items():
+        if rank is None:
+            continue
+        for stream in sorted(set(base.streams) | set(plan.streams)):
+            a, b = base.collectives(stream), plan.collectives(stream)
+            if a == b:
+                continue
+            i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+            theirs = str(b[i]) if i < len(b) else "nothing"
+            ours = str(a[i]) if i < len(a) else "nothing"
+            span = next(p.span for p in spec.programs if p.rank == rank)
+            diag.error("spmd", f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
+                       f"'{stream}', where the other ranks issue {ours}", span,
+                       hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
+                       "Give every rank the same collective order")
+            break
+
+
+def _memory(spec: Spec, plan: Plan, diag: Diagnostics) -> MemoryReport:
+    report = predict(spec, plan)
+    if report.peak > spec.memory:
+        hint = "raise `memory`"
+        if spec.kind == "fsdp":
+            hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
+        diag.error("memory-budget",
+                   f"predicted peak {fmt_bytes(report.peak)} per rank (at {report.peak_at}) "
+                   f"exceeds the budget of {fmt_bytes(spec.memory)}",
+                   spec.where.get("memory"), hint=hint)
+    return report
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
