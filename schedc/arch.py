@@ -64,11 +64,12 @@ class GPTConfig:
         """Every parameter of the model once, in forward layer order."""
         return tuple(p for layer in self.layers for p in self.layer_params(layer))
 
+    @cached_property
+    def _by_name(self) -> dict[str, ParamSpec]:
+        return {p.name: p for p in self.params}
+
     def param(self, name: str) -> ParamSpec:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
+        return self._by_name[name]
 
     # -- sizes -------------------------------------------------------------------------
 

@@ -144,12 +144,18 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
 def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
     g = sg.g
     clock = happens_before(sg)
+    unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
     for u, v, whys in sg.needs():
         if g.nodes[u].get("stream") is None or g.nodes[v].get("stream") is None:
             continue  # reported as missing
         if ordered(sg, clock, u, v):
             continue
         code, msg, hint = _unmet(sg, u, v, whys)
+        # one finding per op and rule: the producer that comes last is the one to wait for
+        seq = g.nodes[u].get("seq") or 0
+        if (v, code) not in unmet or unmet[(v, code)][0] < seq:
+            unmet[(v, code)] = (seq, msg, hint)
+    for (v, code), (_, msg, hint) in unmet.items():
         diag.error(code, msg + _who(sg), g.nodes[v]["span"], hint=hint)
 
 

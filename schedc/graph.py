@@ -168,6 +168,7 @@ class _Use:
     last: int
     gather: bool = False
     free: bool = False
+    index: int = -1  # position in the step's list of uses
 
 
 def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
@@ -202,6 +203,8 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
         # a use also continues across ops that do not read the unit only if contiguous; the
         # resolve pass proved units are contiguous, so each (mb, phase) has one use per unit
     uses.sort(key=lambda x: (x.first, fs.units.index(x.unit)))
+    for m, use in enumerate(uses):
+        use.index = m
     prev_of: dict[int, _Use | None] = {}
     last_seen: dict[str, _Use] = {}
     for m, use in enumerate(uses):
@@ -238,7 +241,7 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             source_gather[m] = gather_op(use)
         else:
             prev = prev_of[m]
-            source_gather[m] = source_gather[uses.index(prev)]
+            source_gather[m] = source_gather[prev.index]
     use_at: dict[tuple[str, int], int] = {}  # (unit, compute index) -> use index
     for m, use in enumerate(uses):
         for i in range(use.first, use.last + 1):
@@ -253,10 +256,11 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
 
     # reduce-scatter of a unit in micro-step j goes right after the last op writing its grads
     last_writer: dict[tuple[str, int], int] = {}
+    unit_writers = {u.name: _writers(spec, u.params) for u in fs.units}
     for i, op in enumerate(compute):
         if op.kind is Kind.BWD:
             for u in fs.units:
-                if op.target in _writers(spec, u.params):
+                if op.target in unit_writers[u.name]:
                     last_writer[(u.name, op.mb)] = i
     rs_after: dict[int, list[UnitSpec]] = defaultdict(list)
     for (uname, j), i in last_writer.items():
@@ -267,13 +271,13 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     readers: dict[int, list[Op]] = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
     for m, use in enumerate(uses):
         if use.free and not use.gather:
-            readers[m] = readers[uses.index(prev_of[m])] + readers[m]
+            readers[m] = readers[prev_of[m].index] + readers[m]
 
     seq = _Seq()
 
     def emit_gathers(index: int) -> None:
         for use in anchored.get(index, []):
-            m = uses.index(use)
+            m = use.index
             needs = []
             prev = prev_of[m]
             if prev is not None:
@@ -298,7 +302,7 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
                 needs.append((source_gather[use_at[(u.name, i)]], PARAMS))
         seq.emit(op, needs, spec.where.get("model"))
         for u in rs_after.get(i, []):
-            writers = _writers(spec, u.params)
+            writers = unit_writers[u.name]
             rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
             if op.mb and not spec.no_sync:
                 rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), REUSE))

@@ -104,7 +104,8 @@ def lower(sg: ScheduleGraph) -> Plan:
 
     event_of: dict[Op, int] = {}
     consumers: dict[int, list[Op]] = {}
-    for u, v in sorted(sg.events(), key=lambda e: (order.index(e[0]), order.index(e[1]))):
+    at = {op: i for i, op in enumerate(order)}
+    for u, v in sorted(sg.events(), key=lambda e: (at[e[0]], at[e[1]])):
         if u not in event_of:
             event_of[u] = len(event_of)
         consumers.setdefault(event_of[u], []).append(v)
