@@ -60,6 +60,14 @@ def make_adamw(
     decay, no_decay = [], []
     for _, p in named_params:
         (decay if p.dim() >= 2 else no_decay).append(p)
+    return adamw_groups(decay, no_decay, opt)
+
+
+def adamw_groups(decay: list, no_decay: list, opt: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over explicit groups: `decay` gets opt.weight_decay, `no_decay` none.
+
+    FSDP's flat shards are 1-D whatever they hold, so it names its groups itself.
+    """
     groups = [
         {"params": decay, "weight_decay": opt.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
