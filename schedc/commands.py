@@ -130,3 +130,21 @@ def summary(c: Compiled) -> str:
 COMMANDS = {
     "check": (_check_args, _check, "prove schedules legal; print a summary or a stage's text"),
 }
+
+
+# -- run (imports torch only when used) ----------------------------------------------------------
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    from schedc.run import add_run_args
+
+    add_run_args(p)
+
+
+def _run(args) -> int:
+    from schedc.run import run_command
+
+    return run_command(args)
+
+
+COMMANDS["run"] = (_run_args, _run, "train: run a schedule under torchrun (world 1: alone)")

@@ -29,7 +29,6 @@ from schedc.compiler import Compiled
 from schedc.data import load_batches
 from schedc.ir import COMPUTE, Kind, Op
 from schedc.lower import Plan
-from schedc.memory import op_bytes
 from schedc.reference import (
     adamw_groups,
     clip_coef,
@@ -271,11 +270,10 @@ class Executor:
 
     def _collective(self, stream: str, op: Op) -> None:
         b = self.backend
-        self.comm_bytes[op.kind.value] = self.comm_bytes.get(op.kind.value, 0) + op_bytes(
-            self.spec, op)
         D = self.comm.world
         if op.kind is Kind.ALLREDUCE:
             flat = self.buckets[op.target].flat
+            self._count(op, flat)
             reduce = b.all_reduce(flat)
 
             def launch(pg, flat=flat, reduce=reduce):
@@ -286,6 +284,7 @@ class Executor:
             b.collective(stream, op, launch, None)
         elif op.kind is Kind.ALLGATHER:
             unit = self.units[op.target]
+            self._count(op, unit.shard, D)  # every rank's shard arrives: the full unit
             gather = b.all_gather(unit.full, unit.shard)
 
             def launch(pg, unit=unit, gather=gather):
@@ -297,6 +296,7 @@ class Executor:
         elif op.kind is Kind.REDUCESCATTER:
             unit = self.units[op.target]
             grad = unit.take_grad()
+            self._count(op, grad)
             out = torch.empty_like(unit.shard_grad)
             scatter = b.reduce_scatter(out, grad)
 
@@ -311,6 +311,11 @@ class Executor:
                 unit.shard_grad.add_(out)  # accumulate this micro-step into the shard
 
             b.collective(stream, op, launch, done)
+
+    def _count(self, op: Op, t: torch.Tensor, times: int = 1) -> None:
+        """Bytes a collective moves per rank, counted from its real buffer."""
+        key = f"{op.kind.value}[{op.target}]"
+        self.comm_bytes[key] = self.comm_bytes.get(key, 0) + t.numel() * t.element_size() * times
 
     # -- the update ----------------------------------------------------------------------------
 
@@ -371,16 +376,20 @@ class Executor:
         self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)
 
     def memory(self) -> dict[str, int]:
-        """Measured bytes of what schedc allocated on this rank (and the GPU's own peak)."""
+        """Bytes of what schedc holds on this rank, measured from the tensors themselves."""
+        def nbytes(ts) -> int:
+            return sum(t.untyped_storage().nbytes() for t in ts)
+
+        opt_state = [t for st in self.optimizer.state.values() for t in st.values()
+                     if torch.is_tensor(t) and t.dim() > 0]  # Adam m and v (not the step count)
         if self.units:
-            states = sum(u.state_bytes for u in self.units.values())
+            held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
         else:
-            n = sum(p.numel() * p.element_size() for p in self.params.values())
-            states = 4 * n  # parameters, gradients (the buckets), Adam m and v
-        opt_state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"states": states, "optimizer_state_measured": opt_state, **self.mem,
-                **self.backend.stats()}
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        return {"states": nbytes(held) + nbytes(opt_state), **self.mem, **self.backend.stats()}
+
+    def close(self) -> None:
+        self.backend.close()
 
     def trace_events(self) -> list[dict]:
         return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans)
@@ -469,8 +478,10 @@ def run_main(compiled: Compiled, opts: RunOptions, trace_path: str | None) -> in
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     comm = Comm.from_env(backend, opts.timeout_s)
     try:
+        # agree first: building the executor creates a process group per stream, which would
+        # wait forever for a rank whose schedule has other streams
+        agree_at_startup(compiled, comm, compiled.plan(comm.rank))
         ex = Executor(compiled, comm, opts)
-        agree_at_startup(compiled, comm, ex.plan)
         if comm.rank == 0 and opts.log:
             print(f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
                   f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, "
@@ -481,6 +492,7 @@ def run_main(compiled: Compiled, opts: RunOptions, trace_path: str | None) -> in
             if comm.rank == 0 and opts.log:
                 print(format_log(st.step, st.loss, st.lr, st.grad_norm, st.dt_ms,
                                  st.tokens_per_s), flush=True)
+        ex.close()
         if trace_path:
             write_trace(trace_path, ex, comm)
         if comm.rank == 0 and opts.log:

@@ -17,6 +17,8 @@ Retiring strictly in issue order keeps every result bitwise reproducible.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,6 +74,7 @@ class CPUBackend:
         self.events: dict[int, tuple[str, _Pending | None]] = {}
         self.last_issued: dict[str, _Pending | None] = {s: None for s in streams}
         self.last_end: dict[str, int] = {s: 0 for s in streams}
+        self._watchers: dict[str, queue.SimpleQueue] = {}
 
     # compute -------------------------------------------------------------------------------
 
@@ -88,7 +91,7 @@ class CPUBackend:
         work = launch(self.groups[stream])
         p = _Pending(op, work, done, issued)
         if self.trace:
-            work.get_future().add_done_callback(lambda _f, p=p: p.finished.append(now()))
+            self._watcher(stream).put(p)
         self.queues[stream].append(p)
         self.last_issued[stream] = p
         if stream == COMPUTE:
@@ -123,13 +126,37 @@ class CPUBackend:
             if p.done is not None:
                 p.done()
             if self.trace:
-                end = p.finished[0] if p.finished else now()
+                while not p.finished:  # the watcher stamps it a moment after wait() returns
+                    time.sleep(0)
+                end = p.finished[0]
                 start = max(p.issued, self.last_end[stream])
                 self.last_end[stream] = end
                 self.spans.append(Span(p.op, stream, start, end, p.issued))
 
     def synchronize(self) -> None:
         self.drain()
+
+    def _watcher(self, stream: str) -> queue.SimpleQueue:
+        """A thread that stamps when each collective of `stream` completes (for traces).
+
+        gloo's reduce-scatter work has no future to call back, so the watcher waits on the
+        works in issue order; the stream is first-in first-out, so each stamp is exact.
+        """
+        if stream not in self._watchers:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+
+            def watch() -> None:
+                while (p := q.get()) is not None:
+                    p.work.wait()
+                    p.finished.append(now())
+
+            threading.Thread(target=watch, name=f"schedc-watch-{stream}", daemon=True).start()
+            self._watchers[stream] = q
+        return self._watchers[stream]
+
+    def close(self) -> None:
+        for q in self._watchers.values():
+            q.put(None)
 
     # collectives' implementations (gloo's process-group methods) ---------------------------
 
@@ -248,6 +275,9 @@ class CUDABackend:
     def keep_alive(self, t: torch.Tensor, stream: str) -> None:
         """`t` is used on `stream` too: the allocator must not reuse it before that use."""
         t.record_stream(self.streams[stream])
+
+    def close(self) -> None:
+        pass
 
     def stats(self) -> dict:
         return {"cuda_max_allocated": torch.cuda.max_memory_allocated(self.device)}

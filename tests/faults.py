@@ -21,5 +21,15 @@ def inject(ex, fault: str) -> None:
             rest = [i for i in instrs if i not in moved and i.kind != "wait"]
             at = rest.index(instrs[last_bwd0]) + 1
             ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
+    elif fault.startswith("fail-at "):
+        # an instruction that raises: the executor must show the plan around it
+        target, run_op = fault.split(" ", 1)[1], ex.run_op
+
+        def failing(stream, op):
+            if str(op) == target:
+                raise RuntimeError(f"injected failure in {op}")
+            run_op(stream, op)
+
+        ex.run_op = failing
     else:
         raise ValueError(f"unknown fault {fault!r}")

@@ -87,7 +87,10 @@ def _run_job(job: Job, rank: int, groups):
         from tests.faults import inject
 
         inject(ex, job.fault)
-    stats = [ex.step() for _ in range(job.steps)]
+    try:
+        stats = [ex.step() for _ in range(job.steps)]
+    finally:
+        ex.close()
     if rank != 0:
         for s in stats:
             s.grads, s.params = {}, {}
