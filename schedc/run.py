@@ -141,7 +141,7 @@ class Executor:
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
         self.loss_scale = 1.0 / spec.accum
-        streams = self.plan.streams
+        streams = tuple(spec.stream_names())  # every rank builds the same stream groups
         if self.device.type == "cuda":
             self.backend = CUDABackend(streams, comm, options.trace, self.device)
         else:
@@ -297,18 +297,17 @@ class Executor:
             unit = self.units[op.target]
             grad = unit.take_grad()
             self._count(op, grad)
-            out = torch.empty_like(unit.shard_grad)
-            scatter = b.reduce_scatter(out, grad)
+            held: dict[str, torch.Tensor] = {}
 
-            def launch(pg, grad=grad, scatter=scatter):
+            def launch(pg, unit=unit, grad=grad, held=held):
+                b.keep_alive(grad, stream)  # written on compute, read on this stream
                 if D > 1:
                     grad.div_(D)
-                work = scatter(pg)
-                b.keep_alive(grad, stream)  # written on compute, read here
-                return work
+                held["out"] = torch.empty_like(unit.shard_grad)  # allocated on this stream
+                return b.reduce_scatter(held["out"], grad)(pg)
 
-            def done(unit=unit, out=out, grad=grad):
-                unit.shard_grad.add_(out)  # accumulate this micro-step into the shard
+            def done(unit=unit, grad=grad, held=held):
+                unit.shard_grad.add_(held.pop("out"))  # accumulate this micro-step's shard
 
             b.collective(stream, op, launch, done)
 

@@ -1,0 +1,13 @@
+# The two commands of the README's quick start.
+PY ?= python3
+RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
+
+.PHONY: demo test
+demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
+	scripts/install.sh
+	mkdir -p out
+	$(RUN) -m schedc run --trace out/trace.json
+
+test:  ## install with the test tools, then run the whole suite
+	scripts/install.sh test
+	$(PY) -m pytest -q
