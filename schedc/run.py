@@ -14,6 +14,7 @@ the logged loss (one scalar, after the step).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from schedc.compiler import Compiled
 from schedc.data import load_batches
+from schedc.fuse import Segment, fuse
 from schedc.ir import COMPUTE, Kind, Op
 from schedc.lower import Plan
 from schedc.reference import (
@@ -169,6 +171,8 @@ class Executor:
                 specs = (BucketSpec("grads", tuple(self.params), None, 0),)
             self.buckets = {b.name: Bucket(b, self.params) for b in specs}
             self.optimizer = make_adamw(self.params.items(), spec.optim)
+        # fused runs of compute ops; when tracing every op runs alone, so each gets a span
+        self.items = fuse(self.plan, self.layers, enabled=not options.trace)
         self.step_index = 0
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Span]] = []
@@ -203,11 +207,16 @@ class Executor:
         return stats
 
     def execute(self) -> None:
-        """Issue the plan, instruction by instruction; on failure, show where."""
-        backend = self.backend
-        for k, ins in enumerate(self.plan.instrs):
+        """Issue the plan, item by item; on failure, show where in the plan."""
+        backend, instrs = self.backend, self.plan.instrs
+        for item in self.items:
+            k = item.first if isinstance(item, Segment) else item
             try:
-                with torch.profiler.record_function(str(ins.op) if ins.op else str(ins)):
+                with _range(item if isinstance(item, Segment) else instrs[item]):
+                    if isinstance(item, Segment):
+                        self.compute(item)
+                        continue
+                    ins = instrs[item]
                     if ins.kind == "run":
                         self.run_op(ins.stream, ins.op)
                     elif ins.kind == "record":
@@ -219,45 +228,50 @@ class Executor:
 
     def run_op(self, stream: str, op: Op) -> None:
         kind = op.kind
-        if kind is Kind.FWD:
-            self.backend.compute(stream, op, lambda: self._fwd(op))
-        elif kind is Kind.BWD:
-            self.backend.compute(stream, op, lambda: self._bwd(op))
-            self.backend.poll()
-        elif kind is Kind.FREE:
+        if kind is Kind.FREE:
             self.backend.compute(stream, op, lambda: self._free(op))
         elif kind is Kind.STEP:
             self.backend.compute(stream, op, self._optimizer_step)
-        else:
+        elif kind.is_collective:
             self._collective(stream, op)
+        else:  # a forward or backward written outside the compute stream's fusable runs
+            self.compute(Segment(kind, op.mb, (op.target,), -1))
 
     # -- compute ------------------------------------------------------------------------------
 
-    def _fwd(self, op: Op) -> None:
-        mb, layer = self.micro[op.mb], op.target
-        i = self.layers.index(layer)
+    def compute(self, seg: Segment) -> None:
+        op = seg.ops[0] if len(seg.layers) == 1 else seg.ops[-1]
+        fn = self._forward if seg.kind is Kind.FWD else self._backward
+        self.backend.compute(COMPUTE, op, lambda: fn(seg))
+        if seg.kind is Kind.BWD:
+            self.backend.poll()
+
+    def _forward(self, seg: Segment) -> None:
+        mb, first, last = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
+        i = self.layers.index(first)
         if i == 0:
             inp = mb.x
         else:
-            # cut the graph here: this layer's backward is run on its own, later
+            # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        out = self.model.forward_layer(layer, inp, mb.y if layer == "head" else None)
-        mb.inp[layer], mb.out[layer] = inp, out
-        if layer == "head":
+        out = self.model.forward_range(first, last, inp, mb.y if last == "head" else None)
+        mb.inp[first], mb.out[last] = inp, out
+        if last == "head":
             mb.loss = out.detach()
 
-    def _bwd(self, op: Op) -> None:
-        mb, layer = self.micro[op.mb], op.target
-        for unit in self.writes.get(layer, ()) if self.units else ():
-            unit.grad_buffer()  # FSDP: the unsharded gradient this backward accumulates into
-        out, inp = mb.out.pop(layer), mb.inp.pop(layer)
-        i = self.layers.index(layer)
-        if layer == "head":
+    def _backward(self, seg: Segment) -> None:
+        mb, top, bottom = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
+        if self.units:
+            for layer in seg.layers:
+                for unit in self.writes[layer]:
+                    unit.grad_buffer()  # FSDP: the unsharded gradient this backward adds into
+        out, inp = mb.out.pop(top), mb.inp.pop(bottom)
+        if top == "head":
             torch.autograd.backward(out * self.loss_scale)
         else:
-            torch.autograd.backward(out, mb.grad_in.pop(self.layers[i + 1]))
-        if i > 0:
-            mb.grad_in[layer] = inp.grad
+            torch.autograd.backward(out, mb.grad_in.pop(self.layers[self.layers.index(top) + 1]))
+        if bottom != self.layers[0]:
+            mb.grad_in[bottom] = inp.grad
         if self.units:
             self._measure()
 
@@ -392,6 +406,18 @@ class Executor:
 
     def trace_events(self) -> list[dict]:
         return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans)
+
+
+def _range(item):
+    """A profiler range named after the op(s), when a profiler is listening (else free)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    if isinstance(item, Segment):
+        name = str(item.ops[0]) if len(item.layers) == 1 else (
+            f"{item.kind.value}[{item.layers[0]}..{item.layers[-1]}]@mb{item.mb}")
+    else:
+        name = str(item.op) if item.op else str(item)
+    return torch.profiler.record_function(name)
 
 
 class PlanError(RunError):

@@ -111,3 +111,13 @@ def test_fsdp_equals_reference(pool, reference, text):
 def test_float64_is_much_tighter(pool, reference, text):
     assert_matches(pool.run(text, 2, steps=2, dtype="float64"), reference(text, 2, "float64"),
                    "float64")
+
+
+@pytest.mark.parametrize("text", [DDP_CASES["w2-two-buckets-k2"],
+                                  FSDP_CASES["w2-three-units-p1-k2"]], ids=["ddp", "fsdp"])
+def test_traced_runs_every_op_alone_and_computes_the_same(pool, reference, text):
+    """With --trace the executor runs each op on its own (no fused segments)."""
+    result = pool.run(text, 2, steps=2, trace=True)
+    assert_matches(result, reference(text, 2))
+    names = {e["name"] for e in result.trace if e.get("ph") == "X"}
+    assert "bwd[h.0]@mb1" in names and "fwd[embed]@mb0" in names
