@@ -1,0 +1,186 @@
+"""schedc against torch's DDP and FSDP2 and the plain loop, side by side in one run.
+
+    python bench/run.py                          # the small model (mini), world 2
+    python bench/run.py --model gpt2 --batch 4 --seq 64 --micro 1 --rounds 2
+    python bench/run.py --write docs/benchmarks.md   # also record the table there
+
+Every case trains the same model from the same seed on the same global batch and micro
+split, on the same machine, with cores/world threads per rank. Cases run as separate
+torchrun jobs, interleaved round by round (each round in another order) so drift in the
+machine favours no side. Per case: median step time and spread over the timed steps of
+all rounds, tokens/s, the ratio to the matching torch baseline (or the plain loop), the
+peak RSS of each rank, the share of communication hidden behind compute (schedc: from
+its trace), and the largest gradient difference from the single-process reference at
+step 0 (a case that computes something else is void).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "out" / "bench"
+
+HEAD = """model {model}
+world {world}
+batch {seqs} x {seq}
+micro {micro}
+steps 100
+seed 1337
+data corpus
+optimizer adamw {{ lr = 3e-4  min_lr = 3e-5  warmup = 2 }}
+"""
+
+
+def schedules(a) -> dict[str, tuple[int, Path]]:
+    """case -> (world, schedule file); torch's DDP layout is filled in after its first run."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    seqs = a.micro * a.accum * a.world
+    one = HEAD.format(model=a.model, world=1, seqs=seqs, seq=a.seq, micro=a.micro)
+    many = HEAD.format(model=a.model, world=a.world, seqs=seqs, seq=a.seq, micro=a.micro)
+    files = {
+        "single": one,
+        "ddp-cap": many + "ddp {\n  bucket_cap 25 MiB\n  overlap on\n  no_sync on\n}\n",
+        "ddp-two": many + "ddp {\n  bucket b1 = head .. h.%d\n  bucket b2 = h.%d .. embed\n"
+                          "  overlap on\n  no_sync on\n}\n" % (a.layers // 2, a.layers // 2 - 1),
+        "fsdp": many + "fsdp {\n  unit root = embed, head keep\n" + "".join(
+            f"  unit u{i} = h.{i}\n" for i in range(a.layers))
+        + "  prefetch forward 1\n  prefetch backward 1\n  reshard_after_forward on\n"
+          f"  no_sync {'on' if a.accum > 1 else 'off'}\n}}\n",
+    }
+    out = {}
+    for name, text in files.items():
+        path = OUT / f"{name}.sched"
+        path.write_text(text)
+        out[name] = path
+    return out
+
+
+def torch_layout_schedule(a, layout: list[list[str]]) -> Path:
+    """The schedule with exactly torch DDP's buckets, in its launch order."""
+    seqs = a.micro * a.accum * a.world
+    text = HEAD.format(model=a.model, world=a.world, seqs=seqs, seq=a.seq, micro=a.micro)
+    text += "ddp {\n" + "".join(f"  bucket b{i + 1} = {', '.join(ps)}\n"
+                                for i, ps in enumerate(layout))
+    text += "  overlap on\n  no_sync on\n}\n"
+    path = OUT / "ddp-torch-layout.sched"
+    path.write_text(text)
+    return path
+
+
+def run_case(case: str, world: int, sched: Path, a) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", str(ROOT / "bench" / "worker.py"), "--case", case,
+           "--schedule", str(sched), "--warmup", str(a.warmup), "--steps", str(a.steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+           "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"case {case} failed:\n{r.stderr[-4000:]}")
+    return json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="mini")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=2, help="micro-steps per update (k)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per case per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="loop,schedc-single,torch-ddp,schedc-ddp-torch-layout,"
+                    "schedc-ddp-cap,schedc-ddp-two,torch-fsdp2,schedc-fsdp")
+    ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
+    a = ap.parse_args()
+    from schedc.arch import SIZES
+
+    a.layers = SIZES[a.model].n_layer
+    files = schedules(a)
+    plan = {  # case -> (worker case, world, schedule, baseline)
+        "loop": ("loop", 1, files["single"], None),
+        "schedc-single": ("schedc", 1, files["single"], "loop"),
+        "torch-ddp": ("torch-ddp", a.world, files["ddp-cap"], None),
+        "schedc-ddp-torch-layout": ("schedc", a.world, None, "torch-ddp"),
+        "schedc-ddp-cap": ("schedc", a.world, files["ddp-cap"], "torch-ddp"),
+        "schedc-ddp-two": ("schedc", a.world, files["ddp-two"], "torch-ddp"),
+        "torch-fsdp2": ("torch-fsdp2", a.world, files["fsdp"], None),
+        "schedc-fsdp": ("schedc", a.world, files["fsdp"], "torch-fsdp2"),
+    }
+    cases = [c for c in a.cases.split(",") if c]
+    if "schedc-ddp-torch-layout" in cases and "torch-ddp" in cases:
+        cases.remove("torch-ddp")
+        cases.insert(0, "torch-ddp")  # its layout is needed first
+    results: dict[str, list[dict]] = {c: [] for c in cases}
+    t0 = time.time()
+    for r in range(a.rounds):
+        order = cases if r == 0 else cases[r % len(cases):] + cases[: r % len(cases)]
+        for c in order:
+            kind, world, sched, _ = plan[c]
+            if c == "schedc-ddp-torch-layout" and sched is None:
+                layout = results["torch-ddp"][0]["layout"]
+                sched = torch_layout_schedule(a, layout)
+                plan[c] = (kind, world, sched, plan[c][3])
+            res = run_case(kind, world, sched, a)
+            results[c].append(res)
+            print(f"round {r} {c:<26} {res['median_ms']:8.1f} ms  grad diff "
+                  f"{res['grad_max_abs_diff']:.1e}", flush=True)
+    table = summarize(results, plan, a)
+    print(table)
+    print(f"({time.time() - t0:.0f} s)")
+    if a.write:
+        record(Path(a.write), table, a)
+
+
+def summarize(results, plan, a) -> str:
+    rows = {}
+    for c, runs in results.items():
+        times = sorted(t * 1e3 for r in runs for t in r["times"])
+        med = statistics.median(times)
+        q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+        rows[c] = dict(med=med, q1=q1, q3=q3, tok=runs[0]["tokens_per_step"] / (med / 1e3),
+                       rss=max(max(r["peak_rss_mb"]) for r in runs),
+                       hidden=runs[-1]["hidden_fraction"],
+                       diff=max(r["grad_max_abs_diff"] for r in runs), world=runs[0]["world"])
+    lines = ["| case | world | step ms (median) | IQR ms | tokens/s | vs baseline | peak RSS/rank MB "
+             "| comm hidden | grad diff vs ref |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c, row in rows.items():
+        base = plan[c][3]
+        ratio = f"{row['med'] / rows[base]['med']:.3f}x {base}" if base in rows else ""
+        hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "n/a"
+        lines.append(f"| {c} | {row['world']} | {row['med']:.1f} | {row['q1']:.1f}-{row['q3']:.1f} "
+                     f"| {row['tok']:.0f} | {ratio} | {row['rss']:.0f} | {hidden} "
+                     f"| {row['diff']:.1e} |")
+    return "\n".join(lines)
+
+
+def record(path: Path, table: str, a) -> None:
+    """Replace (or add) this configuration's section of the benchmarks document."""
+    cmd = " ".join(["python bench/run.py", *sys.argv[1:]])
+    title = (f"### {a.model}, world {a.world}, batch {a.micro * a.accum * a.world} x {a.seq} "
+             f"(micro {a.micro}, k={a.accum})")
+    body = (f"{title}\n\n`{cmd}` on {platform.machine()}, {os.cpu_count()} cores, "
+            f"{a.rounds} rounds x {a.steps} timed steps per case, {time.strftime('%Y-%m-%d')}\n\n"
+            f"{table}\n")
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if title in text:
+        start = text.index(title)
+        end = text.find("\n### ", start + 1)
+        text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + body
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
