@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
+import math
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -82,6 +81,7 @@ class RunOptions:
     dtype: torch.dtype = torch.float32
     record: bool = False  # keep full gradients and parameters of each step (tests)
     log: bool = True
+    nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip"
 
 
 @dataclass
@@ -92,7 +92,8 @@ class StepStats:
     grad_norm: float
     dt_ms: float
     tokens_per_s: float
-    comm_bytes: dict[str, int] = field(default_factory=dict)  # per collective kind, this rank
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # per collective, this rank
+    skipped: str = ""  # why this step's update was skipped (--nonfinite skip)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -127,7 +128,8 @@ class _Micro:
 class Executor:
     """Runs one rank's plan, step after step."""
 
-    def __init__(self, compiled: Compiled, comm: Comm, options: RunOptions = RunOptions()):
+    def __init__(self, compiled: Compiled, comm: Comm, options: RunOptions = RunOptions(),
+                 batches=None):
         self.compiled, self.comm, self.opts = compiled, comm, options
         spec = self.spec = compiled.spec
         if comm.world != spec.world:
@@ -138,7 +140,8 @@ class Executor:
         self.layers = spec.model.layers
         self.model = init_model(spec.model, spec.seed, options.dtype).to(self.device)
         self.params = dict(self.model.named_parameters())
-        self.batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        self.batches = batches or load_batches(spec.data, spec.seq_len, spec.seqs,
+                                               spec.model.vocab_size)
         # each micro-batch's mean loss x 1/k (accumulation); the 1/D of averaging is applied
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
@@ -171,8 +174,7 @@ class Executor:
                 specs = (BucketSpec("grads", tuple(self.params), None, 0),)
             self.buckets = {b.name: Bucket(b, self.params) for b in specs}
             self.optimizer = make_adamw(self.params.items(), spec.optim)
-        # fused runs of compute ops; when tracing every op runs alone, so each gets a span
-        self.items = fuse(self.plan, self.layers, enabled=not options.trace)
+        self._fused: tuple[Plan, list] | None = None
         self.step_index = 0
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Span]] = []
@@ -205,6 +207,14 @@ class Executor:
             self.backend.spans.clear()
         self.step_index += 1
         return stats
+
+    @property
+    def items(self) -> list:
+        """The plan with fusable compute runs grouped; when tracing every op runs alone, so
+        each gets its own span. Recomputed if the plan object is replaced."""
+        if self._fused is None or self._fused[0] is not self.plan:
+            self._fused = (self.plan, fuse(self.plan, self.layers, enabled=not self.opts.trace))
+        return self._fused[1]
 
     def execute(self) -> None:
         """Issue the plan, item by item; on failure, show where in the plan."""
@@ -348,22 +358,46 @@ class Executor:
             norm = global_grad_norm(grads)
         if self.opts.record:
             stats.grads = self.full_tensors(grad=True)
-        if opt.clip > 0:
-            coef = clip_coef(norm, opt.clip)
-            for g in grads:
-                g.mul_(coef)
-        lr = opt.lr_at(self.step_index, spec.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        # the global loss, before the update: a non-finite loss or norm must not reach it
         loss = torch.stack([m.loss for m in self.micro]).double().sum() / spec.accum
         if self.comm.world > 1:
             dist.all_reduce(loss, group=self.comm.group)
             loss /= self.comm.world
+        lr = opt.lr_at(self.step_index, spec.steps)
         stats.loss, stats.lr, stats.grad_norm = loss.item(), lr, norm.item()
+        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            why = self._nonfinite(stats)
+            if self.opts.nonfinite != "skip":
+                raise RunError(why)
+            stats.skipped = why  # every rank sees the same global values, so all skip
+            self.result = stats
+            return
+        if opt.clip > 0:
+            coef = clip_coef(norm, opt.clip)
+            for g in grads:
+                g.mul_(coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
+
+    def _nonfinite(self, stats: StepStats) -> str:
+        """Name the step, and the ranks and micro-steps whose loss was not finite."""
+        mine = [(self.comm.rank, j) for j, m in enumerate(self.micro)
+                if not torch.isfinite(m.loss)]
+        every = [None] * self.comm.world
+        if self.comm.world > 1:
+            dist.all_gather_object(every, mine, group=self.comm.group)
+        else:
+            every = [mine]
+        bad = [x for part in every for x in part]
+        if bad:
+            where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
+            return f"step {stats.step}: the loss is not finite in {where}"
+        return (f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
+                f"finite in every micro-step, so a backward produced it)")
 
     def full_tensors(self, *, grad: bool) -> dict[str, torch.Tensor]:
         """Full gradients or parameters by name (FSDP: gathered from the shards; tests only)."""
@@ -456,132 +490,3 @@ def chrome_events(rank: int, streams, spans: list[tuple[int, Span]]) -> list[dic
             ev["args"]["complete_us"] = sp.end / 1e3
         events.append(ev)
     return events
-
-
-# -- the `run` verb --------------------------------------------------------------------------------
-
-
-def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan) -> None:
-    """Every rank compiled the same schedule into the same collective order, or none starts."""
-    mine = {
-        "rank": comm.rank,
-        "schedule": hashlib.sha256(compiled.source.text.encode()).hexdigest()[:16],
-        "path": compiled.source.path,
-        "collectives": plan.collective_digest(),
-        "world": compiled.spec.world,
-        "steps": compiled.spec.steps,
-        "model": compiled.spec.model_name,
-    }
-    everyone: list[dict] = [None] * comm.world
-    dist.all_gather_object(everyone, mine, group=comm.group)
-    base = everyone[0]
-    for other in everyone[1:]:
-        diff = [k for k in ("schedule", "collectives", "world", "steps", "model")
-                if other[k] != base[k]]
-        if diff:
-            what = ", ".join(f"{k} {base[k]} vs {other[k]}" for k in diff)
-            raise RunError(f"ranks disagree before step 1: rank 0 compiled {base['path']} and "
-                           f"rank {other['rank']} compiled {other['path']} ({what}); every "
-                           "rank must run the same schedule")
-
-
-def run_main(compiled: Compiled, opts: RunOptions, trace_path: str | None) -> int:
-    """Train for spec.steps steps under torchrun (or alone, at world 1)."""
-    device = pick_device(opts.device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    spec = compiled.spec
-    if world_env != spec.world:
-        how = (f"torchrun --standalone --nproc_per_node={spec.world} -m schedc run "
-               f"{compiled.source.path}")
-        raise RunError(f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
-                       f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    comm = Comm.from_env(backend, opts.timeout_s)
-    try:
-        # agree first: building the executor creates a process group per stream, which would
-        # wait forever for a rank whose schedule has other streams
-        agree_at_startup(compiled, comm, compiled.plan(comm.rank))
-        ex = Executor(compiled, comm, opts)
-        if comm.rank == 0 and opts.log:
-            print(f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
-                  f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, "
-                  f"{spec.steps} steps on {device.type} "
-                  f"({torch.get_num_threads()} thread(s) per rank)", flush=True)
-        for _ in range(spec.steps):
-            st = ex.step()
-            if comm.rank == 0 and opts.log:
-                print(format_log(st.step, st.loss, st.lr, st.grad_norm, st.dt_ms,
-                                 st.tokens_per_s), flush=True)
-        ex.close()
-        if trace_path:
-            write_trace(trace_path, ex, comm)
-        if comm.rank == 0 and opts.log:
-            report_memory(compiled, ex)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-def write_trace(path: str, ex: Executor, comm: Comm) -> None:
-    import json
-
-    mine = ex.trace_events()
-    if comm.world > 1:
-        every: list = [None] * comm.world
-        dist.all_gather_object(every, mine, group=comm.group)
-        events = [e for part in every for e in part]
-    else:
-        events = mine
-    if comm.rank == 0:
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"schedule": ex.compiled.source.path}}, f)
-        print(f"schedc: trace written to {path} ({len(events)} events)", flush=True)
-
-
-def report_memory(compiled: Compiled, ex: Executor) -> None:
-    from schedc.check import fmt_bytes
-
-    pred, meas = compiled.memory, ex.memory()
-    rows = [("model states", pred.states, meas["states"]),
-            ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
-            ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"])]
-    text = "; ".join(f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured"
-                     for name, p, m in rows if p or m)
-    if "cuda_max_allocated" in meas:
-        text += f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}"
-    print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)
-
-
-def add_run_args(p) -> None:
-    p.add_argument("file", nargs="?", help="the schedule (default: the bundled "
-                   "tiny_ddp_overlap.sched)")
-    p.add_argument("--model", help="model size (overrides the file)")
-    p.add_argument("--steps", type=int, help="optimizer steps (overrides the file)")
-    p.add_argument("--seed", type=int, help="seed (overrides the file)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="seconds any rank waits for the others before failing (default 300)")
-
-
-def run_command(args) -> int:
-    from schedc.commands import overrides
-    from schedc.compiler import compile_file
-    from schedc.resources import default_schedule
-
-    path = args.file or str(default_schedule())
-    compiled = compile_file(path, overrides(args))
-    opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace))
-    try:
-        return run_main(compiled, opts, args.trace)
-    except RunError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 1

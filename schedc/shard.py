@@ -79,6 +79,7 @@ class FlatUnit:
         for p, off, n, shape in self.layout:
             p.data = full[off : off + n].view(shape)
         self.grad: torch.Tensor | None = None  # the unsharded gradient, while live
+        self._opt_params: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self.release()
 
     def flatten(self) -> torch.Tensor:
@@ -135,7 +136,15 @@ class FlatUnit:
     # the optimizer's view of the shard -----------------------------------------------------
 
     def optimizer_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(decay, no decay) parameters that alias this rank's shard and gradient shard."""
+        """(decay, no decay) parameters that alias this rank's shard and gradient shard.
+
+        Made once: the optimizer keys its state by these objects.
+        """
+        if self._opt_params is None:
+            self._opt_params = self._make_optimizer_params()
+        return self._opt_params
+
+    def _make_optimizer_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         lo, hi = self.rank * self.shard_len, (self.rank + 1) * self.shard_len
         out: tuple[list, list] = ([], [])
         for group, (a, b) in enumerate(((0, self.n_decay), (self.n_decay, self.numel))):
