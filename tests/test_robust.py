@@ -265,3 +265,29 @@ def test_a_schedule_is_data_never_code():
     for f in (ROOT / "schedc").glob("*.py"):
         text = f.read_text()
         assert "eval(" not in text and "exec(" not in text, f.name
+
+
+def test_ranks_reading_different_data_refuse_to_start(tmp_path):
+    """The same schedule text, but `data "text.txt"` is another file on each rank."""
+    text = (SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace(
+        "data corpus", 'data "text.txt"')
+    dirs = []
+    for r in range(2):
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        (d / "run.sched").write_text(text)
+        (d / "text.txt").write_text(("In the beginning was the word. " * 400) if r == 0 else
+                                    ("Call me Ishmael. Some years ago. " * 400))
+        dirs.append(d)
+    _port[0] += 1
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", "run.sched", "--timeout",
+                               "60"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              cwd=dirs[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for code, out, err in finish(procs, timeout=120):
+        assert code == 1, err
+        assert "ranks disagree before step 1" in err and "data" in err
+        assert "step    0" not in out
