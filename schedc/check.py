@@ -82,6 +82,12 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
                        _program_span(sg, where) or d.get("span"),
                        hint=f"add `{op}` to `program {where}` (with the `after` it needs)")
             ok = False
+        if d.get("stream") is None and not d.get("required"):
+            # named only by an `after`: no program runs it, so nothing can wait for it
+            diag.error("unexpected-op", f"this waits for {op}, which is not part of this "
+                       f"schedule{_why_not(sg, op)}", d.get("span"),
+                       hint="`schedc check --dump program` prints the ops it has")
+            ok = False
         if d.get("stream") is not None and not d.get("required"):
             if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
                 diag.error("nosync-comm", f"{op} communicates in micro-step {op.mb}, but no_sync "
@@ -106,7 +112,9 @@ def _missing_message(sg: ScheduleGraph, op: Op) -> str:
 
 
 def _why_not(sg: ScheduleGraph, op: Op) -> str:
-    fs = sg.spec.strategy
+    spec, fs = sg.spec, sg.spec.strategy
+    if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
+        return f" (no_sync keeps mb{op.mb} local; only mb{spec.accum - 1} communicates)"
     if op.kind is Kind.ALLGATHER and op.phase and op.phase.value == "bwd" and fs is not None \
             and not getattr(fs, "reshard_after_forward", True):
         return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
@@ -132,8 +140,10 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
     except nx.NetworkXNoCycle:
         return True
     path = [u for u, _ in cycle] + [cycle[0][0]]
+    # point at a wait the file wrote (an `after`) if there is one, else at an event
+    written = [(u, v) for u, v in cycle if g.edges[u, v].get("span") is not None]
     events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
-    u, v = events[0] if events else cycle[0]
+    u, v = (written or events or cycle)[0]
     diag.error("cycle", f"the schedule waits in a circle{_who(sg)}: "
                + " -> ".join(str(op) for op in path),
                g.edges[u, v].get("span") or g.nodes[v]["span"],
@@ -191,10 +201,16 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
 
 def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> None:
     """Every rank must issue the same collectives, in the same order, on each stream."""
-    base = plans[None]
+    # compare with the ranks that run the common plan; when every rank has programs of its
+    # own, nobody runs the common plan, so compare with the lowest rank instead
+    ranks = sorted(r for r in plans if r is not None)
+    base_rank = None if len(ranks) < spec.world else ranks[0]
+    base = plans[base_rank]
+    others = "the other ranks issue" if base_rank is None else f"rank {base_rank} issues"
     for rank, plan in plans.items():
-        if rank is None:
+        if rank is None or rank == base_rank:
             continue
+        sg = graphs[rank]
         for stream in sorted(set(base.streams) | set(plan.streams)):
             a, b = base.collectives(stream), plan.collectives(stream)
             if a == b:
@@ -202,9 +218,12 @@ def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) 
             i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
             theirs = str(b[i]) if i < len(b) else "nothing"
             ours = str(a[i]) if i < len(a) else "nothing"
-            span = next(p.span for p in spec.programs if p.rank == rank)
+            # point at the rank's first differing collective if its program writes it
+            written = i < len(b) and sg.stream_of(b[i]) in sg.written
+            span = sg.span_of(b[i]) if written else next(
+                p.span for p in spec.programs if p.rank == rank)
             diag.error("spmd", f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
-                       f"'{stream}', where the other ranks issue {ours}", span,
+                       f"'{stream}', where {others} {ours}", span,
                        hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
                        "Give every rank the same collective order")
             break
@@ -216,8 +235,9 @@ def _memory(spec: Spec, plan: Plan, diag: Diagnostics) -> MemoryReport:
         hint = "raise `memory`"
         if spec.kind == "fsdp":
             hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
+        at = f"after {report.peak_at}" if report.peak_at else "model states alone"
         diag.error("memory-budget",
-                   f"predicted peak {fmt_bytes(report.peak)} per rank (at {report.peak_at}) "
+                   f"predicted peak {fmt_bytes(report.peak)} per rank ({at}) "
                    f"exceeds the budget of {fmt_bytes(spec.memory)}",
                    spec.where.get("memory"), hint=hint)
     return report

@@ -136,15 +136,63 @@ COMMANDS = {
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    from schedc.run import add_run_args
-
-    add_run_args(p)
+    # written here, not imported from schedc.run: every verb builds this parser, and
+    # `schedc check` must not import torch (it runs on machines without it)
+    p.add_argument("file", nargs="?", help="the schedule (default: the bundled "
+                   "tiny_ddp_overlap.sched)")
+    _add_overrides(p)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank waits for the others before failing (default 300)")
+    p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
+    p.add_argument("--save-every", type=int, default=100, metavar="N",
+                   help="checkpoint every N steps, and after the last (default 100)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
+    p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
+                   help="on a non-finite loss or gradient norm: stop the run (default), or "
+                   "skip that update and say so")
+    p.add_argument("--log-json", metavar="FILE", help="also append each step as JSON to FILE")
 
 
 def _run(args) -> int:
-    from schedc.run import run_command
+    from schedc.train import run_command
 
     return run_command(args)
 
 
 COMMANDS["run"] = (_run_args, _run, "train: run a schedule under torchrun (world 1: alone)")
+
+
+# -- render and calibrate (Graphviz drawings and the cost model; no torch) ------------------------
+
+
+def _render_args(p: argparse.ArgumentParser) -> None:
+    from schedc.render import add_render_args
+
+    add_render_args(p)
+
+
+def _render(args) -> int:
+    from schedc.render import render_command
+
+    return render_command(args)
+
+
+def _calibrate_args(p: argparse.ArgumentParser) -> None:
+    from schedc.render import add_calibrate_args
+
+    add_calibrate_args(p)
+
+
+def _calibrate(args) -> int:
+    from schedc.render import calibrate_command
+
+    return calibrate_command(args)
+
+
+COMMANDS["render"] = (_render_args, _render,
+                      "draw the dependency graph or a predicted/measured timeline (Graphviz)")
+COMMANDS["calibrate"] = (_calibrate_args, _calibrate,
+                         "fit the render cost model to a `schedc run --trace` file")

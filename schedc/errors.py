@@ -42,13 +42,14 @@ CODES: dict[str, str] = {
     "duplicate": "a name or a setting given twice",
     "missing-setting": "a setting the schedule cannot do without",
     "value-range": "a number outside what the setting allows",
-    "layer-range": "a layer range that is reversed or runs past the model",
+    "layer-range": "a layer past the end of the model (h.N with N >= n_layer)",
     "model-config": "model dimensions that do not fit together",
     "conflict": "two statements that cannot both hold",
     # batch arithmetic
     "batch-arithmetic": "global sequences != micro x accumulation x world",
     "context-length": "the sequence length exceeds the model's context",
-    "disagree": "two schedules that differ in model, global batch, scaling or optimizer",
+    "disagree": "two schedules that differ in model, global batch, scaling, data, seed or "
+                "optimizer",
     # coverage and sharding
     "uncovered": "a parameter in no bucket (DDP) or no unit (FSDP)",
     "double-cover": "a parameter in two buckets or two units",

@@ -64,7 +64,9 @@ class ScheduleGraph:
         """The graph that runs: program order and events, placed ops only."""
         h = nx.DiGraph()
         h.add_nodes_from(self.placed())
-        h.add_edges_from((u, v, d) for u, v, d in self.g.edges(data=True) if d.get("sync"))
+        # an `after` may name an op no program holds; nothing runs it (the checker says so)
+        h.add_edges_from((u, v, d) for u, v, d in self.g.edges(data=True)
+                         if d.get("sync") and u in h and v in h)
         return h
 
     def events(self) -> list[tuple[Op, Op]]:

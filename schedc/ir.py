@@ -105,6 +105,8 @@ class Op(NamedTuple):
             ph = Phase(phase) if phase is not None else None
         except ValueError:
             raise OpSyntaxError(f"phase '{phase}' is neither fwd nor bwd") from None
+        if len(mb) > 18:  # int() refuses thousands of digits; no step has 10**18 micro-steps
+            raise OpSyntaxError(f"micro-step number {mb[:12]}... is too large")
         return cls(kind, target, int(mb), ph)
 
 

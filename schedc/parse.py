@@ -68,10 +68,25 @@ def _describe(terminal: str) -> str:
 
 
 def _expected_list(expected: set[str]) -> str:
-    words = sorted({_describe(t) for t in expected if t not in {"COMMENT", "WS"}})
+    # kinds of token first ("a number"), then keywords: a long list is cut after 8
+    words = sorted({_describe(t) for t in expected if t not in {"COMMENT", "WS"}},
+                   key=lambda w: (w.startswith("'"), w))
     if len(words) > 8:
         words = words[:8] + ["..."]
     return ", ".join(words)
+
+
+def _accepted(e: UnexpectedInput) -> set[str]:
+    """The terminals the parser can take where it stopped.
+
+    Asked of the parser state itself: LALR merges the lookaheads of states that share a
+    rule (`size` in `memory` and `bucket_cap`, `refs` in buckets and units), so the
+    exception's own `expected` set lists keywords that are not legal at this point.
+    """
+    ip = getattr(e, "interactive_parser", None)
+    if ip is not None:
+        return set(ip.accepts())
+    return set(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
 
 
 def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
@@ -84,17 +99,17 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
                 span=source.span(opened, opened + 1),
                 hint="add '}' at the end of the block",
             )
-        pos = len(source.text)
+        end = len(source.text.rstrip())  # just after the last thing written
         return Diagnostic(
             "syntax",
             "unexpected end of file",
-            span=source.span_at(max(0, pos - 1)),
-            hint=f"expected {_expected_list(getattr(e, 'expected', set()))}",
+            span=source.span(end, end),
+            hint=f"expected {_expected_list(_accepted(e))}",
         )
     if isinstance(e, UnexpectedToken):
         tok: Token = e.token
         span = _token_span(tok, source)
-        expected = set(e.expected)
+        expected = _accepted(e)
         keywords = [k for k in (_keyword(t) for t in expected) if k and k.isidentifier()]
         hint = None
         if tok.type in ("NAME", "OP") or (tok.value.isidentifier() and keywords):
@@ -107,7 +122,7 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
         pos = e.pos_in_stream
         ch = source.text[pos] if pos < len(source.text) else ""
         word = _word_at(source.text, pos)
-        allowed = set(e.allowed or ())
+        allowed = _accepted(e)
         keywords = [k for k in (_keyword(t) for t in allowed) if k and k.isidentifier()]
         hint = did_you_mean(word, keywords) if word else None
         if hint is None and allowed:

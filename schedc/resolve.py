@@ -8,6 +8,7 @@ users can see it. All findings are collected before the stage fails.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -177,6 +178,7 @@ MODEL_LIMITS = {"n_layer": 4096, "n_head": 4096, "n_embd": 1 << 17, "block_size"
 OPTIM_KEYS = {"lr", "min_lr", "warmup", "decay_steps", "weight_decay", "betas", "eps", "clip"}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
 DEFAULT_STEPS = 20
 DEFAULT_SEED = 1337
 STREAM_KINDS = {k.value: k for k in Kind}
@@ -224,15 +226,18 @@ class _Resolver:
         return True
 
     def int_of(self, num: Num, what: str, lo: int, hi: int) -> int | None:
+        shown = num.text if len(num.text) <= 40 else f"{num.text[:20]}..."
         if not num.is_int:
-            self.err("value-range", f"{what} must be a whole number, not {num.text}", num.span)
+            self.err("value-range", f"{what} must be a whole number written in digits, "
+                     f"not {shown}", num.span)
             return None
-        v = int(num.text)
+        huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
+        v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
         if not lo <= v <= hi:
             bound = f">= {lo}" if v < lo else f"<= {hi:,}"
-            self.err("value-range", f"{what} must be {bound}, got {v:,}"
-                     if abs(v) < 10**15 else f"{what} must be {bound}, got {num.text}",
-                     num.span, hint=_range_hint(what, lo, hi))
+            got = f"{v:,}" if abs(v) < 10**15 and not huge else shown
+            self.err("value-range", f"{what} must be {bound}, got {got}", num.span,
+                     hint=_range_hint(what, lo, hi))
             return None
         return v
 
@@ -284,12 +289,21 @@ class _Resolver:
                                         ("batch", batch is not None)) if not present]
         if not ("micro" in self.seen or "accumulate" in self.seen):
             missing.append("micro")
-        for key in missing:
-            self.err("missing-setting", f"the schedule has no '{key}'", self.src.span(0, 0),
+        for key in missing:  # about the whole file, so no line to point at
+            self.err("missing-setting", f"the schedule has no '{key}'", None,
                      hint=_MISSING_HINT[key])
 
         world = settings.get("world")
         micro, accum = self.batch_arithmetic(seqs, world, settings)
+        if model is not None and accum is not None and 2 * accum * len(model.layers) > MAX_OPS:
+            # compile time and memory grow with the ops of a step; keep both bounded
+            self.err("value-range",
+                     f"{accum:,} micro-steps x {len(model.layers)} layers is "
+                     f"{2 * accum * len(model.layers):,} forward and backward ops per step; "
+                     f"schedc compiles at most {MAX_OPS:,}",
+                     self.seen.get("micro") or self.seen.get("accumulate"),
+                     hint="use a larger `micro` (fewer micro-steps per update)")
+            micro, accum = None, None
         if model is not None and seq_len is not None and seq_len > model.block_size:
             self.err("context-length",
                      f"sequences of {seq_len:,} tokens do not fit the model's context of "
@@ -527,16 +541,23 @@ class _Resolver:
               block_span: Span, what: str) -> dict[str, str]:
         """Prove every parameter is in exactly one group; returns param -> group."""
         owner: dict[str, tuple[str, Span]] = {}
+        # one finding per ref and group it repeats, noting where the first repeat was given
+        repeats: dict[tuple[Span, str, str], tuple[Span, list[str]]] = {}
         for gname, _gspan, items in groups:
             for param, span in items:
                 if param in owner:
                     other, ospan = owner[param]
-                    where = "twice in" if other == gname else f"in both {what} '{other}' and"
-                    self.err("double-cover", f"{param} is {where} {what} '{gname}'", span,
-                             hint=f"a parameter belongs to exactly one {what}",
-                             notes=(Note(f"it is already in '{other}' here", ospan),))
+                    repeats.setdefault((span, gname, other), (ospan, []))[1].append(param)
                     continue
                 owner[param] = (gname, span)
+        for (span, gname, other), (ospan, params) in repeats.items():
+            names = _group_by_layer(params, cfg)
+            listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            where = "twice in" if other == gname else f"in both {what} '{other}' and"
+            self.err("double-cover",
+                     f"{listed} {'is' if len(names) == 1 else 'are'} {where} {what} '{gname}'",
+                     span, hint=f"a parameter belongs to exactly one {what}",
+                     notes=(Note(f"already in '{other}' here", ospan),))
         missing = [p for p in cfg.params if p.name not in owner]
         if missing:
             names = _group_by_layer([p.name for p in missing], cfg)
@@ -575,7 +596,9 @@ class _Resolver:
         for b in buckets:
             if b.name.text in names:
                 self.err("duplicate", f"bucket '{b.name.text}' is defined twice", b.name.span,
+                         hint="give each bucket its own name",
                          notes=(Note("first defined here", names[b.name.text]),))
+                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
                 continue
             names[b.name.text] = b.name.span
             groups.append((b.name.text, b.span, self.refs(b.refs, cfg, params=True)))
@@ -644,7 +667,9 @@ class _Resolver:
         for u in units:
             if u.name.text in names:
                 self.err("duplicate", f"unit '{u.name.text}' is defined twice", u.name.span,
+                         hint="give each unit its own name",
                          notes=(Note("first defined here", names[u.name.text]),))
+                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
                 continue
             names[u.name.text] = u.name.span
             groups.append((u.name.text, u.span, self.refs(u.refs, cfg, params=True)))
@@ -837,11 +862,14 @@ def _range_hint(what: str, lo: int, hi: int) -> str | None:
 
 
 def _batch_hint(seqs: int, world: int) -> str:
-    options = [(b, seqs // (b * world)) for b in range(1, seqs + 1)
-               if seqs % (b * world) == 0][:4]
-    if not options:
+    if seqs % world:
         return f"the global batch must be a multiple of world {world}"
-    return "for example " + ", ".join(f"micro {b} (k={k})" for b, k in options)
+    # the smallest micro sizes that divide seqs / world, found among divisors up to its root
+    # (a scan of every size up to seqs would take minutes for a batch of 2**31)
+    n = seqs // world
+    small = [b for b in range(1, math.isqrt(n) + 1) if n % b == 0]
+    divisors = sorted(set(small) | {n // b for b in small})[:4]
+    return "for example " + ", ".join(f"micro {b} (k={n // b})" for b in divisors)
 
 
 _MISSING_HINT = {

@@ -1,15 +1,28 @@
-"""Shared test setup: the checkout's root, and session-wide fixtures."""
+"""Shared test setup: the checkout's root, hypothesis profiles, and session-wide fixtures."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `pytest` works from anywhere without installing schedc
     sys.path.insert(0, str(REPO))
+
+# Hypothesis profiles (README, "Testing"). `ci` is derandomized (the same examples on
+# every run) and sized so the whole suite fits 15 minutes on 2 cores; `long` runs ten
+# times the examples, freshly random each run (a failure prints its reproduction blob).
+# Selected by SCHEDC_PROFILE (ci when CI is set, and by default), or --hypothesis-profile.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=100, derandomize=True, deadline=None,
+                          database=None, print_blob=True, suppress_health_check=_QUIET)
+settings.register_profile("long", settings.get_profile("ci"), max_examples=1000,
+                          derandomize=False)
+settings.load_profile(os.environ.get("SCHEDC_PROFILE") or "ci")
 
 
 @pytest.fixture(scope="session")

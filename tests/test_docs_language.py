@@ -1,0 +1,114 @@
+"""The compiler's documents say what the compiler does.
+
+docs/language.md: every fenced `sched` block compiles (cleanly), every `sched-error CODE`
+block fails with CODE, every `sched-warning CODE` block compiles with that warning, and
+together the compiling blocks use every keyword of the grammar. docs/diagnostics.md: its
+table of codes is generated from schedc.errors.CODES and the modules that report them;
+`SCHEDC_REGEN=1 python -m pytest tests/test_docs_language.py` rewrites it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from schedc.compiler import compile_text
+from schedc.errors import CODES, CompileError
+from schedc.ir import Op
+from schedc.parse import parser
+
+REPO = Path(__file__).resolve().parents[1]
+LANGUAGE = REPO / "docs" / "language.md"
+DIAGNOSTICS = REPO / "docs" / "diagnostics.md"
+
+BLOCK = re.compile(r"^```(sched(?:-error|-warning)?)(?:[ \t]+([\w-]+))?[ \t]*\n(.*?)^```[ \t]*$",
+                   re.M | re.S)
+
+
+def blocks() -> list[tuple[str, str | None, str, int]]:
+    """(kind, code, text, line) of every sched block in language.md."""
+    doc = LANGUAGE.read_text()
+    return [(m.group(1), m.group(2), m.group(3), doc.count("\n", 0, m.start()) + 1)
+            for m in BLOCK.finditer(doc)]
+
+
+BLOCKS = [pytest.param(kind, code, text, id=f"line{line}-{kind}{'-' + code if code else ''}")
+          for kind, code, text, line in blocks()]
+
+
+@pytest.mark.parametrize("kind, code, text", BLOCKS)
+def test_language_example(kind, code, text):
+    if kind == "sched":
+        assert code is None
+        c = compile_text(text, "example.sched")
+        assert c.warnings == (), "\n".join(w.render(c.source) for w in c.warnings)
+    elif kind == "sched-warning":
+        c = compile_text(text, "example.sched")
+        assert code in {w.code for w in c.warnings}
+    else:
+        with pytest.raises(CompileError) as info:
+            compile_text(text, "example.sched")
+        assert code in info.value.codes, info.value.render()
+
+
+def test_no_fence_is_misspelled():
+    """A block fenced ```sched-eror would silently escape the test above."""
+    fences = re.findall(r"^```([\w-]*)", LANGUAGE.read_text(), re.M)
+    assert {f for f in fences if f} <= {"sched", "sched-error", "sched-warning"}
+    assert len([f for f in fences if f]) == len(BLOCKS)
+
+
+def test_examples_use_every_keyword_of_the_grammar():
+    keywords = {t.pattern.value for t in parser().terminals
+                if t.pattern.type == "str" and t.pattern.value.isidentifier()}
+    used = set()
+    for kind, _code, text, _line in blocks():
+        if kind != "sched-error":
+            used |= set(re.findall(r"[A-Za-z_]\w*", re.sub(r"#.*", "", text)))
+    assert keywords - used == set()
+
+
+def test_error_examples_name_real_codes():
+    assert {code for kind, code, _, _ in blocks() if kind != "sched"} <= set(CODES)
+
+
+def test_the_op_table_parses():
+    section = LANGUAGE.read_text().split("\n## Ops")[1].split("\n## ")[0]
+    ops = re.findall(r"^\| `([^`]+)` \|", section, re.M)
+    assert len(ops) == 7
+    for text in ops:
+        assert str(Op.parse(text)) == text
+
+
+# -- docs/diagnostics.md --------------------------------------------------------------------------
+
+STAGES = {"source.py": "read", "parse.py": "parse", "resolve.py": "resolve",
+          "check.py": "check", "agree.py": "compare"}
+BEGIN, END = "<!-- codes: generated from schedc.errors.CODES -->", "<!-- end of codes -->"
+
+
+def codes_table() -> str:
+    sources = {stage: (REPO / "schedc" / f).read_text() for f, stage in STAGES.items()}
+    warnings = {c for text in sources.values()
+                for c in re.findall(r'\.warning\(\s*"([\w-]+)"', text)}
+    rows = ["| code | severity | reported by | meaning |", "|---|---|---|---|"]
+    for code, meaning in CODES.items():
+        stages = [stage for stage, text in sources.items() if f'"{code}"' in text]
+        assert stages, f"no stage reports [{code}]"
+        severity = "warning" if code in warnings else "error"
+        rows.append(f"| `{code}` | {severity} | {', '.join(stages)} | {meaning} |")
+    return "\n".join(rows)
+
+
+def test_diagnostics_md_lists_every_code():
+    doc = DIAGNOSTICS.read_text()
+    table = codes_table()
+    head, _, rest = doc.partition(BEGIN + "\n")
+    current, _, tail = rest.partition("\n" + END)
+    if os.environ.get("SCHEDC_REGEN") == "1" and current != table:
+        DIAGNOSTICS.write_text(head + BEGIN + "\n" + table + "\n" + END + tail)
+        return
+    assert current == table, "docs/diagnostics.md is out of date; SCHEDC_REGEN=1 rewrites it"
