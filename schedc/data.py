@@ -17,8 +17,8 @@ Which sequences a step, rank and micro-step see is fixed by `schedc.batching`;
 from __future__ import annotations
 
 import functools
-import hashlib
 import gzip
+import hashlib
 import os
 from importlib import resources
 from pathlib import Path

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from schedc.ir import COMPUTE, STEP, Kind, Op, Phase, bwd, fwd
+from schedc.ir import STEP, Kind, Op, Phase, bwd, fwd
 from schedc.resolve import DDPSpec, FSDPSpec, ProgramSpec, Spec, UnitSpec
 from schedc.source import Span
 
@@ -176,7 +176,6 @@ class _Use:
 def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     """Gather, compute, free per unit; prefetch at the declared depth; reduce-scatter grads."""
     cfg = spec.model
-    unit_of = {p: u for u in fs.units for p in u.params}
     reads = {layer: [] for layer in cfg.layers}  # layer -> units its compute reads
     for layer in cfg.layers:
         for u in fs.units:

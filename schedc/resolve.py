@@ -37,8 +37,6 @@ from schedc.syntax import (
     Setting,
     Size,
     StreamDecl,
-    Str,
-    Switch,
     Toggle,
     Unit,
 )

@@ -33,7 +33,6 @@ from schedc.lower import Plan
 from schedc.reference import (
     adamw_groups,
     clip_coef,
-    format_log,
     global_grad_norm,
     init_model,
     make_adamw,
