@@ -2,7 +2,7 @@
 PY ?= python3
 RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
-.PHONY: demo test
+.PHONY: demo test docs
 demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
 	scripts/install.sh
 	mkdir -p out
@@ -11,3 +11,6 @@ demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU r
 test:  ## install with the test tools, then run the whole suite
 	scripts/install.sh test
 	$(PY) -m pytest -q
+
+docs:  ## redraw README's pictures (docs/render/*.svg); MEASURED=1 also traces a 2-rank CPU run
+	PYTHON=$(PY) scripts/docs_images.sh $(if $(MEASURED),measured)
