@@ -1,14 +1,25 @@
-"""Deliberately wrong executor variants: the suite must catch each one."""
+"""Deliberately wrong executors and broken workers: the suite must catch each one.
+
+    skip-accum-scale          forget the 1/k of gradient accumulation
+    reduce-first-micro-step   all-reduce right after micro-step 0's backward, not the last
+    fail-at OP                OP raises (the failure must show the plan around it)
+    die-at OP                 the last rank's process exits at OP (the pool must not hang)
+    hang-at OP                the last rank sleeps forever at OP (the pool must time out)
+    nan-grad stepN [skip]     a NaN in one gradient on the last rank at step N
+
+Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
+"""
 
 from __future__ import annotations
+
+import os
+import time
 
 
 def inject(ex, fault: str) -> None:
     if fault == "skip-accum-scale":
-        # forget the 1/k of gradient accumulation
         ex.loss_scale = 1.0
     elif fault == "reduce-first-micro-step":
-        # all-reduce after the first micro-step's backward instead of the last one's
         import dataclasses
 
         from schedc.ir import Kind
@@ -21,15 +32,43 @@ def inject(ex, fault: str) -> None:
             rest = [i for i in instrs if i not in moved and i.kind != "wait"]
             at = rest.index(instrs[last_bwd0]) + 1
             ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
-    elif fault.startswith("fail-at "):
-        # an instruction that raises: the executor must show the plan around it
-        target, run_op = fault.split(" ", 1)[1], ex.run_op
+    elif fault.startswith(("fail-at ", "die-at ", "hang-at ")):
+        how, target = fault.split(" ", 1)
+        run_op, compute, last = ex.run_op, ex.compute, ex.comm.rank == ex.comm.world - 1
 
-        def failing(stream, op):
+        def trip(op) -> None:
             if str(op) == target:
-                raise RuntimeError(f"injected failure in {op}")
+                if how == "fail-at":
+                    raise RuntimeError(f"injected failure in {op}")
+                if how == "die-at" and last:
+                    os._exit(17)
+                if how == "hang-at" and last:
+                    while True:
+                        time.sleep(60)
+
+        def broken(stream, op):
+            trip(op)
             run_op(stream, op)
 
-        ex.run_op = failing
+        def broken_compute(seg):  # fused forward/backward runs do not go through run_op
+            for op in seg.ops:
+                trip(op)
+            compute(seg)
+
+        ex.run_op, ex.compute = broken, broken_compute
+    elif fault.startswith("nan-grad "):
+        # a NaN in one gradient on the last rank at step N; "skip" runs with --nonfinite skip
+        words = fault.split()
+        at, compute = int(words[1].removeprefix("step")), ex.compute
+        if "skip" in words:
+            ex.opts.nonfinite = "skip"
+
+        def poisoned(seg):
+            compute(seg)
+            if (ex.step_index == at and ex.comm.rank == ex.comm.world - 1
+                    and seg.kind.value == "bwd"):
+                next(iter(ex.params.values())).grad.view(-1)[0] = float("nan")
+
+        ex.compute = poisoned
     else:
         raise ValueError(f"unknown fault {fault!r}")

@@ -4,9 +4,12 @@ Four worker processes form one gloo world and, up front, subgroups of sizes 1 to
 A job (schedule text, world D, steps, options) goes to ranks 0..D-1, which compile it,
 run it with schedc's executor on their subgroup, and send back what rank 0 saw: per-step
 loss, grad norm, full gradients (before clipping) and parameters (after the update),
-plus every rank's measured memory and communication counts. A job that fails or
-outlives its deadline reports its schedule text and plan, and the pool is restarted,
-so one broken schedule never hangs the session.
+plus every rank's measured memory and communication counts.
+
+Nothing here waits without a bound. A job that fails on any rank, outlives its deadline,
+or loses a worker (a crash, a kill) raises JobFailed with the schedule text and the
+failing rank's plan, and the pool is restarted before the next job, so one broken
+schedule never hangs the session or poisons the jobs after it.
 """
 
 from __future__ import annotations
@@ -14,11 +17,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_any
 
 POOL_SIZE = 4
-JOB_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 60.0  # a generated job takes well under 5 s; gloo gives up after this too
+START_TIMEOUT_S = 180.0  # four processes importing torch on two cores
+STOP_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -28,7 +35,7 @@ class Job:
     steps: int = 1
     dtype: str = "float32"
     trace: bool = False
-    fault: str | None = None  # a deliberate executor bug (tests of the tests)
+    fault: str | None = None  # a deliberate executor bug (tests of the tests): tests/faults.py
     id: int = 0
 
 
@@ -58,7 +65,10 @@ def _worker(rank: int, size: int, store_dir: str, conn) -> None:
     groups = {d: dist.new_group(list(range(d))) for d in range(1, size + 1)}
     conn.send("ready")
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):  # the parent is gone: so are we
+            break
         if job is None:
             break
         try:
@@ -99,10 +109,18 @@ def _run_job(job: Job, rank: int, groups):
 
 
 class Pool:
+    """`run(text, world, steps)` on real ranks; restarts itself after any failed job."""
+
     def __init__(self, size: int = POOL_SIZE):
         self.size = size
         self.jobs = 0
+        self.restarts = 0
+        self.conns: list = []
+        self.procs: list = []
+        self._dir = None
         self._start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -113,65 +131,143 @@ class Pool:
             p = ctx.Process(target=_worker, args=(r, self.size, self._dir.name, child),
                             daemon=True)
             p.start()
+            child.close()  # only the worker holds its end: its death reads as EOF here
             self.conns.append(parent)
             self.procs.append(p)
-        for c in self.conns:
-            if not c.poll(120) or c.recv() != "ready":
-                self.close()
-                raise RuntimeError("test worker pool failed to start")
-
-    def close(self) -> None:
-        for c in self.conns:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for r, c in enumerate(self.conns):
             try:
-                c.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+                ok = c.poll(max(0.0, deadline - time.monotonic())) and c.recv() == "ready"
+            except (EOFError, OSError):
+                ok = False
+            if not ok:
+                code = self.procs[r].exitcode
+                self._stop(graceful=False)
+                raise RuntimeError(f"test worker pool failed to start (rank {r}, exit code "
+                                   f"{code})")
+
+    def _stop(self, graceful: bool) -> None:
+        if graceful:
+            for c in self.conns:
+                try:
+                    c.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        self._dir.cleanup()
+        for p in self.procs:
+            p.join(timeout=STOP_TIMEOUT_S)
+        for c in self.conns:
+            c.close()
+        self.conns, self.procs = [], []
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def close(self) -> None:
+        self._stop(graceful=True)
 
     def restart(self) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.join()
-        self._dir.cleanup()
+        """Kill every worker (some may be stuck in a collective) and start afresh."""
+        self._stop(graceful=False)
+        self.restarts += 1
         self._start()
+
+    @property
+    def alive(self) -> bool:
+        return len(self.procs) == self.size and all(p.is_alive() for p in self.procs)
+
+    # -- jobs ---------------------------------------------------------------------------------
 
     def run(self, text: str, world: int, steps: int = 1, *, dtype: str = "float32",
             trace: bool = False, fault: str | None = None,
             timeout: float = JOB_TIMEOUT_S) -> JobResult:
-        assert 1 <= world <= self.size
+        """Run the schedule on ranks 0..world-1; JobFailed (with text and plan) if it cannot."""
+        assert 1 <= world <= self.size, world
+        if not self.alive:  # a worker died between jobs, or the last restart failed
+            self.restart()
         self.jobs += 1
         job = Job(text, world, steps, dtype, trace, fault, self.jobs)
-        for c in self.conns[:world]:
-            c.send(job)
-        replies = []
+        deadline = time.monotonic() + timeout
         for r, c in enumerate(self.conns[:world]):
-            if not c.poll(timeout):
-                self.restart()
-                raise JobFailed(f"rank {r} did not finish within {timeout:.0f}s:\n"
-                                f"{_describe(job)}")
-            replies.append(c.recv())
-        errors = [(r, msg) for r, (status, msg) in enumerate(replies) if status != "ok"]
-        if errors:
-            self.restart()  # the other ranks may be stuck in a collective
-            r, tb = errors[0]
-            raise JobFailed(f"rank {r} failed:\n{tb}\n{_describe(job)}")
-        outs = [msg for _, msg in replies]
+            try:
+                c.send(job)
+            except (BrokenPipeError, OSError):
+                self._fail(job, r, f"rank {r} was gone before the job started")
+        replies: dict[int, object] = {}
+        pending = dict(enumerate(self.conns[:world]))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                r = min(pending)
+                self._fail(job, r, f"rank(s) {sorted(pending)} did not finish within "
+                           f"{timeout:.0f}s (hung: a wait that is never satisfied, or "
+                           "ranks issuing different collectives)")
+            sentinels = {self.procs[r].sentinel: r for r in pending}
+            ready = wait_any(list(pending.values()) + list(sentinels), timeout=left)
+            # replies first: a worker that answered and then died still answered
+            for r, c in list(pending.items()):
+                if c not in ready:
+                    continue
+                try:
+                    status, msg = c.recv()
+                except (EOFError, OSError):
+                    self._fail(job, r, f"rank {r} died (exit code {self._exitcode(r)})")
+                del pending[r]
+                if status != "ok":  # the other ranks may be stuck in a collective
+                    self._fail(job, r, self._dead(world) + f"rank {r} failed:\n{msg}")
+                replies[r] = msg
+            for s, r in sentinels.items():
+                if s in ready and r in pending:
+                    self._fail(job, r, f"rank {r} died (exit code {self._exitcode(r)})")
+        outs = [replies[r] for r in range(world)]
         return JobResult(outs[0]["steps"], [o["memory"] for o in outs],
                          [o["comm_bytes"] for o in outs],
                          [e for o in outs for e in o["trace"]])
 
+    def _dead(self, world: int) -> str:
+        """'rank R died (exit code C); ' for each job rank that is gone: a failure on
+        another rank (a reset connection) is then only its echo."""
+        gone = []
+        for r in range(world):
+            self.procs[r].join(timeout=0.5 if not gone else 0)
+            if not self.procs[r].is_alive():
+                gone.append(f"rank {r} died (exit code {self.procs[r].exitcode}); ")
+        return "".join(gone)
 
-def _describe(job: Job) -> str:
+    def _exitcode(self, r: int):
+        p = self.procs[r]
+        p.join(timeout=1.0)
+        return p.exitcode
+
+    def _fail(self, job: Job, rank: int, why: str):
+        """Restart the pool, then raise JobFailed saying why, with the schedule and plan."""
+        try:
+            self.restart()
+        except RuntimeError as e:  # the next job retries the start
+            why += f"\n(and the pool could not restart: {e})"
+        raise JobFailed(f"{why}\n{describe(job, rank)}")
+
+
+def describe(job: Job, rank: int | None = None) -> str:
+    """The schedule text and the plan `rank` runs, for a failure message."""
     from schedc.compiler import compile_text
     from schedc.errors import CompileError
+    from schedc.resolve import Overrides
 
     try:
-        plan = compile_text(job.text, "job.sched").plan().render()
+        plan = compile_text(job.text, "job.sched", Overrides(steps=job.steps)).plan(rank).render()
     except CompileError as e:
         plan = e.render()
-    return f"--- schedule (world {job.world}, {job.steps} steps) ---\n{job.text}\n--- plan ---\n{plan}"
+    except Exception as e:  # noqa: BLE001 - a failure report must not fail
+        plan = f"(no plan: {type(e).__name__}: {e})"
+    fault = f", fault {job.fault!r}" if job.fault else ""
+    return (f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
+            f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}")
+
+
+_describe = describe  # the old name
