@@ -48,10 +48,18 @@ def check(spec: Spec, graphs: dict[int | None, ScheduleGraph]) -> Diagnostics:
             _needs(sg, diag)
             plans[rank] = lower(sg)
     if len(plans) == len(graphs):
-        _spmd(spec, graphs, plans, diag)
+        if _spmd(spec, graphs, plans, diag) and len(graphs) > 1:
+            _across_ranks(spec, graphs, diag)
         if spec.memory is not None:
-            _memory(spec, plans[None], diag)
+            for rank, plan in plans.items():
+                if rank is None and _everyone_has_a_program(spec, graphs):
+                    continue  # no rank runs the common plan
+                _memory(spec, plan, diag, rank)
     return diag
+
+
+def _everyone_has_a_program(spec: Spec, graphs) -> bool:
+    return len([r for r in graphs if r is not None]) == spec.world
 
 
 def _program_span(sg: ScheduleGraph, stream: str | None) -> Span | None:
@@ -199,8 +207,9 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
 # -- ranks and memory ---------------------------------------------------------------------------
 
 
-def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> None:
+def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> bool:
     """Every rank must issue the same collectives, in the same order, on each stream."""
+    ok = True
     # compare with the ranks that run the common plan; when every rank has programs of its
     # own, nobody runs the common plan, so compare with the lowest rank instead
     ranks = sorted(r for r in plans if r is not None)
@@ -226,18 +235,67 @@ def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) 
                        f"'{stream}', where {others} {ours}", span,
                        hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
                        "Give every rank the same collective order")
+            ok = False
             break
+    return ok
 
 
-def _memory(spec: Spec, plan: Plan, diag: Diagnostics) -> MemoryReport:
+def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
+    """The ranks' run graphs must be acyclic together, not only one by one.
+
+    A collective completes on every rank at once, so it is one node shared by all ranks;
+    with collectives on two streams, rank 0 may wait for a gather before a reduce-scatter
+    while rank 1 waits the other way round: each rank's graph is acyclic, each stream's
+    order agrees, and yet the job hangs. Collectives are matched by (stream, position
+    among that stream's collectives), which _spmd has proven the same on every rank.
+    """
+    labels = [r for r in graphs if r is not None]
+    if not _everyone_has_a_program(spec, graphs):
+        labels.insert(0, None)
+    together = nx.DiGraph()
+    for label in labels:
+        sg = graphs[label]
+        index = {}
+        for stream, ops in sg.programs.items():
+            coll = [op for op in ops if op.is_collective]
+            index.update({op: (stream, i) for i, op in enumerate(coll)})
+
+        def key(op, label=label, index=index):
+            return ("all", op, index[op]) if op.is_collective else (label, op)
+
+        runs = sg.syncs()
+        together.add_nodes_from(key(op) for op in runs)
+        for u, v in runs.edges:
+            together.add_edge(key(u), key(v))
+            together.edges[key(u), key(v)].setdefault("ranks", []).append(label)
+    try:
+        cycle = nx.find_cycle(together)
+    except nx.NetworkXNoCycle:
+        return
+
+    def who(label) -> str:
+        return "the other ranks" if label is None else f"rank {label}"
+
+    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}"
+             for u, v in cycle]
+    rank = next((r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None),
+                labels[-1])
+    span = next(p.span for p in spec.programs if p.rank == rank)
+    diag.error("spmd", "the ranks wait for each other in a circle: " + "; ".join(steps), span,
+               hint="a collective finishes on every rank at once; order the waits the same "
+               "way on every rank")
+
+
+def _memory(spec: Spec, plan: Plan, diag: Diagnostics, rank: int | None = None) -> MemoryReport:
     report = predict(spec, plan)
     if report.peak > spec.memory:
+        who = "" if rank is None else f" on rank {rank}"
         hint = "raise `memory`"
         if spec.kind == "fsdp":
             hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
         at = f"after {report.peak_at}" if report.peak_at else "model states alone"
         diag.error("memory-budget",
-                   f"predicted peak {fmt_bytes(report.peak)} per rank ({at}) "
+                   f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
                    f"exceeds the budget of {fmt_bytes(spec.memory)}",
                    spec.where.get("memory"), hint=hint)
     return report

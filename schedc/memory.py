@@ -6,8 +6,9 @@ What schedc itself allocates, in fp32 bytes:
   (16 bytes/param); FSDP keeps each unit's shard (16 bytes/param / D, after padding the
   unit to a multiple of D).
 * gathered units (FSDP): a unit's full flat parameter, from its all-gather to its free.
-* unsharded gradients (FSDP): a unit's full flat gradient, from the first backward that
-  writes it to the reduce-scatter that consumes it (across micro-steps under no_sync).
+* unsharded gradients (FSDP): a unit's full flat gradient per micro-step (one for the
+  whole step under no_sync), from the first backward that writes it to the
+  reduce-scatter that consumes it.
 * communication buffers (FSDP): the shard-sized output of each reduce-scatter in flight.
 
 Activations are estimated separately (one micro-step's worth) and are not part of the
@@ -63,7 +64,8 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     gathered = grads = comm = 0
     peak = (states, "")
     peaks = [0, 0, 0]
-    grad_live: set[str] = set()
+    grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
+    key = (lambda mb: 0) if fs.no_sync else (lambda mb: mb)
     for op in plan.ops:
         if op.kind is Kind.ALLGATHER:
             gathered += full[op.target]
@@ -71,8 +73,9 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             gathered -= full[op.target]
         elif op.kind is Kind.BWD:
             for u in fs.units:
-                if op.target in writers[u.name] and u.name not in grad_live:
-                    grad_live.add(u.name)
+                live = (u.name, key(op.mb))
+                if op.target in writers[u.name] and live not in grad_live:
+                    grad_live.add(live)
                     grads += full[u.name]
         elif op.kind is Kind.REDUCESCATTER:
             comm += full[op.target] // D
@@ -83,8 +86,9 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
         if op.kind is Kind.REDUCESCATTER:
             # the unsharded gradient and the output are released once the reduction is done
             comm -= full[op.target] // D
-            if op.target in grad_live:
-                grad_live.discard(op.target)
+            live = (op.target, key(op.mb))
+            if live in grad_live:
+                grad_live.discard(live)
                 grads -= full[op.target]
     return MemoryReport(states, peaks[0], peaks[1], peaks[2], peak[0], peak[1], acts)
 

@@ -271,9 +271,9 @@ class Executor:
     def _backward(self, seg: Segment) -> None:
         mb, top, bottom = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
         if self.units:
-            for layer in seg.layers:
-                for unit in self.writes[layer]:
-                    unit.grad_buffer()  # FSDP: the unsharded gradient this backward adds into
+            key = self._grad_key(seg.mb)
+            for unit in {u.name: u for layer in seg.layers for u in self.writes[layer]}.values():
+                unit.grad_buffer(key)  # FSDP: the unsharded gradient this backward adds into
         out, inp = mb.out.pop(top), mb.inp.pop(bottom)
         if top == "head":
             torch.autograd.backward(out * self.loss_scale)
@@ -318,7 +318,7 @@ class Executor:
             self._measure()
         elif op.kind is Kind.REDUCESCATTER:
             unit = self.units[op.target]
-            grad = unit.take_grad()
+            grad = unit.take_grad(self._grad_key(op.mb))
             self._count(op, grad)
             held: dict[str, torch.Tensor] = {}
 
@@ -333,6 +333,11 @@ class Executor:
                 unit.shard_grad.add_(held.pop("out"))  # accumulate this micro-step's shard
 
             b.collective(stream, op, launch, done)
+
+    def _grad_key(self, mb: int) -> int:
+        """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
+        that accumulates the whole step and is reduce-scattered once."""
+        return 0 if self.spec.no_sync else mb
 
     def _count(self, op: Op, t: torch.Tensor, times: int = 1) -> None:
         """Bytes a collective moves per rank, counted from its real buffer."""
@@ -416,8 +421,8 @@ class Executor:
 
     def _measure(self) -> None:
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units.values())
-        grads = sum(u.grad.numel() * u.grad.element_size() for u in self.units.values()
-                    if u.grad is not None)
+        grads = sum(g.numel() * g.element_size() for u in self.units.values()
+                    for g in u.grads.values())
         self.mem["gathered_peak"] = max(self.mem["gathered_peak"], gathered)
         self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)
 

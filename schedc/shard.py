@@ -78,7 +78,7 @@ class FlatUnit:
         self.full = full  # gathered while its storage is non-empty
         for p, off, n, shape in self.layout:
             p.data = full[off : off + n].view(shape)
-        self.grad: torch.Tensor | None = None  # the unsharded gradient, while live
+        self.grads: dict[int, torch.Tensor] = {}  # unsharded gradients, by micro-step
         self._opt_params: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self.release()
 
@@ -102,8 +102,6 @@ class FlatUnit:
     def alloc_full(self) -> torch.Tensor:
         """Give the full buffer its storage back; the all-gather then writes into it."""
         self.full.untyped_storage().resize_(self.full_bytes)
-        if self.grad is not None:
-            self._bind_grads()
         return self.full
 
     def release(self) -> None:
@@ -114,24 +112,23 @@ class FlatUnit:
 
     # gradients ---------------------------------------------------------------------------
 
-    def grad_buffer(self) -> torch.Tensor:
-        """The unsharded gradient, allocated (zeroed) at the first backward that writes it."""
-        if self.grad is None:
-            self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            if self.gathered:
-                self._bind_grads()
-        return self.grad
+    def grad_buffer(self, key: int) -> torch.Tensor:
+        """The unsharded gradient `key` (a micro-step, or one key for all of them under
+        no_sync), allocated zeroed at its first backward; the parameters' .grad now
+        accumulate into it. One buffer per micro-step lets a reduce-scatter that a program
+        delays past the next micro-step's backward still take exactly its own gradient."""
+        if key not in self.grads:
+            self.grads[key] = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        grad = self.grads[key]
+        for p, off, n, shape in self.layout:
+            p.grad = grad[off : off + n].view(shape)
+        return grad
 
-    def take_grad(self) -> torch.Tensor:
-        """Hand the unsharded gradient to a reduce-scatter and forget it."""
-        g, self.grad = self.grad, None
+    def take_grad(self, key: int) -> torch.Tensor:
+        """Hand the unsharded gradient `key` to a reduce-scatter and forget it."""
         for p, _, _, _ in self.layout:
             p.grad = None
-        return g
-
-    def _bind_grads(self) -> None:
-        for p, off, n, shape in self.layout:
-            p.grad = self.grad[off : off + n].view(shape)
+        return self.grads.pop(key)
 
     # the optimizer's view of the shard -----------------------------------------------------
 

@@ -621,16 +621,16 @@ def test_a_broken_rule_is_rejected_with_its_code(name):
     prop()
 
 
-# -- a rule the checker does not enforce yet ------------------------------------------------------
+# -- rules across ranks (found by this suite, enforced since) -----------------------------------
 
 # Collectives on two streams (here gathers on `comm`, reduce-scatters on `rs`), and ranks
 # that wait for them in opposite orders: rank 0's `rs` waits for u1's backward gather
 # before reduce-scattering u2, rank 1's `comm` waits for that reduce-scatter before the
 # gather. Each rank's graph is acyclic and each stream's collective order is the same
-# on every rank, so the checker accepts it; run, it hangs (rank 0 waits for a gather rank
-# 1 never issues, rank 1 for a reduce-scatter rank 0 never issues; measured with the
-# pool: neither rank finishes). The cycle only exists across ranks: a collective
-# completes on all ranks at once, so the ranks' graphs must be acyclic together.
+# on every rank, so a per-rank check accepted it, and run, it hung (rank 0 waits for a
+# gather rank 1 never issues, rank 1 for a reduce-scatter rank 0 never issues). The cycle
+# only exists across ranks: a collective completes on all ranks at once, so the checker
+# now proves the ranks' graphs acyclic together ([spmd]).
 CROSS_RANK_DEADLOCK = """\
 model nano { n_layer = 1 }
 world 2
@@ -655,11 +655,8 @@ program comm on rank 1 {
   allgather[u1]@mb0:bwd after reducescatter[u2]@mb0
 }
 """
-CROSS_RANK = "waits that cross between collective streams in opposite orders on two ranks " \
-             "deadlock at run time; the checker accepts them (SPMD is checked per stream)"
 
 
-@pytest.mark.xfail(strict=True, reason=CROSS_RANK)
 def test_ranks_waiting_across_collective_streams_in_opposite_orders_are_rejected():
     with pytest.raises(CompileError) as e:
         compile_text(CROSS_RANK_DEADLOCK, "deadlock.sched")
@@ -686,7 +683,6 @@ def cross_rank_cycle(draw):
                   case.text())
 
 
-@pytest.mark.xfail(strict=True, reason=CROSS_RANK)
 def test_generated_cross_rank_wait_cycles_are_rejected():
     @settings(max_examples=examples(10), phases=[Phase.generate])
     @given(m=cross_rank_cycle())
@@ -699,10 +695,10 @@ def test_generated_cross_rank_wait_cycles_are_rejected():
     prop()
 
 
-# The memory budget is checked against the plan of the ranks without programs of their own
-# only. Here rank 1 frees u2 three ops later than the others, so its predicted peak is
-# 683,904 B, over the budget of 668,352 B (the common plan's peak, which fits exactly):
-# the checker accepts it.
+# The memory budget holds on every rank's plan (it was once checked against the plan of
+# the ranks without programs of their own only). Here rank 1 frees u2 three ops later
+# than the others, so its predicted peak is 683,904 B, over the budget of 668,352 B (the
+# common plan's peak, which fits exactly).
 RANK_OVER_BUDGET = """\
 model nano { n_layer = 2 }
 world 2
@@ -742,13 +738,11 @@ def test_the_memory_budget_example_is_what_it_says():
     """The case below, measured: the common plan fits exactly, rank 1's does not."""
     from schedc.memory import predict
 
-    c = compile_text(RANK_OVER_BUDGET)
-    assert predict(c.spec, c.plan()).peak == c.spec.memory
-    assert predict(c.spec, c.plan(1)).peak > c.spec.memory
+    c = compile_text(RANK_OVER_BUDGET.replace("memory 668352 B\n", ""))
+    assert predict(c.spec, c.plan()).peak == 668352
+    assert predict(c.spec, c.plan(1)).peak > 668352
 
 
-@pytest.mark.xfail(strict=True, reason="the memory budget is checked for the common plan only, "
-                   "not for ranks with programs of their own")
 def test_a_rank_whose_own_program_exceeds_the_memory_budget_is_rejected():
     with pytest.raises(CompileError) as e:
         compile_text(RANK_OVER_BUDGET, "rank1.sched")

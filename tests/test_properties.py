@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from schedc.agree import compare
 from schedc.compiler import compile_text
 from schedc.errors import CompileError
-from schedc.ir import Kind, Op
+from schedc.ir import Kind
 from schedc.resolve import Overrides
 from tests.oracle import assert_matches, assert_same_update
 from tests.pool import JobFailed
@@ -124,28 +124,21 @@ def _wait(draw, progs, edits, who: str = "") -> None:
         edits.append(f"{who}{v.op} after {u}")
 
 
-def collective_streams(progs) -> set[str]:
-    return {s for s, lines in progs.items() if any(Op.parse(x.op).is_collective for x in lines)}
-
-
 @st.composite
 def rewritten(draw):
     """A valid schedule with its programs written out (`--dump program`) and rewritten:
     collectives issued later on their stream, extra waits, for every rank alike, for one
-    rank alone, or (one collective stream only) for each rank differently. Only rewrites
-    the checker accepts and that change a plan are kept: whatever the checker proves legal
-    must run, and compute the same.
-
-    (Per-rank waits with collectives on two streams are left out: ranks that wait for
-    collectives of two streams in opposite orders deadlock, and the checker does not yet
-    see it; test_mutations.py holds that case as an expected failure.)"""
+    rank alone, or for each rank differently. Only rewrites the checker accepts and that
+    change a plan are kept: whatever the checker proves legal must run, and compute the
+    same. (Ranks that wait for collectives of two streams in opposite orders deadlock;
+    the checker rejects them since this suite found it, so they never reach the pool.)"""
     case = draw(cases(max_k=3))
     progs = programs_of(case.text())
     new, edits = copy(progs), []
     for _ in range(draw(st.integers(0, 2))):
         _delay(draw, new, edits)
     how = draw(st.sampled_from(["every rank", "one rank", "each rank"]))
-    if how == "each rank" and (case.world == 1 or len(collective_streams(progs)) > 1):
+    if how == "each rank" and case.world == 1:
         how = "every rank"
     if how == "each rank":
         extra = []
@@ -167,14 +160,13 @@ def rewritten(draw):
         assume(False)
     assume(compiled.plans.keys() != {None}
            or compiled.plan() != compile_text(case.text()).plan())
-    assume(not reduces_late(compiled))  # a known bug: see the test below
     return case, text, [f"({how})", *edits]
 
 
 def reduces_late(compiled) -> bool:
     """Whether some rank issues a unit's reduce-scatter of micro-step j only after a
-    backward of micro-step j + 1 has written into that unit's gradient: the checker
-    accepts it, the executor fails (test_a_reduce_scatter_after_the_next_micro_steps_...)."""
+    backward of micro-step j + 1 has written into that unit's gradient (legal; the
+    executor once got it wrong: test_a_reduce_scatter_after_the_next_micro_steps_...)."""
     spec = compiled.spec
     if spec.kind != "fsdp":
         return False
@@ -201,12 +193,12 @@ def test_programs_the_checker_accepts_run_and_equal_the_reference(pool, referenc
 
 
 # A reduce-scatter issued after the next micro-step's backward has written into the same
-# unit: found by this property under the `long` profile. The checker accepts it (no need
-# orders a backward after the previous micro-step's reduce-scatter of its unit; DDP has
-# that need for all-reduce, "buffer reuse"); the executor fails with AttributeError:
-# 'NoneType' object has no attribute 'numel' in reducescatter[all]@mb1, because mb1's
-# backward accumulated into the buffer mb0's reduce-scatter then took whole. Either the
-# checker rejects it or it runs and computes the reference's update.
+# unit: found by this property under the `long` profile. The checker accepts it (nothing
+# requires reducing a micro-step's gradient before the next one starts), but the executor
+# used to keep one unsharded gradient per unit, so mb1's backward accumulated into the
+# buffer mb0's reduce-scatter then took whole (AttributeError in reducescatter[all]@mb1).
+# Each micro-step now has its own buffer (one for the step under no_sync); this must run
+# and compute the reference's update.
 REDUCES_LATE = """\
 model nano { n_layer = 1 }
 world 2
@@ -223,8 +215,6 @@ program rs {
 """
 
 
-@pytest.mark.xfail(strict=True, raises=JobFailed, reason="a reduce-scatter issued after the "
-                   "next micro-step's backward is accepted by the checker and fails to run")
 def test_a_reduce_scatter_after_the_next_micro_steps_backward_is_rejected_or_runs(
         pool, reference):
     try:
