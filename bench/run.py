@@ -149,17 +149,18 @@ def summarize(results, plan, a) -> str:
         q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
         rows[c] = dict(med=med, q1=q1, q3=q3, tok=runs[0]["tokens_per_step"] / (med / 1e3),
                        rss=max(max(r["peak_rss_mb"]) for r in runs),
+                       heap=max(max(r["peak_heap_mb"]) for r in runs),
                        hidden=runs[-1]["hidden_fraction"],
                        diff=max(r["grad_max_abs_diff"] for r in runs), world=runs[0]["world"])
-    lines = ["| case | world | step ms (median) | IQR ms | tokens/s | vs baseline | peak RSS/rank MB "
-             "| comm hidden | grad diff vs ref |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | world | step ms (median) | IQR ms | tokens/s | vs baseline "
+             "| peak heap/rank MB | peak RSS/rank MB | comm hidden | grad diff vs ref |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c, row in rows.items():
         base = plan[c][3]
         ratio = f"{row['med'] / rows[base]['med']:.3f}x {base}" if base in rows else ""
         hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "n/a"
         lines.append(f"| {c} | {row['world']} | {row['med']:.1f} | {row['q1']:.1f}-{row['q3']:.1f} "
-                     f"| {row['tok']:.0f} | {ratio} | {row['rss']:.0f} | {hidden} "
+                     f"| {row['tok']:.0f} | {ratio} | {row['heap']:.0f} | {row['rss']:.0f} | {hidden} "
                      f"| {row['diff']:.1e} |")
     return "\n".join(lines)
 

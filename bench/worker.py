@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -49,7 +50,7 @@ def main() -> None:
     spec = compiled.spec
     steps = args.warmup + args.steps
 
-    base_rss = rss_bytes()  # the process before the model exists: torch, data, schedc
+    base_rss, base_heap = rss_bytes(), heap_bytes()  # before the model exists
     case = CASES[args.case](compiled, world, rank)
     grads0 = case.step(record=True)
     check = check_grads(spec, grads0) if rank == 0 else None
@@ -61,7 +62,7 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
     hidden = case.hidden_fraction(args.trace_steps) if hasattr(case, "hidden_fraction") else None
-    mine = (peak.bytes - base_rss) / 2**20
+    mine = ((peak.bytes - base_rss) / 2**20, (peak.heap - base_heap) / 2**20)
     peaks = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(peaks, mine)
@@ -71,7 +72,8 @@ def main() -> None:
         print(json.dumps({
             "case": args.case, "world": world, "times": times,
             "median_ms": 1e3 * statistics.median(times),
-            "tokens_per_step": spec.tokens_per_step, "peak_rss_mb": peaks,
+            "tokens_per_step": spec.tokens_per_step, "peak_rss_mb": [p[0] for p in peaks],
+            "peak_heap_mb": [p[1] for p in peaks],
             "grad_max_abs_diff": check, "hidden_fraction": hidden,
             "threads": torch.get_num_threads(),
             "layout": getattr(case, "layout", None),
@@ -88,6 +90,23 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def heap_bytes() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap + mmapped chunks):
+    live memory, without the allocator's caching that RSS also counts."""
+    m = _libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
 class RSSPeak:
     """The highest resident set size seen while the block runs (sampled every ms).
 
@@ -97,6 +116,7 @@ class RSSPeak:
 
     def __enter__(self):
         self.bytes = rss_bytes()
+        self.heap = heap_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -105,6 +125,7 @@ class RSSPeak:
     def _watch(self) -> None:
         while not self._stop.wait(0.001):
             self.bytes = max(self.bytes, rss_bytes())
+            self.heap = max(self.heap, heap_bytes())
 
     def __exit__(self, *exc):
         self._stop.set()

@@ -9,7 +9,8 @@ What schedc itself allocates, in fp32 bytes:
 * unsharded gradients (FSDP): a unit's full flat gradient per micro-step (one for the
   whole step under no_sync), from the first backward that writes it to the
   reduce-scatter that consumes it.
-* communication buffers (FSDP): the shard-sized output of each reduce-scatter in flight.
+* communication buffers (FSDP): the shard-sized temporary of each reduce-scatter in
+  flight after a unit's first of the step (the first writes into the gradient shard).
 
 Activations are estimated separately (one micro-step's worth) and are not part of the
 budget: they depend on kernels schedc does not choose. The executor measures the same
@@ -65,6 +66,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     peak = (states, "")
     peaks = [0, 0, 0]
     grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
+    scattered: set[str] = set()  # units reduce-scattered so far in the step
     key = (lambda mb: 0) if fs.no_sync else (lambda mb: mb)
     for op in plan.ops:
         if op.kind is Kind.ALLGATHER:
@@ -77,15 +79,17 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
                 if op.target in writers[u.name] and live not in grad_live:
                     grad_live.add(live)
                     grads += full[u.name]
-        elif op.kind is Kind.REDUCESCATTER:
-            comm += full[op.target] // D
+        elif op.kind is Kind.REDUCESCATTER and op.target in scattered:
+            comm += full[op.target] // D  # a temporary; the first lands in the shard itself
         peaks = [max(peaks[0], gathered), max(peaks[1], grads), max(peaks[2], comm)]
         total = states + gathered + grads + comm
         if total > peak[0]:
             peak = (total, str(op))
         if op.kind is Kind.REDUCESCATTER:
             # the unsharded gradient and the output are released once the reduction is done
-            comm -= full[op.target] // D
+            if op.target in scattered:
+                comm -= full[op.target] // D
+            scattered.add(op.target)
             live = (op.target, key(op.mb))
             if live in grad_live:
                 grad_live.discard(live)

@@ -192,6 +192,7 @@ class Executor:
             b.flat.zero_()
         for u in self.units.values():
             u.shard_grad.zero_()
+        self.scattered: set[str] = set()  # units reduce-scattered so far this step
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
         self.execute()
@@ -320,19 +321,24 @@ class Executor:
             unit = self.units[op.target]
             grad = unit.take_grad(self._grad_key(op.mb))
             self._count(op, grad)
+            # the step's first reduce-scatter of a unit writes straight into the (zeroed)
+            # gradient shard; later ones (no_sync off) land in a temporary and are added
+            first = unit.name not in self.scattered
+            self.scattered.add(unit.name)
             held: dict[str, torch.Tensor] = {}
 
-            def launch(pg, unit=unit, grad=grad, held=held):
+            def launch(pg, unit=unit, grad=grad, held=held, first=first):
                 b.keep_alive(grad, stream)  # written on compute, read on this stream
                 if D > 1:
                     grad.div_(D)
-                held["out"] = torch.empty_like(unit.shard_grad)  # allocated on this stream
-                return b.reduce_scatter(held["out"], grad)(pg)
+                out = unit.shard_grad if first else torch.empty_like(unit.shard_grad)
+                held["out"] = out  # a temporary is allocated on this stream
+                return b.reduce_scatter(out, grad)(pg)
 
             def done(unit=unit, grad=grad, held=held):
                 unit.shard_grad.add_(held.pop("out"))  # accumulate this micro-step's shard
 
-            b.collective(stream, op, launch, done)
+            b.collective(stream, op, launch, None if first else done)
 
     def _grad_key(self, mb: int) -> int:
         """Which unsharded gradient a micro-step writes: its own, or under no_sync the one

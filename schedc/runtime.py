@@ -91,7 +91,7 @@ class CPUBackend:
         work = launch(self.groups[stream])
         p = _Pending(op, work, done, issued)
         if self.trace:
-            self._watcher(stream).put(p)
+            self._watcher(stream).put((p, work))
         self.queues[stream].append(p)
         self.last_issued[stream] = p
         if stream == COMPUTE:
@@ -125,6 +125,9 @@ class CPUBackend:
             p.work.wait()
             if p.done is not None:
                 p.done()
+            # events and the last-issued slot still point at `p`: drop what it holds (the
+            # work keeps its buffers, `done` the unsharded gradient) so memory is freed now
+            p.work = p.done = None
             if self.trace:
                 while not p.finished:  # the watcher stamps it a moment after wait() returns
                     time.sleep(0)
@@ -146,8 +149,9 @@ class CPUBackend:
             q: queue.SimpleQueue = queue.SimpleQueue()
 
             def watch() -> None:
-                while (p := q.get()) is not None:
-                    p.work.wait()
+                while (item := q.get()) is not None:
+                    p, work = item
+                    work.wait()
                     p.finished.append(now())
 
             threading.Thread(target=watch, name=f"schedc-watch-{stream}", daemon=True).start()
