@@ -4,7 +4,8 @@ What schedc itself allocates, in fp32 bytes:
 
 * model states: parameter, gradient, Adam m and v. DDP keeps all of them on every rank
   (16 bytes/param); FSDP keeps each unit's shard (16 bytes/param / D, after padding the
-  unit to a multiple of D).
+  unit to a multiple of D), its gradient shard only from the unit's first reduce-scatter
+  of the step to the update (as FSDP2 does).
 * gathered units (FSDP): a unit's full flat parameter, from its all-gather to its free.
 * unsharded gradients (FSDP): a unit's full flat gradient per micro-step (one for the
   whole step under no_sync), from the first backward that writes it to the
@@ -60,10 +61,13 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     fs, D = spec.strategy, spec.world
     full = {u.name: padded(unit_numel(spec, u), D) * FP32 for u in fs.units}
     states = sum(4 * (b // D) for b in full.values())
+    # between steps a rank holds its parameter shard and Adam m, v; each gradient shard
+    # exists from the unit's first reduce-scatter of the step until the update
+    held = sum(3 * (b // D) for b in full.values())
     writers = {u.name: {w for p in u.params for w in spec.model.writers(p)} for u in fs.units}
 
     gathered = grads = comm = 0
-    peak = (states, "")
+    peak = (held, "")
     peaks = [0, 0, 0]
     grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
     scattered: set[str] = set()  # units reduce-scattered so far in the step
@@ -81,8 +85,10 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
                     grads += full[u.name]
         elif op.kind is Kind.REDUCESCATTER and op.target in scattered:
             comm += full[op.target] // D  # a temporary; the first lands in the shard itself
+        elif op.kind is Kind.REDUCESCATTER:
+            held += full[op.target] // D  # the gradient shard comes into being
         peaks = [max(peaks[0], gathered), max(peaks[1], grads), max(peaks[2], comm)]
-        total = states + gathered + grads + comm
+        total = held + gathered + grads + comm
         if total > peak[0]:
             peak = (total, str(op))
         if op.kind is Kind.REDUCESCATTER:

@@ -190,8 +190,6 @@ class Executor:
         ]
         for b in self.buckets.values():
             b.flat.zero_()
-        for u in self.units.values():
-            u.shard_grad.zero_()
         self.scattered: set[str] = set()  # units reduce-scattered so far this step
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
@@ -321,8 +319,8 @@ class Executor:
             unit = self.units[op.target]
             grad = unit.take_grad(self._grad_key(op.mb))
             self._count(op, grad)
-            # the step's first reduce-scatter of a unit writes straight into the (zeroed)
-            # gradient shard; later ones (no_sync off) land in a temporary and are added
+            # the step's first reduce-scatter of a unit writes straight into a new gradient
+            # shard; later ones (no_sync off) land in a temporary and are added to it
             first = unit.name not in self.scattered
             self.scattered.add(unit.name)
             held: dict[str, torch.Tensor] = {}
@@ -331,8 +329,8 @@ class Executor:
                 b.keep_alive(grad, stream)  # written on compute, read on this stream
                 if D > 1:
                     grad.div_(D)
-                out = unit.shard_grad if first else torch.empty_like(unit.shard_grad)
-                held["out"] = out  # a temporary is allocated on this stream
+                out = unit.new_shard_grad() if first else torch.empty_like(unit.shard)
+                held["out"] = out  # allocated on this stream
                 return b.reduce_scatter(out, grad)(pg)
 
             def done(unit=unit, grad=grad, held=held):
@@ -380,6 +378,8 @@ class Executor:
             if self.opts.nonfinite != "skip":
                 raise RunError(why)
             stats.skipped = why  # every rank sees the same global values, so all skip
+            for u in self.units.values():
+                u.drop_shard_grad()
             self.result = stats
             return
         if opt.clip > 0:
@@ -389,9 +389,22 @@ class Executor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self._release_grads()
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
+
+    def _release_grads(self) -> None:
+        """After the update: measure the model states, then free FSDP's gradient shards."""
+        if self.units:
+            held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
+        else:
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        opt_state = [t for st in self.optimizer.state.values() for t in st.values()
+                     if torch.is_tensor(t) and t.dim() > 0]  # Adam m and v, not the step count
+        self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
+        for u in self.units.values():
+            u.drop_shard_grad()
 
     def _nonfinite(self, stats: StepStats) -> str:
         """Name the step, and the ranks and micro-steps whose loss was not finite."""
@@ -433,17 +446,10 @@ class Executor:
         self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of what schedc holds on this rank, measured from the tensors themselves."""
-        def nbytes(ts) -> int:
-            return sum(t.untyped_storage().nbytes() for t in ts)
-
-        opt_state = [t for st in self.optimizer.state.values() for t in st.values()
-                     if torch.is_tensor(t) and t.dim() > 0]  # Adam m and v (not the step count)
-        if self.units:
-            held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
-        else:
-            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
-        return {"states": nbytes(held) + nbytes(opt_state), **self.mem, **self.backend.stats()}
+        """Bytes schedc held on this rank, measured from the tensors themselves: the model
+        states at the last update (parameters, gradients, Adam m and v), and the peaks of
+        gathered units and unsharded gradients."""
+        return {"states": 0, **self.mem, **self.backend.stats()}
 
     def close(self) -> None:
         self.backend.close()

@@ -74,7 +74,9 @@ class FlatUnit:
         lo = rank * self.shard_len
         full = self.flatten()
         self.shard = full[lo : lo + self.shard_len].clone()  # this rank's parameters
-        self.shard_grad = torch.zeros_like(self.shard)
+        # the gradient shard exists from the step's first reduce-scatter of this unit to the
+        # update, as in FSDP2; between steps it holds no memory
+        self.shard_grad: torch.Tensor | None = None
         self.full = full  # gathered while its storage is non-empty
         for p, off, n, shape in self.layout:
             p.data = full[off : off + n].view(shape)
@@ -147,10 +149,25 @@ class FlatUnit:
         for group, (a, b) in enumerate(((0, self.n_decay), (self.n_decay, self.numel))):
             a, b = max(a, lo), min(b, hi)
             if a < b:
-                p = nn.Parameter(self.shard[a - lo : b - lo])
-                p.grad = self.shard_grad[a - lo : b - lo]
-                out[group].append(p)
+                out[group].append(nn.Parameter(self.shard[a - lo : b - lo]))
         return out
+
+    def new_shard_grad(self) -> torch.Tensor:
+        """Allocate the gradient shard (uninitialised: the first reduce-scatter writes all of
+        it) and point the optimizer's parameters' .grad at it."""
+        self.shard_grad = torch.empty_like(self.shard)
+        self._bind_shard_grad()
+        return self.shard_grad
+
+    def drop_shard_grad(self) -> None:
+        for p in (p for group in self.optimizer_params() for p in group):
+            p.grad = None
+        self.shard_grad = None
+
+    def _bind_shard_grad(self) -> None:
+        for p in (p for group in self.optimizer_params() for p in group):
+            a = (p.data_ptr() - self.shard.data_ptr()) // self.shard.element_size()
+            p.grad = self.shard_grad[a : a + p.numel()]
 
     def assemble(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Split a full (gathered) flat tensor into per-parameter tensors."""
