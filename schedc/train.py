@@ -102,7 +102,7 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
                 log(comm, f"step {st.step:4d} | skipped: {st.skipped}")
             else:
                 log(comm, format_log(st.step, st.loss, st.lr, st.grad_norm, st.dt_ms,
-                                     st.tokens_per_s))
+                                     st.tokens_per_s, mfu(spec, st.tokens_per_s, device)))
             if records:
                 records.write(json.dumps({"step": st.step, "loss": st.loss, "lr": st.lr,
                                           "grad_norm": st.grad_norm, "dt_ms": st.dt_ms,
@@ -129,6 +129,27 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
         fail(comm, f"{type(e).__name__}: {e}", where)
     dist.destroy_process_group()
     return 0
+
+
+# Dense peak FLOP/s by device name, for MFU (bf16 tensor cores, as nanoGPT reports MFU;
+# schedc trains in fp32, so its MFU reads low against these). SCHEDC_PEAK_FLOPS overrides.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+              "V100": 125e12, "4090": 165e12}
+
+
+def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
+    """Model FLOPs utilisation of all ranks together: 6N + 12 L C T FLOPs per token (PaLM's
+    estimate; N counts every parameter, where nanoGPT leaves out wpe) over the peak of D
+    devices; None on a CPU or an unknown device."""
+    if device.type != "cuda":
+        return None
+    peak = float(os.environ.get("SCHEDC_PEAK_FLOPS", 0)) or next(
+        (v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0)
+    if not peak:
+        return None
+    cfg = spec.model
+    per_token = 6 * cfg.numel + 12 * cfg.n_layer * cfg.n_embd * spec.seq_len
+    return per_token * tokens_per_s / (peak * spec.world)
 
 
 def fail(comm: Comm, what: str, where: str) -> None:

@@ -219,3 +219,16 @@ def test_every_bundled_tiny_schedule_runs_one_step(pool):
         c = compile_file(f)
         res = pool.run(c.source.text, c.spec.world, steps=1)
         assert res.steps[0].loss > 0
+
+
+def test_mfu_on_a_gpu_is_palms_estimate_over_the_devices_peak(monkeypatch):
+    import torch
+
+    from schedc.train import mfu
+
+    spec = compile_file(SCHEDULES / "gpt2_8gpu.sched").spec
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    per_token = 6 * 124_439_808 + 12 * 12 * 768 * 1024
+    got = mfu(spec, 1e6, torch.device("cuda", 0))
+    assert abs(got - per_token * 1e6 / (989e12 * 8)) < 1e-12
+    assert mfu(spec, 1e6, torch.device("cpu")) is None
