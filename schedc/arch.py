@@ -92,6 +92,11 @@ class GPTConfig:
             return ("embed", "head")
         return (self.param(param).layer,)
 
+    def rereaders(self) -> frozenset[str]:
+        """Layers whose forward reads a parameter that an earlier layer read too (the head,
+        through the tied wte)."""
+        return frozenset(u for p in self.params for u in self.users(p.name)[1:])
+
     def writers(self, param: str) -> tuple[str, ...]:
         """Layers whose backward writes the parameter's gradient, in backward order.
 

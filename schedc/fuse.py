@@ -10,12 +10,20 @@ The executor must still cut the model wherever either pass is split: a backward 
 stops at a leaf (a detached layer input), so every place where a forward segment begins
 or a backward segment ends becomes a cut in both passes of that micro-step. Fusion is
 off when tracing, so a trace shows every op on its own.
+
+One cut is made for speed: a layer that reads a parameter an earlier layer also read (the
+head, through the tied wte) starts a segment of its own. Inside one autograd.backward the
+two gradients of wte would be summed out of place (a fresh vocab x n_embd tensor every
+micro-step) before being added to .grad; in two calls each is added to .grad in place.
+On the 30M-parameter model at world 1 that sum was 11% of the step, and fusing without
+this cut ran slower than not fusing at all (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schedc.arch import GPTConfig
 from schedc.ir import COMPUTE, Kind, Op
 from schedc.lower import Plan
 
@@ -37,9 +45,9 @@ class Segment:
 Item = int | Segment  # an instruction index, or a run of fused compute instructions
 
 
-def fuse(plan: Plan, layers: tuple[str, ...], enabled: bool = True) -> list[Item]:
+def fuse(plan: Plan, model: GPTConfig, enabled: bool = True) -> list[Item]:
     """The plan as items to execute, with fusable compute runs grouped into Segments."""
-    index = {layer: i for i, layer in enumerate(layers)}
+    index = {layer: i for i, layer in enumerate(model.layers)}
     runs: list[list[int]] = []  # runs of instruction indexes that may fuse
     for k, ins in enumerate(plan.instrs):
         op = ins.op
@@ -59,7 +67,8 @@ def fuse(plan: Plan, layers: tuple[str, ...], enabled: bool = True) -> list[Item
 
     # cuts: the input of the first layer of every forward run and of the last layer of every
     # backward run, per micro-step; both passes are split at all of them
-    cuts: dict[int, set[int]] = {}
+    cuts: dict[int, set[int]] = {op.mb: {index[layer] for layer in model.rereaders()}
+                                 for op in plan.ops if op.kind in (Kind.FWD, Kind.BWD)}
     for run in runs:
         op = plan.instrs[run[0]].op
         if op is None or op.kind not in (Kind.FWD, Kind.BWD):

@@ -211,7 +211,7 @@ class Executor:
         """The plan with fusable compute runs grouped; when tracing every op runs alone, so
         each gets its own span. Recomputed if the plan object is replaced."""
         if self._fused is None or self._fused[0] is not self.plan:
-            self._fused = (self.plan, fuse(self.plan, self.layers, enabled=not self.opts.trace))
+            self._fused = (self.plan, fuse(self.plan, self.spec.model, enabled=not self.opts.trace))
         return self._fused[1]
 
     def execute(self) -> None:
