@@ -1,7 +1,7 @@
 """schedc against torch's DDP and FSDP2 and the plain loop, side by side in one run.
 
     python bench/run.py                          # the small model (mini), world 2
-    python bench/run.py --model gpt2 --batch 4 --seq 64 --micro 1 --rounds 2
+    python bench/run.py --model gpt2 --seq 64 --micro 1 --accum 2 --steps 4 --rounds 2
     python bench/run.py --write docs/benchmarks.md   # also record the table there
 
 Every case trains the same model from the same seed on the same global batch and micro
@@ -9,7 +9,7 @@ split, on the same machine, with cores/world threads per rank. Cases run as sepa
 torchrun jobs, interleaved round by round (each round in another order) so drift in the
 machine favours no side. Per case: median step time and spread over the timed steps of
 all rounds, tokens/s, the ratio to the matching torch baseline (or the plain loop), the
-peak RSS of each rank, the share of communication hidden behind compute (schedc: from
+peak live heap and RSS of each rank, the share of communication hidden behind compute (schedc: from
 its trace), and the largest gradient difference from the single-process reference at
 step 0 (a case that computes something else is void).
 """
@@ -176,8 +176,8 @@ def record(path: Path, table: str, a) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if title in text:
         start = text.index(title)
-        end = text.find("\n### ", start + 1)
-        text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
+        end = text.find("\n#", start + 1)       # the next heading, whatever its level
+        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + body
     path.write_text(text)

@@ -535,6 +535,23 @@ class _Resolver:
                  hint=did_you_mean(text, names)
                  or f"layers are embed, h.0 .. h.{cfg.n_layer - 1}, head")
 
+    def groups(self, decls, cfg: GPTConfig, what: str) -> tuple[list, list]:
+        """Buckets or units with their own names, and each as (name, span, resolved refs);
+        a name defined twice is an error."""
+        names: dict[str, Span] = {}
+        kept, groups = [], []
+        for d in decls:
+            if d.name.text in names:
+                self.err("duplicate", f"{what} '{d.name.text}' is defined twice", d.name.span,
+                         hint=f"give each {what} its own name",
+                         notes=(Note("first defined here", names[d.name.text]),))
+                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
+                continue
+            names[d.name.text] = d.name.span
+            kept.append(d)
+            groups.append((d.name.text, d.span, self.refs(d.refs, cfg, params=True)))
+        return kept, groups
+
     def cover(self, groups: list[tuple[str, Span, list[tuple[str, Span]]]], cfg: GPTConfig,
               block_span: Span, what: str) -> dict[str, str]:
         """Prove every parameter is in exactly one group; returns param -> group."""
@@ -589,17 +606,7 @@ class _Resolver:
         elif not buckets:
             self.err("missing-setting", "the ddp block has no buckets", head_span,
                      hint="add `bucket b1 = head, h.3 .. h.0, embed` or `bucket_cap 25 MiB`")
-        names: dict[str, Span] = {}
-        groups = []
-        for b in buckets:
-            if b.name.text in names:
-                self.err("duplicate", f"bucket '{b.name.text}' is defined twice", b.name.span,
-                         hint="give each bucket its own name",
-                         notes=(Note("first defined here", names[b.name.text]),))
-                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
-                continue
-            names[b.name.text] = b.name.span
-            groups.append((b.name.text, b.span, self.refs(b.refs, cfg, params=True)))
+        _, groups = self.groups(buckets, cfg, "bucket")
         if buckets and self.refs_ok:
             self.cover(groups, cfg, head_span, "bucket")
         ready = ready_position(cfg)
@@ -660,22 +667,12 @@ class _Resolver:
             self.err("missing-setting", "the fsdp block has no units", head_span,
                      hint="add units, e.g. `unit tied = wte.weight keep` and "
                      "`unit u1 = embed .. h.1`")
-        names: dict[str, Span] = {}
-        groups = []
-        for u in units:
-            if u.name.text in names:
-                self.err("duplicate", f"unit '{u.name.text}' is defined twice", u.name.span,
-                         hint="give each unit its own name",
-                         notes=(Note("first defined here", names[u.name.text]),))
-                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
-                continue
-            names[u.name.text] = u.name.span
-            groups.append((u.name.text, u.span, self.refs(u.refs, cfg, params=True)))
+        units, groups = self.groups(units, cfg, "unit")
         if units and self.refs_ok:
             self.cover(groups, cfg, head_span, "unit")
         specs = []
         order = {layer: i for i, layer in enumerate(cfg.layers)}
-        for (gname, gspan, items), u in zip(groups, [u for u in units if u.name.text in names]):
+        for (gname, gspan, items), u in zip(groups, units):
             params = tuple(p.name for p in cfg.params if p.name in {q for q, _ in items})
             layers = sorted({layer for p in params for layer in cfg.users(p)}, key=order.get)
             idx = [order[x] for x in layers]
