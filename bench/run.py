@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's schedc, whatever is installed
 OUT = ROOT / "out" / "bench"
 
 HEAD = """model {model}
