@@ -24,14 +24,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from schedc.check import check  # noqa: E402
 from schedc.compiler import no_cyclic_gc  # noqa: E402
-from schedc.graph import build_graphs  # noqa: E402
-from schedc.lower import lower  # noqa: E402
-from schedc.parse import parse  # noqa: E402
-from schedc.resolve import resolve  # noqa: E402
-from schedc.source import Source  # noqa: E402
-from schedc.syntax import to_ast  # noqa: E402
+from schedc.ir.source import Source  # noqa: E402
+from schedc.lang.diagnostics import Diagnostics  # noqa: E402
+from schedc.lang.parse import parse  # noqa: E402
+from schedc.lang.resolve import resolve  # noqa: E402
+from schedc.lang.syntax import to_ast  # noqa: E402
+from schedc.passes.check import check_graphs, check_plans  # noqa: E402
+from schedc.passes.graph import build_graphs  # noqa: E402
+from schedc.passes.lower import lower  # noqa: E402
+from schedc.passes.memory import predict  # noqa: E402
 
 STAGES = ("parse", "resolve", "graph", "check", "lower")
 MICRO_STEPS = (16, 32, 64, 128)
@@ -90,11 +92,17 @@ def _stages(text: str, path: str) -> tuple[dict[str, float], int]:
     t2 = time.process_time()
     graphs = build_graphs(spec)
     t3 = time.process_time()
-    check(spec, graphs).raise_if_any()
+    diag = Diagnostics(source)
+    assert check_graphs(spec, graphs, diag)
     t4 = time.process_time()
     plans = {rank: lower(g) for rank, g in graphs.items()}
     t5 = time.process_time()
-    t.update(parse=t1 - t0, resolve=t2 - t1, graph=t3 - t2, check=t4 - t3, lower=t5 - t4)
+    memory = {rank: predict(spec, plan) for rank, plan in plans.items()}
+    check_plans(spec, graphs, plans, memory, diag)
+    diag.raise_if_any()
+    t6 = time.process_time()
+    t.update(parse=t1 - t0, resolve=t2 - t1, graph=t3 - t2, check=t4 - t3 + t6 - t5,
+             lower=t5 - t4)
     return t, len(plans[None].ops)
 
 

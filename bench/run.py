@@ -103,7 +103,7 @@ def main() -> None:
                     "schedc-ddp-cap,schedc-ddp-two,torch-fsdp2,schedc-fsdp")
     ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
     a = ap.parse_args()
-    from schedc.arch import SIZES
+    from schedc.model.arch import SIZES
 
     a.layers = SIZES[a.model].n_layer
     files = schedules(a)

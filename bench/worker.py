@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 bench/worker.py --case schedc-ddp \
         --schedule out/bench/ddp.sched --warmup 3 --steps 10
 
-Cases: `loop` (the plain single-process training loop, schedc.reference), `schedc`
+Cases: `loop` (the plain single-process training loop, schedc.model.reference), `schedc`
 (any schedule, through schedc's executor), `torch-ddp` (DistributedDataParallel with its
 default bucketing and no_sync for the first k-1 micro-steps), `torch-fsdp2` (fully_shard
 per block, then the root). Every case trains the same model from the same seed on the
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import compile_file
-from schedc.data import load_batches
-from schedc.reference import Reference, clip_coef, global_grad_norm, init_model, make_adamw
+from schedc.model.data import load_batches
+from schedc.model.reference import Reference, clip_coef, global_grad_norm, init_model, make_adamw
 
 
 def main() -> None:
@@ -146,7 +146,7 @@ def check_grads(spec, grads: dict[str, torch.Tensor]) -> float:
 
 
 class Loop:
-    """The plain single-process loop: schedc.reference, the oracle itself."""
+    """The plain single-process loop: schedc.model.reference, the oracle itself."""
 
     def __init__(self, compiled, world, rank):
         s = compiled.spec
@@ -160,7 +160,7 @@ class Loop:
 
 class Schedc:
     def __init__(self, compiled, world, rank):
-        from schedc.run import Comm, Executor, RunOptions
+        from schedc.exec.executor import Comm, Executor, RunOptions
 
         self.compiled, self.world, self.rank = compiled, world, rank
         if not dist.is_initialized():
@@ -176,7 +176,7 @@ class Schedc:
 
     def hidden_fraction(self, steps: int) -> float | None:
         """Share of collective time overlapped by compute, from a traced run's spans."""
-        from schedc.run import Comm, Executor, RunOptions
+        from schedc.exec.executor import Comm, Executor, RunOptions
 
         if not self.compiled.spec.strategy or steps <= 0:
             return None

@@ -2,6 +2,6 @@
 
 import sys
 
-from schedc.cli import main
+from schedc.cli.main import main
 
 sys.exit(main())

@@ -10,18 +10,20 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
-from schedc.check import check
-from schedc.errors import Diagnostic
-from schedc.graph import ScheduleGraph, build_graphs
-from schedc.lower import Plan, lower
-from schedc.memory import MemoryReport, predict
-from schedc.parse import parse
-from schedc.resolve import Overrides, Spec, resolve
-from schedc.source import Source
-from schedc.syntax import Schedule, to_ast
+from schedc.ir.plan import Plan
+from schedc.ir.source import Source
+from schedc.ir.spec import Spec
+from schedc.lang.diagnostics import Diagnostic, Diagnostics
+from schedc.lang.parse import parse
+from schedc.lang.resolve import Overrides, resolve
+from schedc.lang.syntax import Schedule, to_ast
+from schedc.passes.check import check_graphs, check_plans
+from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
+from schedc.passes.graph import ScheduleGraph, build_graphs
+from schedc.passes.lower import lower
+from schedc.passes.memory import MemoryReport, predict
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Compiled:
     spec: Spec
     graphs: dict[int | None, ScheduleGraph]  # None: the graph of every rank without programs
     plans: dict[int | None, Plan]
+    memories: dict[int | None, MemoryReport]  # predicted per plan
     warnings: tuple[Diagnostic, ...]
 
     def graph(self, rank: int | None = None) -> ScheduleGraph:
@@ -39,9 +42,18 @@ class Compiled:
     def plan(self, rank: int | None = None) -> Plan:
         return self.plans.get(rank, self.plans[None])
 
-    @cached_property
+    def dump(self, stage: str, rank: int | None = None) -> str:
+        """A stage's text form (`schedc check --dump`): ast, graph, program or plan."""
+        if stage == "ast":
+            return dump_ast(self.ast)
+        if stage == "plan":
+            return dump_plan(self.plan(rank))
+        return {"graph": dump_graph, "program": dump_program}[stage](self.graph(rank))
+
+    @property
     def memory(self) -> MemoryReport:
-        return predict(self.spec, self.plan())
+        """The predicted memory of the plan every rank without a program of its own runs."""
+        return self.memories[None]
 
 
 def compile_source(source: Source, overrides: Overrides = Overrides()) -> Compiled:
@@ -49,11 +61,14 @@ def compile_source(source: Source, overrides: Overrides = Overrides()) -> Compil
         ast = to_ast(parse(source), source)  # grammar/schedc.lark -> frozen AST with spans
         spec, warnings = resolve(ast, overrides)  # names, values, coverage, batch arithmetic
         graphs = build_graphs(spec)  # networkx DiGraph of ops: needs, streams, events
-        diag = check(spec, graphs)  # streams, events, gradients, sharding, memory, SPMD
+        diag = Diagnostics(source)
         diag.extend(warnings)
+        if check_graphs(spec, graphs, diag):  # placement, cycles, needs, events, frees
+            plans = {rank: lower(g) for rank, g in graphs.items()}  # per-rank instructions
+            memory = {rank: predict(spec, plan) for rank, plan in plans.items()}
+            check_plans(spec, graphs, plans, memory, diag)  # SPMD order, budget
         diag.raise_if_any()
-        plans = {rank: lower(g) for rank, g in graphs.items()}  # per-rank instruction lists
-        return Compiled(source, ast, spec, graphs, plans, tuple(diag.warnings))
+        return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings))
 
 
 @contextmanager

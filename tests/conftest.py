@@ -25,6 +25,36 @@ settings.register_profile("long", settings.get_profile("ci"), max_examples=1000,
 settings.load_profile(os.environ.get("SCHEDC_PROFILE") or "ci")
 
 
+# Tiers (README, "Testing"). Tests under exec/ and model/ need torch (the executor, the torch
+# model, data as tensors), and so do a few elsewhere that run `schedc run`; they are marked
+# `torch` here or in their module. `pytest -m "not torch"` is the torch-free tier: the
+# compiler, the pictures and the CLI, which must work on a machine without torch (CI runs it
+# in a venv without torch). `ranks` marks tests that start real torch.distributed ranks.
+TORCH_DIRS = ("exec", "model")
+TORCH_FREE = {"test_fuse.py"}  # exec/fuse.py groups ops; it never imports torch
+try:
+    import torch  # noqa: F401
+
+    collect_ignore_glob: list[str] = []
+except ImportError:  # the torch-free tier: these modules import torch when collected
+    collect_ignore_glob = [f"{d}/test_*.py" for d in TORCH_DIRS]
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    if collect_ignore_glob and collection_path.name in TORCH_FREE:
+        return False  # collected even without torch
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name in TORCH_DIRS and path.name not in TORCH_FREE:
+            item.add_marker(pytest.mark.torch)
+        if "pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ranks)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     """The root of the checkout (schedules/, grammar/, docs/ live here)."""

@@ -22,14 +22,15 @@ def inject(ex, fault: str) -> None:
     elif fault == "reduce-first-micro-step":
         import dataclasses
 
-        from schedc.ir import Kind
+        from schedc.ir.op import Kind
+        from schedc.ir.plan import Action
 
         instrs = list(ex.plan.instrs)
-        moved = [i for i in instrs if i.kind == "run" and i.op.kind is Kind.ALLREDUCE]
+        moved = [i for i in instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE]
         if ex.spec.accum > 1 and moved:
-            last_bwd0 = max(k for k, i in enumerate(instrs) if i.kind == "run"
+            last_bwd0 = max(k for k, i in enumerate(instrs) if i.kind is Action.RUN
                             and i.op.kind is Kind.BWD and i.op.mb == 0)
-            rest = [i for i in instrs if i not in moved and i.kind != "wait"]
+            rest = [i for i in instrs if i not in moved and i.kind is not Action.WAIT]
             at = rest.index(instrs[last_bwd0]) + 1
             ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
     elif fault.startswith(("fail-at ", "die-at ", "hang-at ")):

@@ -4,14 +4,14 @@ The reference runs the same micro-batch size as the schedule, so every micro-bat
 gradient is computed by the same kernels on the same data; what differs is the order of
 summation (across ranks in the collective, within a rank by accumulation), and whatever
 AdamW does with those last-bit differences. Measured on the fixed cases of
-tests/test_equivalence.py over 3 steps: gradients <= 3e-8 absolute, parameters
+tests/exec/test_equivalence.py over 3 steps: gradients <= 3e-8 absolute, parameters
 <= 7e-5 x lr after the first step and <= 6e-4 x lr after the third.
 
 An isolated element can go further: AdamW divides by sqrt(v) + eps, so where an
 element's gradient is near eps (1e-8) a last-bit difference in it moves its update by a
 visible fraction of lr (measured: 1 element in 4096 at 1.9e-3 x lr; across micro-batch
 sizes up to 7.5e-3 x lr). World 3 is worse, because averaging divides by 3, which
-rounds: over 300 generated schedules (tests/test_properties.py) the worst element was
+rounds: over 300 generated schedules (tests/exec/test_properties.py) the worst element was
 6.7e-2 x lr, at world 3, on a gradient of -1.3e-8; at worlds 1, 2 and 4, 7.5e-3 x lr.
 In float64 the same elements stay within 5e-12 x lr. Hence two tiers for parameters:
 every element within 1e-1 x lr, and at least 99.9% of them within 1e-3 x lr (measured:
@@ -46,9 +46,9 @@ from functools import lru_cache
 import torch
 
 from schedc.compiler import compile_text
-from schedc.data import load_batches
-from schedc.reference import Reference, StepResult
-from schedc.resolve import Overrides
+from schedc.lang.resolve import Overrides
+from schedc.model.data import load_batches
+from schedc.model.reference import Reference, StepResult
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,8 @@ def _run_job(job: Job, rank: int, groups):
     import torch
 
     from schedc.compiler import compile_text
-    from schedc.resolve import Overrides
-    from schedc.run import Comm, Executor, RunOptions
+    from schedc.exec.executor import Comm, Executor, RunOptions
+    from schedc.lang.resolve import Overrides
 
     compiled = compile_text(job.text, f"job{job.id}.sched", Overrides(steps=job.steps))
     comm = Comm(rank, job.world, groups[job.world], datetime.timedelta(seconds=JOB_TIMEOUT_S),
@@ -256,8 +256,8 @@ class Pool:
 def describe(job: Job, rank: int | None = None) -> str:
     """The schedule text and the plan `rank` runs, for a failure message."""
     from schedc.compiler import compile_text
-    from schedc.errors import CompileError
-    from schedc.resolve import Overrides
+    from schedc.lang.diagnostics import CompileError
+    from schedc.lang.resolve import Overrides
 
     try:
         plan = compile_text(job.text, "job.sched", Overrides(steps=job.steps)).plan(rank).render()

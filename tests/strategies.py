@@ -40,9 +40,8 @@ import networkx as nx
 from hypothesis import assume, settings
 from hypothesis import strategies as st
 
-from schedc.arch import SIZES, GPTConfig
 from schedc.compiler import compile_text
-from schedc.dump import program_text
+from schedc.model.arch import SIZES, GPTConfig
 
 TIED = "wte.weight"
 OPTIMIZER = "optimizer adamw {{ lr = 1e-3  warmup = 1  clip = {clip} }}"
@@ -304,10 +303,10 @@ Programs = dict[str, list[Line]]  # stream -> its ops in program order
 
 def programs_of(text: str) -> Programs:
     """The generated programs of a valid schedule, parsed from what `schedc check --dump
-    program` prints (schedc.dump.program_text)."""
+    program` prints (schedc.passes.dump.dump_program)."""
     progs: Programs = {}
     stream = None
-    for raw in program_text(compile_text(text).graph()).splitlines():
+    for raw in compile_text(text).dump("program").splitlines():
         raw = raw.strip()
         if raw.startswith("program "):
             stream = raw.split()[1]

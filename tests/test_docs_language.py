@@ -3,7 +3,7 @@
 docs/language.md: every fenced `sched` block compiles (cleanly), every `sched-error CODE`
 block fails with CODE, every `sched-warning CODE` block compiles with that warning, and
 together the compiling blocks use every keyword of the grammar. docs/diagnostics.md: its
-table of codes is generated from schedc.errors.CODES and the modules that report them;
+table of codes is generated from schedc.lang.diagnostics.CODES and the modules that report them;
 `SCHEDC_REGEN=1 python -m pytest tests/test_docs_language.py` rewrites it.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from schedc.compiler import compile_text
-from schedc.errors import CODES, CompileError
-from schedc.ir import Op
-from schedc.parse import parser
+from schedc.ir.op import Op
+from schedc.lang.diagnostics import CODES, CompileError
+from schedc.lang.parse import parser
 
 REPO = Path(__file__).resolve().parents[1]
 LANGUAGE = REPO / "docs" / "language.md"
@@ -85,9 +85,9 @@ def test_the_op_table_parses():
 
 # -- docs/diagnostics.md --------------------------------------------------------------------------
 
-STAGES = {"source.py": "read", "parse.py": "parse", "resolve.py": "resolve",
-          "check.py": "check", "agree.py": "compare"}
-BEGIN, END = "<!-- codes: generated from schedc.errors.CODES -->", "<!-- end of codes -->"
+STAGES = {"ir/source.py": "read", "lang/parse.py": "parse", "lang/resolve.py": "resolve",
+          "passes/check.py": "check", "passes/agree.py": "compare"}
+BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
 
 
 def codes_table() -> str:

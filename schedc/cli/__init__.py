@@ -1,0 +1,1 @@
+"""The command line: argparse and one module per verb; nothing below imports this."""

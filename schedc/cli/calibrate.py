@@ -1,0 +1,47 @@
+"""`schedc calibrate`: fit the render cost model to a `schedc run --trace` file.
+
+    schedc calibrate t.json -o params.json      # then: schedc render ... --cost params.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from schedc.cli.common import overrides
+from schedc.compiler import compile_file
+from schedc.lang.diagnostics import UserError
+from schedc.viz.trace import TraceError, calibrate, load
+
+HELP = "fit the render cost model to a `schedc run --trace` file"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="RUN.json", help="a trace from `schedc run --trace`")
+    p.add_argument("--schedule", metavar="FILE.sched",
+                   help="the schedule that was run (default: the one the trace names)")
+    p.add_argument("--model", help="model size the run used (if it passed --model)")
+    p.add_argument("-o", "--output", metavar="PARAMS.json",
+                   help="write the fitted parameters (for render --cost)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = load(args.trace)
+        path = args.schedule or (trace.get("otherData") or {}).get("schedule")
+        if not path:
+            raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
+        if not Path(path).exists():
+            raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
+                            "--schedule FILE")
+        c = compile_file(path, overrides(args))
+        fit = calibrate(c, trace)
+    except TraceError as e:
+        raise UserError(str(e)) from None
+    print(f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least "
+          "squares")
+    print(fit.report())
+    if args.output:
+        Path(args.output).write_text(fit.cost.to_json())
+        print(f"schedc: wrote {args.output} (use: schedc render ... --cost {args.output})")
+    return 0

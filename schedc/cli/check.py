@@ -1,0 +1,112 @@
+"""`schedc check`: prove schedules legal, print a summary or a stage's text, compare two."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from schedc.cli.common import add_override_args, overrides
+from schedc.compiler import Compiled, compile_file
+from schedc.ir.plan import Action
+from schedc.ir.spec import Strategy
+from schedc.lang.diagnostics import CompileError, UserError
+from schedc.lang.params import describe_params
+from schedc.lang.resources import bundled_schedules
+from schedc.passes.memory import fmt_bytes
+
+HELP = "prove schedules legal; print a summary or a stage's text"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="one schedule, or two to prove they agree (default: every bundled "
+                   "schedule)")
+    p.add_argument("--dump", choices=["ast", "graph", "program", "plan"],
+                   help="print a stage's text form instead of the summary")
+    p.add_argument("--rank", type=int, help="the rank whose graph/program/plan to dump")
+    add_override_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    files = [Path(f) for f in args.files] or bundled_schedules()
+    if args.dump and len(files) != 1 and args.files:
+        raise UserError("--dump takes one file")
+    errors: list[CompileError] = []
+    compiled: list[Compiled] = []
+    for f in files:
+        try:
+            c = compile_file(f, overrides(args))
+        except CompileError as e:
+            errors.append(e)
+            continue
+        compiled.append(c)
+        for w in c.warnings:
+            print(w.render(c.source), file=sys.stderr)
+        if args.dump:
+            text = c.dump(args.dump, args.rank)
+            print(text if len(files) == 1 else f"## {f}\n{text}")
+        else:
+            print(summary(c))
+    if len(args.files) == 2 and len(compiled) == 2 and not args.dump:
+        from schedc.passes.agree import compare
+
+        a, b = compiled
+        result = compare(a.spec, b.spec)
+        ta, tb = result.tokens
+        print(f"\n{a.source.path}: {ta:,} tokens per update")
+        print(f"{b.source.path}: {tb:,} tokens per update")
+        if not result.agree:
+            raise CompileError(result.diagnostics, b.source)
+        w = a.spec.loss_weight()
+        print(f"agree: same model, same {a.spec.seqs:,} sequences each read once, every token "
+              f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
+              "same optimizer: the same update")
+    if errors:
+        for e in errors[:-1]:
+            print(e.render(), file=sys.stderr)
+        raise errors[-1]
+    return 0
+
+
+def summary(c: Compiled) -> str:
+    s, cfg = c.spec, c.spec.model
+    plan = c.plan()
+    n_ops = {st: 0 for st in plan.streams}
+    for ins in plan.instrs:
+        if ins.kind is Action.RUN:
+            n_ops[ins.stream] += 1
+    k = s.accum
+    lines = [
+        f"{c.source.path}: ok",
+        f"  model     {s.model_name}: {cfg.numel:,} params ({cfg.n_layer} layers, "
+        f"{cfg.n_head} heads, C={cfg.n_embd}, context {cfg.block_size}, vocab {cfg.vocab_size})",
+        f"  batch     {s.seqs:,} x {s.seq_len:,} = {s.tokens_per_step:,} tokens per update",
+        f"  split     world {s.world} x micro {s.micro} x {k} micro-step{'s' if k != 1 else ''}"
+        + (" (no_sync: only the last communicates)" if s.no_sync and k > 1 else ""),
+    ]
+    st = s.strategy
+    if s.kind is Strategy.DDP:
+        how = f"bucket_cap {fmt_bytes(st.cap)}" if st.cap else "explicit buckets"
+        lines.append(f"  strategy  DDP, {len(st.buckets)} buckets ({how}), overlap "
+                     f"{'on' if st.overlap else 'off'}")
+        for b in st.buckets:
+            lines.append(f"    {b.name:<6} {fmt_bytes(b.nbytes):>11}  "
+                         f"{describe_params(cfg, b.params)}")
+    elif s.kind is Strategy.FSDP:
+        lines.append(f"  strategy  FSDP, {len(st.units)} units, prefetch forward "
+                     f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
+                     f"{'on' if st.reshard_after_forward else 'off'}")
+        for u in st.units:
+            keep = "  (kept gathered)" if u.keep else ""
+            lines.append(f"    {u.name:<6} {fmt_bytes(u.nbytes):>11}  "
+                         f"{describe_params(cfg, u.params)}{keep}")
+    else:
+        lines.append("  strategy  one process: gradients added across micro-steps")
+    comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
+    lines.append(f"  streams   {comm} ops; {len(plan.producers)} events")
+    m = c.memory
+    mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.rows() if v)
+    budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""
+    lines.append(f"  memory    per rank{budget}: {mem}")
+    return "\n".join(lines)

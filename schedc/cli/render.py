@@ -1,0 +1,120 @@
+"""`schedc render`: the dependency graph, or a timeline in the seed pictures' style.
+
+    schedc render schedules/ddp_overlap.sched -o ddp.svg                    # the graph
+    schedc render schedules/ddp_overlap.sched -o ddp.svg --view timeline    # predicted
+    schedc render schedules/tiny_ddp_overlap.sched --trace t.json -o t.svg  # measured
+    schedc render a.sched b.sched --view timeline -o pair.svg               # one time scale
+
+The views are drawn by schedc/viz/ (graph.py for `dot`, timeline.py for `neato -n2`).
+`-o X.dot` writes the DOT text and needs no Graphviz; svg/png/pdf need Graphviz's programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from schedc.cli.common import overrides
+from schedc.compiler import compile_file
+from schedc.lang.diagnostics import UserError
+from schedc.viz.cost import CostModel
+from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
+from schedc.viz.graph import graph_dot
+from schedc.viz.timeline import panels_for, timeline_dot
+from schedc.viz.units import parse_rate, parse_time
+
+HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    d = CostModel()
+    g = p.add_argument_group("cost model (predicted timelines; flags > --cost file > defaults)")
+    g.add_argument("--cost", metavar="PARAMS.json", help="parameters as `schedc calibrate -o` "
+                   "writes them")
+    g.add_argument("--flops", metavar="RATE", help=f"compute throughput, FLOP/s: 300T, 3e14 "
+                   f"(default {d.flops:.3g})")
+    g.add_argument("--bandwidth", metavar="RATE", help=f"bus bandwidth per GPU, B/s: 100G "
+                   f"(default {d.bandwidth:.3g})")
+    g.add_argument("--latency", metavar="TIME", help=f"fixed cost per collective: 10us "
+                   f"(default {d.latency:.3g} s)")
+
+
+def cost_from_args(args: argparse.Namespace) -> CostModel:
+    try:
+        base = CostModel.load(args.cost) if args.cost else CostModel()
+        return base.with_(
+            flops=parse_rate(args.flops) if args.flops else None,
+            bandwidth=parse_rate(args.bandwidth) if args.bandwidth else None,
+            latency=parse_time(args.latency) if args.latency is not None else None)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cost model: {e}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="FILE.sched",
+                   help="a schedule; several draw side by side (graph) or stacked on one time "
+                   "scale (timeline)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="the picture: .svg, .png, .pdf, or .dot (DOT text, no Graphviz needed)")
+    p.add_argument("--view", choices=["graph", "timeline"],
+                   help="graph (default) or timeline (default with --trace)")
+    p.add_argument("--trace", metavar="RUN.json",
+                   help="draw the measured timeline from `schedc run --trace`")
+    p.add_argument("--step", type=int, help="the traced step to draw (default: the last)")
+    p.add_argument("--compare", action="store_true",
+                   help="with --trace: the predicted timeline above the measured one")
+    p.add_argument("--rank", type=int, help="one rank (default: the graph every rank runs; "
+                   "timelines: every rank of a trace, every rank whose plan differs, or rank 0 "
+                   "standing for all)")
+    p.add_argument("--window", metavar="FROM:TO",
+                   help="timeline: draw part of the step: mb3: (micro-step 3 to the end), "
+                   "mb1:mb2, 70ms:90ms")
+    p.add_argument("--unfold", action="store_true",
+                   help="every op: no folded micro-steps (graph), no grouped layers (timeline)")
+    p.add_argument("--model", help="model size (overrides the file; use the run's --model)")
+    add_cost_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    fmt = out.suffix.lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise UserError(f"-o {args.output}: the extension says the format; use one of "
+                        f"{', '.join('.' + f for f in FORMATS)}")
+    view = args.view or ("timeline" if args.trace else "graph")
+    if args.trace and view == "graph":
+        raise UserError("--trace draws a measured timeline; drop --view graph")
+    if args.trace and len(args.files) != 1:
+        raise UserError("--trace belongs to one schedule; give one FILE.sched")
+    if args.window and view == "graph":
+        raise UserError("--window crops a timeline; add --view timeline")
+    if args.step is not None and not args.trace:
+        raise UserError("--step picks a step of a trace; add --trace RUN.json")
+    if args.compare and not args.trace:
+        raise UserError("--compare sets the predicted timeline beside a measured one; add "
+                        "--trace RUN.json")
+    compiled = [compile_file(f, overrides(args)) for f in args.files]
+    for c in compiled:
+        if args.rank is not None and not 0 <= args.rank < c.spec.world:
+            raise UserError(f"--rank {args.rank}: {c.source.path} has ranks 0..{c.spec.world - 1}")
+    if view == "graph":
+        dot = graph_dot(compiled, args.rank, args.unfold)
+        report = []
+    else:
+        panels = panels_for(compiled, cost_from_args(args), rank=args.rank, trace=args.trace,
+                            step=args.step, compare=args.compare)
+        try:
+            dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
+        except ValueError as e:
+            raise UserError(f"--window {args.window!r}: {e}") from None
+        report = [line for p in panels for line in p.report()]
+    try:
+        write(dot, out, ENGINE[view])
+    except GraphvizMissing as e:
+        raise UserError(str(e)) from None
+    print(f"schedc: wrote {out} ({view})")
+    for line in report:
+        print(f"  {line}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,1 @@
+"""The executor: plans run on streams, events and torch.distributed collectives."""

@@ -1,0 +1,287 @@
+"""Streams, events and collectives: the two backends that execute a plan.
+
+The plan (lower.py) is the same on both; only what a stream and an event are differs.
+
+CUDA: one torch.cuda.Stream per schedule stream, one NCCL process group per comm stream
+(its own NCCL stream, so collectives of different streams can overlap), torch.cuda.Event
+for each `record`/`wait`, tensors handed across streams kept alive with record_stream.
+
+CPU: the compute stream is the main thread, so a compute op is complete when it returns.
+Each comm stream is a gloo process group with a single worker thread: collectives issued
+with async_op semantics run there, first-in first-out, exactly like work queued on a CUDA
+stream, while the main thread computes. An event recorded after a collective is its work
+handle; a `wait` for it retires that stream's queue up to it (work.wait(), then the
+collective's completion step, e.g. adding a reduce-scattered shard into the gradient).
+Retiring strictly in issue order keeps every result bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from schedc.ir.op import COMPUTE, Op
+
+# A collective is given its process group and returns the async work (or None when the
+# backend ran it synchronously); `done` runs once its result is complete.
+Launch = Callable[[object], object]
+Done = Callable[[], None]
+
+
+@dataclass
+class Span:
+    """One op's time on its stream, for the trace (ns, CLOCK_MONOTONIC)."""
+
+    op: Op
+    stream: str
+    start: int
+    end: int
+    issue: int = 0  # host time the op was issued (collectives)
+
+
+@dataclass
+class _Pending:
+    op: Op
+    work: object
+    done: Done | None
+    issued: int
+    finished: list[int] = field(default_factory=list)  # set by the work's future
+    retired: bool = False
+
+
+def now() -> int:
+    return time.perf_counter_ns()
+
+
+class CPUBackend:
+    """gloo: compute on the main thread, one single-threaded process group per comm stream."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, streams: tuple[str, ...], comm, trace: bool):
+        self.streams = streams
+        self.trace = trace
+        self.spans: list[Span] = []
+        self.groups = {s: _gloo_group(comm, s) for s in streams}
+        self.queues: dict[str, deque[_Pending]] = {s: deque() for s in streams}
+        self.events: dict[int, tuple[str, _Pending | None]] = {}
+        self.last_issued: dict[str, _Pending | None] = {s: None for s in streams}
+        self.last_end: dict[str, int] = {s: 0 for s in streams}
+        self._watchers: dict[str, queue.SimpleQueue] = {}
+
+    # compute -------------------------------------------------------------------------------
+
+    def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
+        t0 = now()
+        fn()
+        if self.trace:
+            self.spans.append(Span(op, stream, t0, now()))
+
+    # collectives ---------------------------------------------------------------------------
+
+    def collective(self, stream: str, op: Op, launch: Launch, done: Done | None) -> None:
+        issued = now()
+        work = launch(self.groups[stream])
+        p = _Pending(op, work, done, issued)
+        if self.trace:
+            self._watcher(stream).put((p, work))
+        self.queues[stream].append(p)
+        self.last_issued[stream] = p
+        if stream == COMPUTE:
+            self._retire(stream, p)  # on the compute stream a collective blocks, like a kernel
+
+    def record(self, stream: str, event: int) -> None:
+        # the producer was the last op issued on `stream`; a compute op is already complete
+        self.events[event] = (stream, self.last_issued[stream] if stream != COMPUTE else None)
+
+    def wait(self, stream: str, event: int) -> None:
+        src, pending = self.events[event]
+        if pending is not None:
+            self._retire(src, pending)  # compute events are complete already
+
+    def poll(self) -> None:
+        """Retire finished collectives at the head of each queue (never blocks)."""
+        for s, q in self.queues.items():
+            while q and q[0].work.is_completed():
+                self._retire(s, q[0])
+
+    def drain(self) -> None:
+        for s, q in self.queues.items():
+            while q:
+                self._retire(s, q[-1])
+
+    def _retire(self, stream: str, upto: _Pending) -> None:
+        q = self.queues[stream]
+        while q and not upto.retired:
+            p = q.popleft()
+            p.retired = True
+            p.work.wait()
+            if p.done is not None:
+                p.done()
+            # events and the last-issued slot still point at `p`: drop what it holds (the
+            # work keeps its buffers, `done` the unsharded gradient) so memory is freed now
+            p.work = p.done = None
+            if self.trace:
+                while not p.finished:  # the watcher stamps it a moment after wait() returns
+                    time.sleep(0)
+                end = p.finished[0]
+                start = max(p.issued, self.last_end[stream])
+                self.last_end[stream] = end
+                self.spans.append(Span(p.op, stream, start, end, p.issued))
+
+    def synchronize(self) -> None:
+        self.drain()
+
+    def _watcher(self, stream: str) -> queue.SimpleQueue:
+        """A thread that stamps when each collective of `stream` completes (for traces).
+
+        gloo's reduce-scatter work has no future to call back, so the watcher waits on the
+        works in issue order; the stream is first-in first-out, so each stamp is exact.
+        """
+        if stream not in self._watchers:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+
+            def watch() -> None:
+                while (item := q.get()) is not None:
+                    p, work = item
+                    work.wait()
+                    p.finished.append(now())
+
+            threading.Thread(target=watch, name=f"schedc-watch-{stream}", daemon=True).start()
+            self._watchers[stream] = q
+        return self._watchers[stream]
+
+    def close(self) -> None:
+        for q in self._watchers.values():
+            q.put(None)
+
+    # collectives' implementations (gloo's process-group methods) ---------------------------
+
+    @staticmethod
+    def all_reduce(t: torch.Tensor) -> Launch:
+        return lambda pg: pg.allreduce([t])
+
+    @staticmethod
+    def all_gather(out: torch.Tensor, shard: torch.Tensor) -> Launch:
+        return lambda pg: pg._allgather_base(out, shard)
+
+    @staticmethod
+    def reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> Launch:
+        return lambda pg: pg._reduce_scatter_base(out, full)
+
+    def keep_alive(self, t: torch.Tensor, stream: str) -> None:
+        pass  # host memory is freed only when the last Python reference goes
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _gloo_group(comm, stream: str):
+    """A gloo process group over the job's ranks with one worker thread: a FIFO comm stream."""
+    store = dist.PrefixStore(f"schedc/{comm.tag}/stream/{stream}",
+                             dist.distributed_c10d._get_default_store())
+    opts = dist.ProcessGroupGloo._Options()
+    opts._threads = 1
+    opts._timeout = comm.timeout
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, comm.rank, comm.world, opts)
+
+
+class CUDABackend:
+    """NCCL: a CUDA stream and a process group per schedule stream, CUDA events between."""
+
+    def __init__(self, streams: tuple[str, ...], comm, trace: bool, device: torch.device):
+        self.device = device
+        self.trace = trace
+        self.streams = {s: (torch.cuda.current_stream(device) if s == COMPUTE
+                            else torch.cuda.Stream(device)) for s in streams}
+        ranks = list(range(comm.world)) if comm.group is None else dist.get_process_group_ranks(
+            comm.group)
+        self.groups = {s: dist.new_group(ranks, timeout=comm.timeout, backend="nccl")
+                       for s in streams}
+        self.events: dict[int, torch.cuda.Event] = {}
+        self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._base: torch.cuda.Event | None = None
+        self._base_ns = 0
+        self.spans: list[Span] = []
+
+    def _timed(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
+        s = self.streams[stream]
+        with torch.cuda.stream(s):
+            if not self.trace:
+                fn()
+                return
+            if self._base is None:
+                self._base = torch.cuda.Event(enable_timing=True)
+                self._base.record(self.streams[COMPUTE])
+                self._base_ns = now()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            fn()
+            b.record(s)
+            self._timing.append((op, stream, a, b))
+
+    def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
+        self._timed(stream, op, fn)
+
+    def collective(self, stream: str, op: Op, launch: Launch, done: Done | None) -> None:
+        def issue():
+            launch(self.groups[stream])  # synchronous mode: ordered on this stream
+            if done is not None:
+                done()  # enqueued on the same stream, after the collective
+
+        self._timed(stream, op, issue)
+
+    def record(self, stream: str, event: int) -> None:
+        e = torch.cuda.Event()
+        e.record(self.streams[stream])
+        self.events[event] = e
+
+    def wait(self, stream: str, event: int) -> None:
+        self.streams[stream].wait_event(self.events[event])
+
+    def poll(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        for s in self.streams.values():
+            torch.cuda.current_stream(self.device).wait_stream(s)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        if self._timing and self._base is not None:
+            for op, stream, a, b in self._timing:
+                start = self._base_ns + int(self._base.elapsed_time(a) * 1e6)
+                end = self._base_ns + int(self._base.elapsed_time(b) * 1e6)
+                self.spans.append(Span(op, stream, start, end, start))
+            self._timing.clear()
+            self._base = None
+
+    @staticmethod
+    def all_reduce(t: torch.Tensor) -> Launch:
+        return lambda pg: dist.all_reduce(t, group=pg)
+
+    @staticmethod
+    def all_gather(out: torch.Tensor, shard: torch.Tensor) -> Launch:
+        return lambda pg: dist.all_gather_into_tensor(out, shard, group=pg)
+
+    @staticmethod
+    def reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> Launch:
+        return lambda pg: dist.reduce_scatter_tensor(out, full, group=pg)
+
+    def keep_alive(self, t: torch.Tensor, stream: str) -> None:
+        """`t` is used on `stream` too: the allocator must not reuse it before that use."""
+        t.record_stream(self.streams[stream])
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"cuda_max_allocated": torch.cuda.max_memory_allocated(self.device)}

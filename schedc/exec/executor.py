@@ -1,0 +1,508 @@
+"""The executor: a compiled schedule becomes a real GPT-2 training step on every rank.
+
+    torchrun --standalone --nproc_per_node=2 -m schedc run schedules/tiny_ddp_overlap.sched
+    python -m schedc run schedules/tiny_1gpu.sched            # world 1 needs no torchrun
+
+Each step executes the rank's plan instruction by instruction: forward and backward one
+layer at a time (the model is cut at layer boundaries: each layer's input is a detached
+leaf, and each layer's backward is its own autograd.backward call), collectives issued on
+their streams, events recorded and waited exactly where the plan says. Nothing here
+decides an order; the plan does. The only communication outside the plan is start-up
+agreement, the global gradient norm of FSDP (one scalar, inside the optimizer step) and
+the logged loss (one scalar, after the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from schedc.compiler import Compiled
+from schedc.exec.backends import CPUBackend, CUDABackend, Span
+from schedc.exec.flat import Bucket, FlatUnit
+from schedc.exec.fuse import Segment, fuse
+from schedc.ir.op import COMPUTE, Kind, Op
+from schedc.ir.plan import Action, Plan
+from schedc.ir.spec import BucketSpec, Strategy
+from schedc.model.data import load_batches
+from schedc.model.reference import (
+    adamw_groups,
+    clip_coef,
+    global_grad_norm,
+    init_model,
+    make_adamw,
+)
+
+
+class RunError(Exception):
+    """A run-time failure with a message for the user (printed on every rank, exit 1)."""
+
+
+# -- who we are ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Comm:
+    """This process's place in the job: rank, world, the store and the group for extras."""
+
+    rank: int
+    world: int
+    group: object | None = None  # None: the default (world) group
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300)
+    tag: str = "run"  # names this job's stream groups in the store (one per executor)
+
+    @classmethod
+    def from_env(cls, backend: str, timeout_s: float) -> Comm:
+        """torchrun's environment (RANK, WORLD_SIZE, ...), or a one-process world without it."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            if "RANK" in os.environ:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout)
+        return cls(dist.get_rank(), dist.get_world_size(), None, timeout)
+
+
+@dataclass
+class RunOptions:
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 300.0
+    trace: bool = False
+    dtype: torch.dtype = torch.float32
+    record: bool = False  # keep full gradients and parameters of each step (tests)
+    log: bool = True
+    nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip"
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    dt_ms: float
+    tokens_per_s: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # per collective, this rank
+    skipped: str = ""  # why this step's update was skipped (--nonfinite skip)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RunError("--device cuda, but torch sees no CUDA device")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if name != "cpu":
+        raise RunError(f"unknown device '{name}' (cpu, cuda or auto)")
+    return torch.device("cpu")
+
+
+# -- the executor -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Micro:
+    """What one micro-step keeps between its forward and its backward."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    inp: dict[str, torch.Tensor] = field(default_factory=dict)  # each layer's input leaf
+    out: dict[str, torch.Tensor] = field(default_factory=dict)  # each layer's output
+    grad_in: dict[str, torch.Tensor] = field(default_factory=dict)  # d loss / d layer input
+    loss: torch.Tensor | None = None
+
+
+class Executor:
+    """Runs one rank's plan, step after step."""
+
+    def __init__(self, compiled: Compiled, comm: Comm, options: RunOptions = RunOptions(),
+                 batches=None):
+        self.compiled, self.comm, self.opts = compiled, comm, options
+        spec = self.spec = compiled.spec
+        if comm.world != spec.world:
+            raise RunError(f"the schedule is for world {spec.world}, but this job has "
+                           f"{comm.world} rank{'s' if comm.world != 1 else ''}")
+        self.plan: Plan = compiled.plan(comm.rank)
+        self.device = pick_device(options.device)
+        self.layers = spec.model.layers
+        self.model = init_model(spec.model, spec.seed, options.dtype).to(self.device)
+        self.params = dict(self.model.named_parameters())
+        self.batches = batches or load_batches(spec.data, spec.seq_len, spec.seqs,
+                                               spec.model.vocab_size)
+        # each micro-batch's mean loss x 1/k (accumulation); the 1/D of averaging is applied
+        # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
+        # already holds earlier micro-steps' averaged gradients stays correct when summed
+        self.loss_scale = 1.0 / spec.accum
+        streams = tuple(spec.stream_names())  # every rank builds the same stream groups
+        if self.device.type == "cuda":
+            self.backend = CUDABackend(streams, comm, options.trace, self.device)
+        else:
+            self.backend = CPUBackend(streams, comm, options.trace)
+        self.buckets: dict[str, Bucket] = {}
+        self.units: dict[str, FlatUnit] = {}
+        if spec.kind is Strategy.FSDP:
+            self.units = {u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world)
+                          for u in spec.strategy.units}
+            decay, plain = [], []
+            for u in self.units.values():
+                d, p = u.optimizer_params()
+                decay += d
+                plain += p
+            self.optimizer = adamw_groups(decay, plain, spec.optim)
+            writers = {u.name: {w for p in u.params for w in spec.model.writers(p)}
+                       for u in spec.strategy.units}
+            # the units whose gradients each layer's backward writes into
+            self.writes = {layer: [self.units[n] for n, ws in writers.items() if layer in ws]
+                           for layer in self.layers}
+        else:
+            if spec.kind is Strategy.DDP:
+                specs = spec.strategy.buckets
+            else:  # one process: a single flat gradient buffer, never communicated
+                specs = (BucketSpec("grads", tuple(self.params), None, 0),)
+            self.buckets = {b.name: Bucket(b, self.params) for b in specs}
+            self.optimizer = make_adamw(self.params.items(), spec.optim)
+        self._fused: tuple[Plan, list] | None = None
+        self.step_index = 0
+        self.mem = {"gathered_peak": 0, "grads_peak": 0}
+        self.trace_spans: list[tuple[int, Span]] = []
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> StepStats:
+        spec, s = self.spec, self.step_index
+        t0 = time.perf_counter()
+        self.micro = [
+            _Micro(*(t.to(self.device, non_blocking=True) for t in self.batches.micro_batch(
+                s, self.comm.rank, j, spec.micro, spec.world)))
+            for j in range(spec.accum)
+        ]
+        for b in self.buckets.values():
+            b.flat.zero_()
+        self.scattered: set[str] = set()  # units reduce-scattered so far this step
+        self.comm_bytes: dict[str, int] = {}
+        self.result: StepStats | None = None
+        self.execute()
+        self.backend.synchronize()
+        dt = time.perf_counter() - t0
+        stats = self.result
+        stats.dt_ms = dt * 1e3
+        stats.tokens_per_s = spec.tokens_per_step / dt
+        stats.comm_bytes = self.comm_bytes
+        if self.opts.trace:
+            self.trace_spans += [(s, sp) for sp in self.backend.spans]
+            self.backend.spans.clear()
+        self.step_index += 1
+        return stats
+
+    @property
+    def items(self) -> list:
+        """The plan with fusable compute runs grouped; when tracing every op runs alone, so
+        each gets its own span. Recomputed if the plan object is replaced."""
+        if self._fused is None or self._fused[0] is not self.plan:
+            self._fused = (self.plan, fuse(self.plan, self.spec.model, enabled=not self.opts.trace))
+        return self._fused[1]
+
+    def execute(self) -> None:
+        """Issue the plan, item by item; on failure, show where in the plan."""
+        backend, instrs = self.backend, self.plan.instrs
+        for item in self.items:
+            k = item.first if isinstance(item, Segment) else item
+            try:
+                with _range(item if isinstance(item, Segment) else instrs[item]):
+                    if isinstance(item, Segment):
+                        self.compute(item)
+                        continue
+                    ins = instrs[item]
+                    if ins.kind is Action.RUN:
+                        self.run_op(ins.stream, ins.op)
+                    elif ins.kind is Action.RECORD:
+                        backend.record(ins.stream, ins.event)
+                    else:
+                        backend.wait(ins.stream, ins.event)
+            except Exception as e:
+                raise PlanError(self.plan, k, self.comm.rank, self.step_index, e) from e
+
+    def run_op(self, stream: str, op: Op) -> None:
+        kind = op.kind
+        if kind is Kind.FREE:
+            self.backend.compute(stream, op, lambda: self._free(op))
+        elif kind is Kind.STEP:
+            self.backend.compute(stream, op, self._optimizer_step)
+        elif kind.is_collective:
+            self._collective(stream, op)
+        else:  # a forward or backward written outside the compute stream's fusable runs
+            self.compute(Segment(kind, op.mb, (op.target,), -1))
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def compute(self, seg: Segment) -> None:
+        op = seg.ops[0] if len(seg.layers) == 1 else seg.ops[-1]
+        fn = self._forward if seg.kind is Kind.FWD else self._backward
+        self.backend.compute(COMPUTE, op, lambda: fn(seg))
+        if seg.kind is Kind.BWD:
+            self.backend.poll()
+
+    def _forward(self, seg: Segment) -> None:
+        mb, first, last = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
+        i = self.layers.index(first)
+        if i == 0:
+            inp = mb.x
+        else:
+            # cut the graph here: what is below runs its backward on its own, later
+            inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
+        out = self.model.forward_range(first, last, inp, mb.y if last == "head" else None)
+        mb.inp[first], mb.out[last] = inp, out
+        if last == "head":
+            mb.loss = out.detach()
+
+    def _backward(self, seg: Segment) -> None:
+        mb, top, bottom = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
+        if self.units:
+            key = self._grad_key(seg.mb)
+            for unit in {u.name: u for layer in seg.layers for u in self.writes[layer]}.values():
+                unit.grad_buffer(key)  # FSDP: the unsharded gradient this backward adds into
+        out, inp = mb.out.pop(top), mb.inp.pop(bottom)
+        if top == "head":
+            torch.autograd.backward(out * self.loss_scale)
+        else:
+            torch.autograd.backward(out, mb.grad_in.pop(self.layers[self.layers.index(top) + 1]))
+        if bottom != self.layers[0]:
+            mb.grad_in[bottom] = inp.grad
+        if self.units:
+            self._measure()
+
+    def _free(self, op: Op) -> None:
+        unit = self.units[op.target]
+        self.backend.keep_alive(unit.full, COMPUTE)  # compute read it; the allocator must wait
+        unit.release()
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def _collective(self, stream: str, op: Op) -> None:
+        b = self.backend
+        D = self.comm.world
+        if op.kind is Kind.ALLREDUCE:
+            flat = self.buckets[op.target].flat
+            self._count(op, flat)
+            reduce = b.all_reduce(flat)
+
+            def launch(pg, flat=flat, reduce=reduce):
+                if D > 1:
+                    flat.div_(D)  # sum of x/D over ranks = the average
+                return reduce(pg)
+
+            b.collective(stream, op, launch, None)
+        elif op.kind is Kind.ALLGATHER:
+            unit = self.units[op.target]
+            self._count(op, unit.shard, D)  # every rank's shard arrives: the full unit
+            gather = b.all_gather(unit.full, unit.shard)
+
+            def launch(pg, unit=unit, gather=gather):
+                unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
+                return gather(pg)
+
+            b.collective(stream, op, launch, None)
+            self._measure()
+        elif op.kind is Kind.REDUCESCATTER:
+            unit = self.units[op.target]
+            grad = unit.take_grad(self._grad_key(op.mb))
+            self._count(op, grad)
+            # the step's first reduce-scatter of a unit writes straight into a new gradient
+            # shard; later ones (no_sync off) land in a temporary and are added to it
+            first = unit.name not in self.scattered
+            self.scattered.add(unit.name)
+            held: dict[str, torch.Tensor] = {}
+
+            def launch(pg, unit=unit, grad=grad, held=held, first=first):
+                b.keep_alive(grad, stream)  # written on compute, read on this stream
+                if D > 1:
+                    grad.div_(D)
+                out = unit.new_shard_grad() if first else torch.empty_like(unit.shard)
+                held["out"] = out  # allocated on this stream
+                return b.reduce_scatter(out, grad)(pg)
+
+            def done(unit=unit, grad=grad, held=held):
+                unit.shard_grad.add_(held.pop("out"))  # accumulate this micro-step's shard
+
+            b.collective(stream, op, launch, None if first else done)
+
+    def _grad_key(self, mb: int) -> int:
+        """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
+        that accumulates the whole step and is reduce-scattered once."""
+        return 0 if self.spec.no_sync else mb
+
+    def _count(self, op: Op, t: torch.Tensor, times: int = 1) -> None:
+        """Bytes a collective moves per rank, counted from its real buffer."""
+        key = f"{op.kind.value}[{op.target}]"
+        self.comm_bytes[key] = self.comm_bytes.get(key, 0) + t.numel() * t.element_size() * times
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def _optimizer_step(self) -> None:
+        spec, opt = self.spec, self.spec.optim
+        self.backend.drain()  # every reduction retired: shards and buckets hold final sums
+        stats = StepStats(self.step_index, 0.0, 0.0, 0.0, 0.0, 0.0)
+        if self.units:
+            sq = sum((u.shard_grad.double().pow(2).sum() for u in self.units.values()),
+                     torch.zeros((), dtype=torch.float64, device=self.device))
+            if self.comm.world > 1:
+                dist.all_reduce(sq, group=self.comm.group)
+            norm = sq.sqrt().to(self.opts.dtype)
+            grads = [u.shard_grad for u in self.units.values()]
+        else:
+            grads = [p.grad for p in self.params.values()]
+            norm = global_grad_norm(grads)
+        if self.opts.record:
+            stats.grads = self.full_tensors(grad=True)
+        # the global loss, before the update: a non-finite loss or norm must not reach it
+        loss = torch.stack([m.loss for m in self.micro]).double().sum() / spec.accum
+        if self.comm.world > 1:
+            dist.all_reduce(loss, group=self.comm.group)
+            loss /= self.comm.world
+        lr = opt.lr_at(self.step_index, spec.steps)
+        stats.loss, stats.lr, stats.grad_norm = loss.item(), lr, norm.item()
+        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            why = self._nonfinite(stats)
+            if self.opts.nonfinite != "skip":
+                raise RunError(why)
+            stats.skipped = why  # every rank sees the same global values, so all skip
+            for u in self.units.values():
+                u.drop_shard_grad()
+            self.result = stats
+            return
+        if opt.clip > 0:
+            coef = clip_coef(norm, opt.clip)
+            for g in grads:
+                g.mul_(coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self._release_grads()
+        if self.opts.record:
+            stats.params = self.full_tensors(grad=False)
+        self.result = stats
+
+    def _release_grads(self) -> None:
+        """After the update: measure the model states, then free FSDP's gradient shards."""
+        if self.units:
+            held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
+        else:
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        opt_state = [t for st in self.optimizer.state.values() for t in st.values()
+                     if torch.is_tensor(t) and t.dim() > 0]  # Adam m and v, not the step count
+        self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
+        for u in self.units.values():
+            u.drop_shard_grad()
+
+    def _nonfinite(self, stats: StepStats) -> str:
+        """Name the step, and the ranks and micro-steps whose loss was not finite."""
+        mine = [(self.comm.rank, j) for j, m in enumerate(self.micro)
+                if not torch.isfinite(m.loss)]
+        every = [None] * self.comm.world
+        if self.comm.world > 1:
+            dist.all_gather_object(every, mine, group=self.comm.group)
+        else:
+            every = [mine]
+        bad = [x for part in every for x in part]
+        if bad:
+            where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
+            return f"step {stats.step}: the loss is not finite in {where}"
+        return (f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
+                f"finite in every micro-step, so a backward produced it)")
+
+    def full_tensors(self, *, grad: bool) -> dict[str, torch.Tensor]:
+        """Full gradients or parameters by name (FSDP: gathered from the shards; tests only)."""
+        names = {id(p): n for n, p in self.params.items()}
+        if not self.units:
+            return {n: (p.grad if grad else p).detach().clone() for n, p in self.params.items()}
+        out = {}
+        for u in self.units.values():
+            src = u.shard_grad if grad else u.shard
+            full = torch.empty(u.padded, dtype=src.dtype, device=src.device)
+            if self.comm.world > 1:
+                dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
+            else:
+                full.copy_(src)
+            out.update({names[id(p)]: t for p, t in u.assemble(full).items()})
+        return out
+
+    def _measure(self) -> None:
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units.values())
+        grads = sum(g.numel() * g.element_size() for u in self.units.values()
+                    for g in u.grads.values())
+        self.mem["gathered_peak"] = max(self.mem["gathered_peak"], gathered)
+        self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes schedc held on this rank, measured from the tensors themselves: the model
+        states at the last update (parameters, gradients, Adam m and v), and the peaks of
+        gathered units and unsharded gradients."""
+        return {"states": 0, **self.mem, **self.backend.stats()}
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def trace_events(self) -> list[dict]:
+        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans)
+
+
+def _range(item):
+    """A profiler range named after the op(s), when a profiler is listening (else free)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    if isinstance(item, Segment):
+        name = str(item.ops[0]) if len(item.layers) == 1 else (
+            f"{item.kind.value}[{item.layers[0]}..{item.layers[-1]}]@mb{item.mb}")
+    else:
+        name = str(item.op) if item.op else str(item)
+    return torch.profiler.record_function(name)
+
+
+class PlanError(RunError):
+    """An instruction of the plan failed: the message shows the plan around it."""
+
+    def __init__(self, plan: Plan, index: int, rank: int, step: int, cause: BaseException):
+        self.plan, self.index, self.rank, self.step, self.cause = plan, index, rank, step, cause
+        lines = plan.render(mark=index).splitlines()
+        head, body = lines[0], lines[1:]
+        lo, hi = max(0, index - 12), min(len(body), index + 4)
+        window = ([head] + (["  ..."] if lo else []) + body[lo:hi]
+                  + (["  ..."] if hi < len(body) else []))
+        cause_text = "".join(traceback.format_exception_only(type(cause), cause)).strip()
+        super().__init__(f"rank {rank}, step {step}: instruction {index} "
+                         f"({plan.instrs[index]}) failed: {cause_text}\n" + "\n".join(window))
+
+
+# -- traces ---------------------------------------------------------------------------------------
+
+
+def chrome_events(rank: int, streams, spans: list[tuple[int, Span]]) -> list[dict]:
+    """Chrome/Perfetto trace events: one process per rank, one thread per stream."""
+    tid = {s: i for i, s in enumerate(streams)}
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+              {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+    for s, i in tid.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": i,
+                       "args": {"name": s}})
+    for step, sp in spans:
+        ev = {"name": str(sp.op), "ph": "X", "pid": rank, "tid": tid[sp.stream],
+              "ts": sp.start / 1e3, "dur": max(0.0, (sp.end - sp.start) / 1e3),
+              "cat": "collective" if sp.op.is_collective else "compute",
+              "args": {"step": step, "stream": sp.stream}}
+        if sp.op.is_collective:
+            ev["args"]["launch_us"] = sp.issue / 1e3
+            ev["args"]["complete_us"] = sp.end / 1e3
+        events.append(ev)
+    return events

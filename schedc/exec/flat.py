@@ -1,0 +1,180 @@
+"""Flat buffers: DDP's gradient buckets and FSDP's sharded units.
+
+DDP: each bucket is one flat fp32 buffer; every parameter's .grad is a view into it, so
+backward accumulates straight into the buffer the all-reduce sends (no copy).
+
+FSDP: each unit's parameters are laid out in one flat buffer, matrices first (weight
+decay) then vectors, padded to a multiple of the world size D. Rank r owns the slice
+[r*s, (r+1)*s), s = padded/D: the parameter shard, its gradient shard and the AdamW state
+for it (16 bytes/param / D). The module parameters are permanent views of one full
+buffer per unit whose *storage* is allocated by each all-gather and resized to zero by
+each free (FSDP2's technique). That matters: autograd saves views of weights (a Linear
+saves w.t()), so swapping `p.data` would neither free the memory nor let backward see a
+re-gathered buffer; resizing the shared storage does both, and a use after free fails
+loudly (the storage is empty) instead of reading stale memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from schedc.ir.spec import BucketSpec, UnitSpec
+from schedc.model.arch import GPTConfig
+from schedc.passes.memory import padded
+
+
+class Bucket:
+    """A DDP bucket: the flat gradient buffer its parameters' .grad views live in."""
+
+    def __init__(self, spec: BucketSpec, params: dict[str, nn.Parameter]):
+        self.name = spec.name
+        self.params = [params[n] for n in spec.params]
+        p0 = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype,
+                                device=p0.device)
+        self.bind()
+
+    def bind(self) -> None:
+        """Point every parameter's .grad at its slice of the flat buffer."""
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = self.flat[off : off + n].view_as(p)
+            off += n
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class FlatUnit:
+    """An FSDP unit: one padded flat parameter, sharded over the ranks."""
+
+    def __init__(self, spec: UnitSpec, cfg: GPTConfig, params: dict[str, nn.Parameter],
+                 rank: int, world: int):
+        self.name = spec.name
+        self.keep = spec.keep
+        decay = [n for n in spec.params if cfg.param(n).decay]
+        plain = [n for n in spec.params if not cfg.param(n).decay]
+        # (param, offset, numel, shape): the shape is kept, since a freed parameter is empty
+        self.layout: list[tuple[nn.Parameter, int, int, torch.Size]] = []
+        off = 0
+        for n in decay + plain:
+            p = params[n]
+            self.layout.append((p, off, p.numel(), p.shape))
+            off += p.numel()
+        self.numel = off
+        self.n_decay = sum(params[n].numel() for n in decay)
+        self.padded = padded(self.numel, world)
+        self.shard_len = self.padded // world
+        self.rank, self.world = rank, world
+        p0 = self.layout[0][0]
+        self.dtype, self.device = p0.dtype, p0.device
+        lo = rank * self.shard_len
+        full = self.flatten()
+        self.shard = full[lo : lo + self.shard_len].clone()  # this rank's parameters
+        # the gradient shard exists from the step's first reduce-scatter of this unit to the
+        # update, as in FSDP2; between steps it holds no memory
+        self.shard_grad: torch.Tensor | None = None
+        self.full = full  # gathered while its storage is non-empty
+        for p, off, n, shape in self.layout:
+            p.data = full[off : off + n].view(shape)
+        self.grads: dict[int, torch.Tensor] = {}  # unsharded gradients, by micro-step
+        self._opt_params: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
+        self.release()
+
+    def flatten(self) -> torch.Tensor:
+        """The unit's current full parameters as one padded flat tensor (from the modules)."""
+        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p, off, n, _ in self.layout:
+            full[off : off + n].copy_(p.detach().reshape(-1))
+        return full
+
+    # gathered parameters ---------------------------------------------------------------
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    def alloc_full(self) -> torch.Tensor:
+        """Give the full buffer its storage back; the all-gather then writes into it."""
+        self.full.untyped_storage().resize_(self.full_bytes)
+        return self.full
+
+    def release(self) -> None:
+        """Free the gathered parameters: the storage every view shares goes to zero bytes."""
+        for p, _, _, _ in self.layout:
+            p.grad = None
+        self.full.untyped_storage().resize_(0)
+
+    # gradients ---------------------------------------------------------------------------
+
+    def grad_buffer(self, key: int) -> torch.Tensor:
+        """The unsharded gradient `key` (a micro-step, or one key for all of them under
+        no_sync), allocated zeroed at its first backward; the parameters' .grad now
+        accumulate into it. One buffer per micro-step lets a reduce-scatter that a program
+        delays past the next micro-step's backward still take exactly its own gradient."""
+        if key not in self.grads:
+            self.grads[key] = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        grad = self.grads[key]
+        for p, off, n, shape in self.layout:
+            p.grad = grad[off : off + n].view(shape)
+        return grad
+
+    def take_grad(self, key: int) -> torch.Tensor:
+        """Hand the unsharded gradient `key` to a reduce-scatter and forget it."""
+        for p, _, _, _ in self.layout:
+            p.grad = None
+        return self.grads.pop(key)
+
+    # the optimizer's view of the shard -----------------------------------------------------
+
+    def optimizer_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(decay, no decay) parameters that alias this rank's shard and gradient shard.
+
+        Made once: the optimizer keys its state by these objects.
+        """
+        if self._opt_params is None:
+            self._opt_params = self._make_optimizer_params()
+        return self._opt_params
+
+    def _make_optimizer_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        lo, hi = self.rank * self.shard_len, (self.rank + 1) * self.shard_len
+        out: tuple[list, list] = ([], [])
+        for group, (a, b) in enumerate(((0, self.n_decay), (self.n_decay, self.numel))):
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                out[group].append(nn.Parameter(self.shard[a - lo : b - lo]))
+        return out
+
+    def new_shard_grad(self) -> torch.Tensor:
+        """Allocate the gradient shard (uninitialised: the first reduce-scatter writes all of
+        it) and point the optimizer's parameters' .grad at it."""
+        self.shard_grad = torch.empty_like(self.shard)
+        self._bind_shard_grad()
+        return self.shard_grad
+
+    def drop_shard_grad(self) -> None:
+        for p in (p for group in self.optimizer_params() for p in group):
+            p.grad = None
+        self.shard_grad = None
+
+    def _bind_shard_grad(self) -> None:
+        for p in (p for group in self.optimizer_params() for p in group):
+            a = (p.data_ptr() - self.shard.data_ptr()) // self.shard.element_size()
+            p.grad = self.shard_grad[a : a + p.numel()]
+
+    def assemble(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """Split a full (gathered) flat tensor into per-parameter tensors."""
+        return {p: flat[off : off + n].view(shape).clone() for p, off, n, shape in self.layout}
+
+    @property
+    def state_bytes(self) -> int:
+        """Shard, gradient shard, Adam m and v: 16 bytes/param / D in fp32."""
+        return 4 * self.shard_len * self.shard.element_size()
+

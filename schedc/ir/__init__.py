@@ -1,0 +1,1 @@
+"""The IR: plain data every stage shares (ops, the resolved Spec, plans, source spans)."""

@@ -1,0 +1,79 @@
+"""A per-rank plan: one rank's instructions in host issue order, with events.
+
+A plan is what both backends execute, unchanged:
+
+    run    <stream> <op>     issue the op on its stream
+    record <stream> e<i>     mark the point after the producer on the producer's stream
+    wait   <stream> e<i>     make the consumer's stream wait for that point
+
+`passes.lower` makes plans; the executor, the checker, the simulator and the dumps read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+
+from schedc.ir.op import Op
+
+
+class Action(Enum):
+    """What an instruction does on its stream."""
+
+    RUN = "run"
+    RECORD = "record"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class Instr:
+    kind: Action
+    stream: str
+    op: Op | None = None  # run
+    event: int | None = None  # record / wait
+
+    def __str__(self) -> str:
+        if self.kind is Action.RUN:
+            return f"run    {self.stream:<8} {self.op}"
+        return f"{self.kind.value:<6} {self.stream:<8} e{self.event}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    rank: int | None  # None: the plan every rank without programs of its own runs
+    streams: tuple[str, ...]
+    instrs: tuple[Instr, ...]
+    producers: dict[int, Op]  # event -> the op it follows
+    consumers: dict[int, tuple[Op, ...]]  # event -> the ops that wait for it
+
+    @property
+    def ops(self) -> list[Op]:
+        return [i.op for i in self.instrs if i.kind is Action.RUN]
+
+    def collectives(self, stream: str | None = None) -> list[Op]:
+        return [i.op for i in self.instrs if i.kind is Action.RUN and i.op.is_collective
+                and (stream is None or i.stream == stream)]
+
+    def collective_digest(self) -> str:
+        """Hash of each stream's collective sequence: ranks compare it before step 1."""
+        text = "\n".join(f"{i.stream} {i.op}" for i in self.instrs
+                         if i.kind is Action.RUN and i.op.is_collective)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def render(self, mark: int | None = None) -> str:
+        """The plan as text; `mark` points at one instruction (a failure, say)."""
+        who = "every rank" if self.rank is None else f"rank {self.rank}"
+        n_ops = sum(1 for i in self.instrs if i.kind is Action.RUN)
+        lines = [f"# plan for {who}: {n_ops} ops on {len(self.streams)} streams "
+                 f"({', '.join(self.streams)}), {len(self.producers)} events"]
+        for k, ins in enumerate(self.instrs):
+            text = f"{k:5d}  {ins}"
+            if ins.kind is Action.RECORD:
+                text += f"    # after {self.producers[ins.event]}"
+            elif ins.kind is Action.WAIT:
+                text += f"    # for {self.producers[ins.event]}"
+            if k == mark:
+                text += "    <-- ERROR HERE"
+            lines.append(text)
+        return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""The resolved schedule: what a .sched file declares, as plain frozen data.
+
+`lang.resolve` builds a Spec from the AST; every later stage reads it. Nothing here
+computes a schedule, only describes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from fractions import Fraction
+
+from schedc.ir.op import COMM, COMPUTE, Kind, Op
+from schedc.ir.source import Source, Span
+from schedc.model.arch import GPTConfig
+from schedc.model.config import DataConfig, OptimConfig
+
+MiB = 1 << 20
+TIED = "wte.weight"  # the embedding, tied to lm_head: written by bwd[head] and bwd[embed]
+
+
+
+class Strategy(str, Enum):
+    """How a schedule synchronizes gradients; `Spec.kind` is the one way to ask."""
+
+    SINGLE = "single"  # one process: gradients added across micro-steps, no collectives
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def of(cls, strategy: DDPSpec | FSDPSpec | None) -> Strategy:
+        if isinstance(strategy, DDPSpec):
+            return cls.DDP
+        return cls.FSDP if isinstance(strategy, FSDPSpec) else cls.SINGLE
+
+    @property
+    def label(self) -> str:
+        return {"single": "single-process", "ddp": "DDP", "fsdp": "FSDP"}[self.value]
+
+
+# -- the resolved schedule ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    name: str
+    params: tuple[str, ...]  # in gradient-ready order
+    span: Span | None  # None for buckets made by bucket_cap
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DDPSpec:
+    buckets: tuple[BucketSpec, ...]  # in launch order
+    overlap: bool = True
+    no_sync: bool = True
+    cap: int | None = None
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    name: str
+    params: tuple[str, ...]
+    layers: tuple[str, ...]  # layers whose forward reads one of the unit's parameters
+    keep: bool  # gathered once per step, freed at its end (the root)
+    span: Span
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FSDPSpec:
+    units: tuple[UnitSpec, ...]  # in order of first use
+    prefetch_forward: int = 1
+    prefetch_backward: int = 1
+    reshard_after_forward: bool = True
+    no_sync: bool = False
+
+    def unit_of(self, param: str) -> UnitSpec:
+        for u in self.units:
+            if param in u.params:
+                return u
+        raise KeyError(param)
+
+
+@dataclass(frozen=True)
+class InstrSpec:
+    op: Op
+    after: tuple[Op, ...]
+    span: Span
+    after_spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    stream: str
+    rank: int | None  # None: every rank
+    instrs: tuple[InstrSpec, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a schedule declares, resolved and checked."""
+
+    source: Source
+    model_name: str
+    model: GPTConfig
+    world: int
+    seqs: int  # global batch, sequences
+    seq_len: int  # tokens per sequence
+    micro: int  # sequences per rank per micro-step
+    accum: int  # micro-steps per update (k)
+    steps: int
+    seed: int
+    data: DataConfig
+    optim: OptimConfig
+    memory: int | None
+    strategy: DDPSpec | FSDPSpec | None  # None: one process, no collectives
+    streams: dict[Kind, str]
+    programs: tuple[ProgramSpec, ...]
+    where: dict[str, Span] = field(default_factory=dict, compare=False)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seqs * self.seq_len
+
+    @property
+    def kind(self) -> Strategy:
+        return Strategy.of(self.strategy)
+
+    @property
+    def no_sync(self) -> bool:
+        return bool(self.strategy and self.strategy.no_sync)
+
+    def communicates(self, mb: int) -> bool:
+        """Whether micro-step `mb` reduces gradients (no_sync: only the last one does)."""
+        return mb == self.accum - 1 or not self.no_sync
+
+    def stream_names(self) -> list[str]:
+        names = [COMPUTE, COMM] + sorted(set(self.streams.values()) - {COMPUTE, COMM})
+        names += sorted({p.stream for p in self.programs} - set(names))
+        return names
+
+    def loss_weight(self) -> Fraction:
+        """Weight of one token's loss in the update: 1/(B T) per micro mean, x 1/k, x 1/D."""
+        return Fraction(1, self.micro * self.seq_len) / self.accum / self.world

@@ -1,0 +1,1 @@
+"""The language: text -> Spec (read, parse, syntax, resolve) and its diagnostics."""

@@ -1,0 +1,714 @@
+"""AST -> Spec: names resolved, numbers checked, coverage proven, batch arithmetic done.
+
+This pass judges everything a schedule declares (the graph pass judges what it does):
+names exist, values are in range, every parameter is in exactly one bucket or unit, the
+global batch is micro x accumulation x world exactly, the tied weight sits where both its
+users can see it. All findings are collected before the stage fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
+from schedc.ir.source import Span
+from schedc.ir.spec import (
+    TIED,
+    BucketSpec,
+    DDPSpec,
+    FSDPSpec,
+    InstrSpec,
+    MiB,
+    ProgramSpec,
+    Spec,
+    Strategy,
+    UnitSpec,
+)
+from schedc.lang.diagnostics import Diagnostics, Note, did_you_mean
+from schedc.lang.params import auto_buckets, group_by_layer, ready_position
+from schedc.lang.syntax import (
+    DDP,
+    FSDP,
+    Batch,
+    Bucket,
+    BucketCap,
+    Data,
+    Field,
+    Memory,
+    Model,
+    Name,
+    Num,
+    Optimizer,
+    Prefetch,
+    Program,
+    Ref,
+    Schedule,
+    Setting,
+    Size,
+    StreamDecl,
+    Toggle,
+    Unit,
+)
+from schedc.model.arch import SIZES, GPTConfig
+from schedc.model.config import DataConfig, OptimConfig
+
+# -- the pass -----------------------------------------------------------------------------------
+
+# (min, max) of each plain setting; max keeps arithmetic sane and catches typos like 1e40
+LIMITS = {
+    "world": (1, 1 << 16),
+    "micro": (1, 1 << 24),
+    "accumulate": (1, 1 << 20),
+    "steps": (1, 1 << 30),
+    "seed": (0, (1 << 63) - 1),
+}
+MODEL_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
+              "block": "block_size", "vocab": "vocab_size"}
+MODEL_LIMITS = {"n_layer": 4096, "n_head": 4096, "n_embd": 1 << 17, "block_size": 1 << 20,
+                "vocab_size": 1 << 22}
+OPTIM_KEYS = {"lr", "min_lr", "warmup", "decay_steps", "weight_decay", "betas", "eps", "clip"}
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
+DEFAULT_STEPS = 20
+DEFAULT_SEED = 1337
+STREAM_KINDS = {k.value: k for k in Kind}
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Command-line flags, which take precedence over the file."""
+
+    model: str | None = None
+    steps: int | None = None
+    seed: int | None = None
+
+
+def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, list]:
+    """The resolved schedule and its warnings; raises CompileError on any error."""
+    r = _Resolver(ast, overrides)
+    spec = r.run()
+    return spec, r.diag.warnings
+
+
+class _Resolver:
+    def __init__(self, ast: Schedule, overrides: Overrides = Overrides()):
+        self.ov = overrides
+        self.ast = ast
+        self.src = ast.source
+        self.diag = Diagnostics(self.src)
+        self.seen: dict[str, Span] = {}
+        self.refs_ok = True
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def err(self, code: str, msg: str, span: Span | None, hint: str | None = None, notes=()):
+        self.diag.error(code, msg, span, hint, notes)
+
+    def once(self, key: str, span: Span, what: str) -> bool:
+        """Record a statement that may appear once; report the repeat."""
+        if key in self.seen:
+            first = self.seen[key]
+            self.err("duplicate", f"{what} is given twice", span,
+                     hint="keep one of them",
+                     notes=(Note(f"first given at line {first.line}", first),))
+            return False
+        self.seen[key] = span
+        return True
+
+    def int_of(self, num: Num, what: str, lo: int, hi: int) -> int | None:
+        shown = num.text if len(num.text) <= 40 else f"{num.text[:20]}..."
+        if not num.is_int:
+            self.err("value-range", f"{what} must be a whole number written in digits, "
+                     f"not {shown}", num.span)
+            return None
+        huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
+        v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
+        if not lo <= v <= hi:
+            bound = f">= {lo}" if v < lo else f"<= {hi:,}"
+            got = f"{v:,}" if abs(v) < 10**15 and not huge else shown
+            self.err("value-range", f"{what} must be {bound}, got {got}", num.span,
+                     hint=_range_hint(what, lo, hi))
+            return None
+        return v
+
+    def size_of(self, size: Size, what: str) -> int | None:
+        if size.unit not in UNITS:
+            self.err("value-range", f"unknown unit '{size.unit}'", size.span,
+                     hint="use B, KB, MB, GB, KiB, MiB or GiB")
+            return None
+        v = size.number.value * UNITS[size.unit]
+        if not (v >= 1 and v < 1 << 60) or v != int(v):
+            self.err("value-range", f"{what} must be a positive whole number of bytes, "
+                     f"got {size.number.text} {size.unit}".rstrip(), size.span)
+            return None
+        return int(v)
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> Spec:
+        ast = self.ast
+        by_type: dict[type, list] = {}
+        for s in ast.stmts:
+            by_type.setdefault(type(s), []).append(s)
+
+        def single(t, key, what):
+            items = by_type.get(t, [])
+            for item in items:
+                self.once(key, item.span, what)
+            return items[0] if items else None
+
+        model_name, model = self.model(single(Model, "model", "the model"))
+        settings: dict[str, int | None] = {}
+        for s in by_type.get(Setting, []):
+            if self.once(s.key, s.span, f"'{s.key}'"):
+                lo, hi = LIMITS[s.key]
+                settings[s.key] = self.int_of(s.value, s.key, lo, hi)
+        batch = single(Batch, "batch", "the batch")
+        seqs = seq_len = None
+        if batch:
+            seqs = self.int_of(batch.sequences, "global batch sequences", 1, 1 << 31)
+            seq_len = self.int_of(batch.tokens, "tokens per sequence", 1, 1 << 20)
+        memory = None
+        if (m := single(Memory, "memory", "the memory budget")) is not None:
+            memory = self.size_of(m.size, "memory")
+        data = self.data(single(Data, "data", "the data source"))
+        optim = self.optimizer(single(Optimizer, "optimizer", "the optimizer"))
+
+        missing = [k for k, present in (("model", model_name is not None),
+                                        ("world", "world" in self.seen),
+                                        ("batch", batch is not None)) if not present]
+        if not ("micro" in self.seen or "accumulate" in self.seen):
+            missing.append("micro")
+        for key in missing:  # about the whole file, so no line to point at
+            self.err("missing-setting", f"the schedule has no '{key}'", None,
+                     hint=_MISSING_HINT[key])
+
+        world = settings.get("world")
+        micro, accum = self.batch_arithmetic(seqs, world, settings)
+        if model is not None and accum is not None and 2 * accum * len(model.layers) > MAX_OPS:
+            # compile time and memory grow with the ops of a step; keep both bounded
+            self.err("value-range",
+                     f"{accum:,} micro-steps x {len(model.layers)} layers is "
+                     f"{2 * accum * len(model.layers):,} forward and backward ops per step; "
+                     f"schedc compiles at most {MAX_OPS:,}",
+                     self.seen.get("micro") or self.seen.get("accumulate"),
+                     hint="use a larger `micro` (fewer micro-steps per update)")
+            micro, accum = None, None
+        if model is not None and seq_len is not None and seq_len > model.block_size:
+            self.err("context-length",
+                     f"sequences of {seq_len:,} tokens do not fit the model's context of "
+                     f"{model.block_size:,}", batch.tokens.span,
+                     hint=f"use at most {model.block_size} tokens, or raise `block` in the model")
+
+        ddps, fsdps = by_type.get(DDP, []), by_type.get(FSDP, [])
+        strategy = None
+        if ddps and fsdps:
+            self.err("conflict", "a schedule is either DDP or FSDP, not both", fsdps[0].span,
+                     hint="keep one of the ddp and fsdp blocks",
+                     notes=(Note("the ddp block is here", ddps[0].span),))
+        elif model is not None:
+            if ddps:
+                single(DDP, "ddp", "the ddp block")
+                strategy = self.ddp(ddps[0], model)
+            elif fsdps:
+                single(FSDP, "fsdp", "the fsdp block")
+                strategy = self.fsdp(fsdps[0], model)
+        if world is not None and world > 1 and not ddps and not fsdps:
+            self.err("missing-setting",
+                     f"world {world} needs a ddp or fsdp block to say how gradients are combined",
+                     self.seen["world"], hint="add `ddp { bucket_cap 25 MiB }`, for one")
+
+        streams = self.streams(by_type.get(StreamDecl, []), strategy)
+        programs = self.programs(by_type.get(Program, []), model, strategy, world, accum,
+                                 streams)
+        self.diag.raise_if_any()
+        return Spec(
+            source=self.src, model_name=model_name, model=model, world=world, seqs=seqs,
+            seq_len=seq_len, micro=micro, accum=accum,
+            steps=self.ov.steps or settings.get("steps") or DEFAULT_STEPS,
+            seed=_first(self.ov.seed, settings.get("seed"), DEFAULT_SEED),
+            data=data, optim=optim, memory=memory, strategy=strategy, streams=streams,
+            programs=programs, where=dict(self.seen),
+        )
+
+    def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:
+        if self.ov.model is not None:
+            if self.ov.model not in SIZES:
+                self.err("unknown-model", f"unknown model '{self.ov.model}' (from --model)", None,
+                         hint=did_you_mean(self.ov.model, SIZES) or f"known: {', '.join(SIZES)}")
+                return self.ov.model, None
+            return self.ov.model, SIZES[self.ov.model]
+        if m is None:
+            return None, None
+        base = None
+        if m.name is not None:
+            base = SIZES.get(m.name.text)
+            if base is None:
+                self.err("unknown-model", f"unknown model '{m.name.text}'", m.name.span,
+                         hint=did_you_mean(m.name.text, SIZES)
+                         or f"known sizes: {', '.join(SIZES)}")
+                return m.name.text, None
+        values: dict[str, int] = {}
+        for f in m.fields:
+            key = f.key.text
+            if key not in MODEL_KEYS:
+                self.err("unknown-setting", f"a model has no '{key}'", f.key.span,
+                         hint=did_you_mean(key, MODEL_KEYS) or f"keys: {', '.join(MODEL_KEYS)}")
+                continue
+            if not self.once(f"model.{key}", f.key.span, f"'{key}'"):
+                continue
+            attr = MODEL_KEYS[key]
+            v = self.one_number(f)
+            if v is not None and (n := self.int_of(v, key, 1, MODEL_LIMITS[attr])) is not None:
+                values[attr] = n
+        if base is None:
+            need = [k for k in ("n_layer", "n_head", "n_embd") if k not in values]
+            if need:
+                self.err("missing-setting", f"a model without a size name needs {', '.join(need)}",
+                         m.span, hint="name a size (`model gpt2`) or give n_layer, n_head, n_embd")
+                return "custom", None
+            base = GPTConfig()
+        if len(values) != len([f for f in m.fields if f.key.text in MODEL_KEYS]):
+            return (m.name.text if m.name else "custom"), None  # an error was reported
+        try:
+            cfg = base.with_overrides(**values)
+        except ValueError as e:
+            self.err("model-config", str(e), m.span,
+                     hint="n_embd must be a multiple of n_head (head size = n_embd / n_head)")
+            return "custom", None
+        name = m.name.text if m.name else "custom"
+        return (f"{name}*" if values and m.name else name), cfg
+
+    def one_number(self, f: Field) -> Num | None:
+        if len(f.values) != 1 or not isinstance(f.values[0], Num):
+            self.err("value-range", f"'{f.key.text}' takes one number", f.span)
+            return None
+        return f.values[0]
+
+    def batch_arithmetic(self, seqs, world, settings) -> tuple[int | None, int | None]:
+        micro, accum = settings.get("micro"), settings.get("accumulate")
+        if seqs is None or world is None or ("micro" in self.seen and micro is None) or (
+            "accumulate" in self.seen and accum is None
+        ):
+            return micro, accum
+        if micro is None and accum is None:
+            return None, None
+        if micro is not None and accum is not None:
+            if micro * accum * world != seqs:
+                self.err("batch-arithmetic",
+                         f"micro {micro} x accumulate {accum} x world {world} = "
+                         f"{micro * accum * world:,} sequences, but the global batch is {seqs:,}",
+                         self.seen["accumulate"], hint=_batch_hint(seqs, world))
+                return None, None
+            return micro, accum
+        if micro is not None:
+            if seqs % (micro * world):
+                self.err("batch-arithmetic",
+                         f"global batch {seqs:,} is not micro {micro} x world {world} x a whole "
+                         "number of micro-steps", self.seen["micro"], hint=_batch_hint(seqs, world))
+                return None, None
+            return micro, seqs // (micro * world)
+        if seqs % (accum * world):
+            self.err("batch-arithmetic",
+                     f"global batch {seqs:,} is not accumulate {accum} x world {world} x a whole "
+                     "number of sequences", self.seen["accumulate"], hint=_batch_hint(seqs, world))
+            return None, None
+        return seqs // (accum * world), accum
+
+    def data(self, d: Data | None) -> DataConfig:
+        if d is None:
+            return DataConfig()
+        if isinstance(d.source, Name):
+            if d.source.text != "corpus":
+                self.err("unknown-name", f"unknown data source '{d.source.text}'", d.source.span,
+                         hint='write `data corpus` for the embedded corpus, or a "quoted/path"')
+            return DataConfig("corpus", "text")
+        if not d.source.text:
+            self.err("value-range", "the data path is empty", d.source.span)
+        return DataConfig(d.source.text, d.kind)
+
+    def optimizer(self, o: Optimizer | None) -> OptimConfig:
+        if o is None:
+            return OptimConfig()
+        if o.name.text != "adamw":
+            self.err("unknown-name", f"unknown optimizer '{o.name.text}'", o.name.span,
+                     hint="schedc runs `adamw` (decoupled weight decay, as in GPT-2 training)")
+        values: dict[str, float | int] = {}
+        for f in o.fields:
+            key = f.key.text
+            if key not in OPTIM_KEYS:
+                self.err("unknown-setting", f"adamw has no '{key}'", f.key.span,
+                         hint=did_you_mean(key, OPTIM_KEYS) or f"keys: {', '.join(sorted(OPTIM_KEYS))}")
+                continue
+            if not self.once(f"optimizer.{key}", f.key.span, f"'{key}'"):
+                continue
+            if key == "betas":
+                nums = [v for v in f.values if isinstance(v, Num)]
+                if len(nums) != 2 or len(f.values) != 2:
+                    self.err("value-range", "betas takes two numbers: `betas = 0.9, 0.95`", f.span)
+                    continue
+                values["beta1"], values["beta2"] = nums[0].value, nums[1].value
+                if not all(0 <= b < 1 for b in (values["beta1"], values["beta2"])):
+                    self.err("value-range", "betas must lie in [0, 1)", f.span)
+                continue
+            num = self.one_number(f)
+            if num is None:
+                continue
+            if key in ("warmup", "decay_steps"):
+                v = self.int_of(num, key, 0, 1 << 30)
+            else:
+                v = num.value
+                if not (0 <= v < 1e6) or (key == "lr" and v == 0):
+                    self.err("value-range", f"{key} = {num.text} is out of range", num.span,
+                             hint="lr must be > 0; rates, eps, clip and decay must be >= 0")
+                    v = None
+            if v is not None:
+                values[key] = v
+        try:
+            return OptimConfig(**values)
+        except ValueError as e:
+            self.err("value-range", f"optimizer: {e}", o.span)
+            return OptimConfig()
+
+    # -- references to layers and parameters --------------------------------------------------
+
+    def refs(self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool) -> list[tuple[str, Span]]:
+        """Resolve refs to (parameter, span of the ref) in model order within each ref."""
+        errors_before = len(self.diag.errors)
+        out = self._refs(refs, cfg, params=params)
+        if len(self.diag.errors) > errors_before:
+            self.refs_ok = False  # coverage would only repeat the same mistake
+        return out
+
+    def _refs(self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool) -> list[tuple[str, Span]]:
+        out: list[tuple[str, Span]] = []
+        for ref in refs:
+            if ref.last is None:
+                layers = self.layer_or_param(ref.first, cfg, params=params)
+                if layers is None:
+                    continue
+                out += [(p, ref.span) for p in layers]
+                continue
+            a, b = (self.layer_name(n, cfg) for n in (ref.first, ref.last))
+            if a is None or b is None:
+                continue
+            ia, ib = sorted((cfg.layer_index(a), cfg.layer_index(b)))  # either direction
+            for layer in cfg.layers[ia : ib + 1]:
+                out += [(p.name, ref.span) for p in cfg.layer_params(layer)]
+        return out
+
+    def layer_name(self, n: Name, cfg: GPTConfig) -> str | None:
+        if n.text in cfg.layers:
+            return n.text
+        self.unknown_layer(n, cfg, params=False)
+        return None
+
+    def layer_or_param(self, n: Name, cfg: GPTConfig, *, params: bool) -> list[str] | None:
+        if n.text in cfg.layers:
+            return [p.name for p in cfg.layer_params(n.text)]
+        if params and any(p.name == n.text for p in cfg.params):
+            return [n.text]
+        self.unknown_layer(n, cfg, params=params)
+        return None
+
+    def unknown_layer(self, n: Name, cfg: GPTConfig, *, params: bool) -> None:
+        text = n.text
+        if text.startswith("h.") and text[2:].isdigit():
+            self.err("layer-range", f"the model has no layer {text}", n.span,
+                     hint=f"its blocks are h.0 .. h.{cfg.n_layer - 1}")
+            return
+        if text in ("lm_head", "lm_head.weight"):
+            self.err("unknown-name", f"'{text}' is not a parameter of its own", n.span,
+                     hint="lm_head is tied to the embedding: name wte.weight (or the layer embed)")
+            return
+        names = list(cfg.layers) + ([p.name for p in cfg.params] if params else [])
+        what = "layer or parameter" if params else "layer"
+        self.err("unknown-name", f"unknown {what} '{text}'", n.span,
+                 hint=did_you_mean(text, names)
+                 or f"layers are embed, h.0 .. h.{cfg.n_layer - 1}, head")
+
+    def groups(self, decls, cfg: GPTConfig, what: str) -> tuple[list, list]:
+        """Buckets or units with their own names, and each as (name, span, resolved refs);
+        a name defined twice is an error."""
+        names: dict[str, Span] = {}
+        kept, groups = [], []
+        for d in decls:
+            if d.name.text in names:
+                self.err("duplicate", f"{what} '{d.name.text}' is defined twice", d.name.span,
+                         hint=f"give each {what} its own name",
+                         notes=(Note("first defined here", names[d.name.text]),))
+                self.refs_ok = False  # its layers would be reported uncovered: the same mistake
+                continue
+            names[d.name.text] = d.name.span
+            kept.append(d)
+            groups.append((d.name.text, d.span, self.refs(d.refs, cfg, params=True)))
+        return kept, groups
+
+    def cover(self, groups: list[tuple[str, Span, list[tuple[str, Span]]]], cfg: GPTConfig,
+              block_span: Span, what: str) -> dict[str, str]:
+        """Prove every parameter is in exactly one group; returns param -> group."""
+        owner: dict[str, tuple[str, Span]] = {}
+        # one finding per ref and group it repeats, noting where the first repeat was given
+        repeats: dict[tuple[Span, str, str], tuple[Span, list[str]]] = {}
+        for gname, _gspan, items in groups:
+            for param, span in items:
+                if param in owner:
+                    other, ospan = owner[param]
+                    repeats.setdefault((span, gname, other), (ospan, []))[1].append(param)
+                    continue
+                owner[param] = (gname, span)
+        for (span, gname, other), (ospan, params) in repeats.items():
+            names = group_by_layer(params, cfg)
+            listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            where = "twice in" if other == gname else f"in both {what} '{other}' and"
+            self.err("double-cover",
+                     f"{listed} {'is' if len(names) == 1 else 'are'} {where} {what} '{gname}'",
+                     span, hint=f"a parameter belongs to exactly one {what}",
+                     notes=(Note(f"already in '{other}' here", ospan),))
+        missing = [p for p in cfg.params if p.name not in owner]
+        if missing:
+            names = group_by_layer([p.name for p in missing], cfg)
+            listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            self.err("uncovered", f"{listed} {'is' if len(names) == 1 else 'are'} in no {what}",
+                     block_span, hint=f"every parameter must be in exactly one {what}: add "
+                     f"{names[0]} to one")
+        return {p: g for p, (g, _) in owner.items()}
+
+    # -- DDP --------------------------------------------------------------------------------------
+
+    def ddp(self, block: DDP, cfg: GPTConfig) -> DDPSpec:
+        buckets = [s for s in block.stmts if isinstance(s, Bucket)]
+        caps = [s for s in block.stmts if isinstance(s, BucketCap)]
+        toggles = self.toggles(block.stmts, {"overlap", "no_sync"}, "ddp")
+        head_span = self.src.span(block.span.start, block.span.start + 3)
+        for c in caps:
+            self.once("bucket_cap", c.span, "bucket_cap")
+        cap = None
+        if buckets and caps:
+            self.err("conflict", "give buckets or a bucket_cap, not both", caps[0].span,
+                     hint="bucket_cap makes the buckets by itself; drop it or the buckets")
+        elif caps:
+            cap = self.size_of(caps[0].size, "bucket_cap")
+            first = self.size_of(caps[0].first, "first bucket") if caps[0].first else min(
+                cap or MiB, MiB)
+            if cap is None or first is None:
+                return DDPSpec((), toggles.get("overlap", True), toggles.get("no_sync", True))
+            specs = tuple(auto_buckets(cfg, cap, first))
+            return DDPSpec(specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap)
+        elif not buckets:
+            self.err("missing-setting", "the ddp block has no buckets", head_span,
+                     hint="add `bucket b1 = head, h.3 .. h.0, embed` or `bucket_cap 25 MiB`")
+        _, groups = self.groups(buckets, cfg, "bucket")
+        if buckets and self.refs_ok:
+            self.cover(groups, cfg, head_span, "bucket")
+        ready = ready_position(cfg)
+        specs = []
+        for gname, gspan, items in groups:
+            params = sorted({p for p, _ in items}, key=lambda p: ready[p])
+            specs.append(BucketSpec(gname, tuple(params), gspan,
+                                    sum(cfg.param(p).nbytes() for p in params)))
+        self.bucket_order(specs, cfg, ready)
+        return DDPSpec(tuple(specs), toggles.get("overlap", True), toggles.get("no_sync", True))
+
+    def bucket_order(self, buckets: list[BucketSpec], cfg: GPTConfig, ready) -> None:
+        """Warn when a bucket listed earlier completes later than one listed after it."""
+        done = [max((ready[p] for p in b.params), default=0) for b in buckets]
+        for i, b in enumerate(buckets):
+            later = [j for j in range(i + 1, len(buckets)) if done[j] < done[i]]
+            if not later or not b.params:
+                continue
+            last_param = max(b.params, key=lambda p: ready[p])
+            if TIED in b.params and last_param == TIED:
+                self.diag.warning(
+                    "tied-late",
+                    f"bucket '{b.name}' holds {TIED}, whose gradient is complete only after "
+                    "bwd[embed] (the embedding and lm_head share it)", b.span,
+                    hint=f"move {TIED} to the last bucket, so '{b.name}' can launch earlier")
+            else:
+                self.diag.warning(
+                    "bucket-order",
+                    f"bucket '{b.name}' is complete after '{buckets[later[0]].name}' but is "
+                    "listed first, so both launch late", b.span,
+                    hint="list buckets in reverse layer order: the first bucket holds the last "
+                    "layers")
+
+    def toggles(self, stmts, allowed: set[str], block: str) -> dict[str, bool]:
+        out = {}
+        for t in stmts:
+            if isinstance(t, Toggle):
+                if t.key not in allowed:
+                    self.err("unknown-setting", f"a {block} block has no '{t.key}'", t.span,
+                             hint=f"{block} takes {', '.join(sorted(allowed))}")
+                elif self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
+                    out[t.key] = t.value.on
+        return out
+
+    # -- FSDP -------------------------------------------------------------------------------------
+
+    def fsdp(self, block: FSDP, cfg: GPTConfig) -> FSDPSpec:
+        units = [s for s in block.stmts if isinstance(s, Unit)]
+        toggles = self.toggles(block.stmts, {"reshard_after_forward", "no_sync"}, "fsdp")
+        head_span = self.src.span(block.span.start, block.span.start + 4)
+        depth = {"forward": 1, "backward": 1}
+        for p in (s for s in block.stmts if isinstance(s, Prefetch)):
+            if self.once(f"prefetch.{p.direction}", p.span, f"prefetch {p.direction}"):
+                v = self.int_of(p.depth, f"prefetch {p.direction}", 0, 64)
+                if v is not None:
+                    depth[p.direction] = v
+        if not units:
+            self.err("missing-setting", "the fsdp block has no units", head_span,
+                     hint="add units, e.g. `unit tied = wte.weight keep` and "
+                     "`unit u1 = embed .. h.1`")
+        units, groups = self.groups(units, cfg, "unit")
+        if units and self.refs_ok:
+            self.cover(groups, cfg, head_span, "unit")
+        specs = []
+        order = {layer: i for i, layer in enumerate(cfg.layers)}
+        for (gname, gspan, items), u in zip(groups, units):
+            params = tuple(p.name for p in cfg.params if p.name in {q for q, _ in items})
+            layers = sorted({layer for p in params for layer in cfg.users(p)}, key=order.get)
+            idx = [order[x] for x in layers]
+            if layers and not u.keep and idx != list(range(idx[0], idx[-1] + 1)):
+                if TIED in params:
+                    self.err("tied-param",
+                             f"unit '{gname}' holds {TIED}, which embed and head both read, so it "
+                             f"would stay gathered from {layers[0]} to {layers[-1]}", gspan,
+                             hint=f"give the tied weight a unit of its own that stays gathered: "
+                             f"`unit tied = {TIED} keep`")
+                else:
+                    self.err("unit-contiguous",
+                             f"unit '{gname}' is read by layers {', '.join(layers)}, which are not "
+                             "adjacent", gspan, hint="make each unit a contiguous range of layers, "
+                             "or mark it `keep`")
+            specs.append(UnitSpec(gname, params, tuple(layers), u.keep, gspan,
+                                  sum(cfg.param(p).nbytes() for p in params)))
+        specs.sort(key=lambda s: (order[s.layers[0]] if s.layers else 0, not s.keep))
+        return FSDPSpec(tuple(specs), depth["forward"], depth["backward"],
+                        toggles.get("reshard_after_forward", True), toggles.get("no_sync", False))
+
+    # -- streams and programs -----------------------------------------------------------------
+
+    def streams(self, decls: list[StreamDecl], strategy) -> dict[Kind, str]:
+        streams = {k: (COMM if k.is_collective else COMPUTE) for k in Kind}
+        if isinstance(strategy, DDPSpec) and not strategy.overlap:
+            streams[Kind.ALLREDUCE] = COMPUTE
+        for d in decls:
+            kind = STREAM_KINDS.get(d.kind.text)
+            if kind is None:
+                self.err("unknown-name", f"unknown op kind '{d.kind.text}'", d.kind.span,
+                         hint=did_you_mean(d.kind.text, STREAM_KINDS)
+                         or f"kinds: {', '.join(STREAM_KINDS)}")
+                continue
+            if not self.once(f"stream.{kind.value}", d.span, f"the stream of {kind.value}"):
+                continue
+            if kind.is_compute and d.stream.text != COMPUTE:
+                self.err("compute-stream", f"{kind.value} is compute work and runs on the "
+                         f"compute stream, not '{d.stream.text}'", d.stream.span,
+                         hint="only collectives can move to another stream")
+                continue
+            if (kind is Kind.ALLREDUCE and isinstance(strategy, DDPSpec) and not strategy.overlap
+                    and d.stream.text != COMPUTE):
+                self.err("conflict", f"overlap off keeps all-reduce on the compute stream, but "
+                         f"this puts it on '{d.stream.text}'", d.span,
+                         hint="drop `overlap off`, or this line")
+                continue
+            streams[kind] = d.stream.text
+        return streams
+
+    def programs(self, progs: list[Program], cfg, strategy, world, accum, streams):
+        out = []
+        known = {COMPUTE, COMM, *streams.values()}
+        for p in progs:
+            stream = p.stream.text
+            if stream not in known:
+                self.err("unknown-name", f"unknown stream '{stream}'", p.stream.span,
+                         hint=did_you_mean(stream, known)
+                         or "streams are compute, comm, and those named by `stream` lines")
+                continue
+            rank = None
+            if p.rank is not None:
+                rank = self.int_of(p.rank, "rank", 0, max(0, (world or 1) - 1))
+                if rank is None:
+                    continue
+            key = f"program.{stream}.{rank}"
+            if not self.once(key, p.span, f"the program of stream '{stream}'"
+                             + (f" on rank {rank}" if rank is not None else "")):
+                continue
+            instrs = []
+            for ins in p.instrs:
+                op = self.op(ins.op.text, ins.op.span, cfg, strategy, accum)
+                afters = [(self.op(a.text, a.span, cfg, strategy, accum), a.span)
+                          for a in ins.after]
+                if op is None or any(a is None for a, _ in afters):
+                    continue
+                if op.kind.is_compute and stream != COMPUTE:
+                    self.err("compute-stream", f"{op} is compute work, written on stream "
+                             f"'{stream}'", ins.op.span, hint="write it in `program compute`")
+                    continue
+                instrs.append(InstrSpec(op, tuple(a for a, _ in afters), ins.span,
+                                        tuple(s for _, s in afters)))
+            out.append(ProgramSpec(stream, rank, tuple(instrs), p.span))
+        return tuple(out)
+
+    def op(self, text: str, span: Span, cfg, strategy, accum) -> Op | None:
+        try:
+            op = Op.parse(text)
+        except OpSyntaxError as e:
+            hint = did_you_mean(*e.suggest) if e.suggest else None
+            self.err("syntax", str(e), span, hint=hint)
+            return None
+        if cfg is None or op.kind is Kind.STEP:
+            return op
+        if op.kind in (Kind.FWD, Kind.BWD):
+            targets, what = cfg.layers, "layer"
+        elif op.kind is Kind.ALLREDUCE:
+            targets = [b.name for b in strategy.buckets] if isinstance(strategy, DDPSpec) else []
+            what = "bucket"
+        else:
+            targets = [u.name for u in strategy.units] if isinstance(strategy, FSDPSpec) else []
+            what = "unit"
+        if not targets:
+            self.err("unexpected-op", f"{op} has no place in a {Strategy.of(strategy).label} schedule",
+                     span, hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
+                     "and reduce-scatter units")
+            return None
+        if op.target not in targets:
+            self.err("unknown-name", f"unknown {what} '{op.target}' in {op}", span,
+                     hint=did_you_mean(op.target, targets) or f"{what}s: {', '.join(targets)}")
+            return None
+        if accum is not None and op.mb >= accum:
+            self.err("value-range", f"{op} names micro-step {op.mb}, but this schedule has "
+                     f"mb0 .. mb{accum - 1}", span)
+            return None
+        return op
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def _range_hint(what: str, lo: int, hi: int) -> str | None:
+    if what == "world":
+        return "world is the number of data-parallel ranks"
+    return None
+
+
+def _batch_hint(seqs: int, world: int) -> str:
+    if seqs % world:
+        return f"the global batch must be a multiple of world {world}"
+    # the smallest micro sizes that divide seqs / world, found among divisors up to its root
+    # (a scan of every size up to seqs would take minutes for a batch of 2**31)
+    n = seqs // world
+    small = [b for b in range(1, math.isqrt(n) + 1) if n % b == 0]
+    divisors = sorted(set(small) | {n // b for b in small})[:4]
+    return "for example " + ", ".join(f"micro {b} (k={n // b})" for b in divisors)
+
+
+_MISSING_HINT = {
+    "model": "add `model gpt2` (or gpt2-medium, mini, tiny, nano, ...)",
+    "world": "add `world 8`: the number of data-parallel ranks",
+    "batch": "add `batch 512 x 1024`: global sequences x tokens per sequence",
+    "micro": "add `micro 16` (sequences per rank per micro-step) or `accumulate 4`",
+}

@@ -1,0 +1,1 @@
+"""GPT-2: shapes by arithmetic (torch-free), the torch model, data, and the reference step."""

@@ -1,0 +1,289 @@
+"""Tokens for training: GPT-2's tokenizer, the token sources, and the global batch of a step.
+
+Sources, as `DataConfig.source` names them:
+
+    "corpus"        the embedded text (assets/corpus.txt.gz), tokenized once per process
+    a text file     UTF-8, tokenized with GPT-2's BPE
+    a token file    GPT-2 ids as uint16: nanoGPT's raw `.bin`, llm.c's `.bin` (1 KiB header),
+                    or a build-nanogpt `.npy` shard; memory-mapped, never read whole
+
+Nothing is downloaded: the BPE ranks ship in assets/gpt2.tiktoken, and
+`tiktoken.get_encoding` (which fetches them from the network) is never called.
+
+Which sequences a step, rank and micro-step see is fixed by `schedc.model.batching`;
+`GlobalBatches` maps those global sequence ids onto the token stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import torch
+from tiktoken.load import load_tiktoken_bpe
+
+from schedc.model.arch import GPT2_VOCAB
+from schedc.model.batching import sequence_ids
+from schedc.model.config import DataConfig
+
+EOT = "<|endoftext|>"
+EOT_ID = 50256
+# tiktoken's r50k/gpt2 pre-tokenizer: contractions, letters, digits, punctuation, whitespace.
+GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+# sha256 of assets/gpt2.tiktoken: tiktoken caches files by path, so a hash keeps a stale
+# cached copy from standing in for the shipped one.
+_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# llm.c's token files: 256 int32 header (magic, version, token count, ...), then uint16 ids.
+_LLMC_MAGIC, _LLMC_HEADER_BYTES = 20240520, 1024
+
+CORPUS = "corpus"
+KINDS = ("auto", "text", "tokens")
+TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+class DataError(Exception):
+    """A data source that cannot be used; the message starts with the file it is about."""
+
+
+# -- tokenizer ---------------------------------------------------------------------------
+
+
+def _asset(name: str):
+    # importlib.resources finds the file in a source checkout, a wheel or a zip alike.
+    return resources.files("schedc") / "assets" / name
+
+
+@functools.cache
+def gpt2_encoding() -> tiktoken.Encoding:
+    """GPT-2's byte-level BPE (50,257 ids; `<|endoftext|>` is 50256), from the shipped ranks."""
+    with resources.as_file(_asset("gpt2.tiktoken")) as path:
+        ranks = load_tiktoken_bpe(str(path), expected_hash=_BPE_SHA256)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={EOT: EOT_ID},
+        explicit_n_vocab=GPT2_VOCAB,
+    )
+
+
+# -- token sources -----------------------------------------------------------------------
+
+
+@functools.cache
+def corpus_tokens() -> np.ndarray:
+    """The embedded corpus as uint16 GPT-2 ids (read-only: it is shared by every caller).
+
+    Tokenizing the 1.4 MB text takes about a tenth of a second, so there is no disk cache.
+    """
+    text = gzip.decompress(_asset("corpus.txt.gz").read_bytes()).decode("utf-8")
+    tokens = np.asarray(gpt2_encoding().encode_ordinary(text), dtype=np.uint16)
+    tokens.setflags(write=False)
+    return tokens
+
+
+def load_tokens(source: str | os.PathLike[str] = CORPUS, kind: str = "auto") -> np.ndarray:
+    """A 1-D array of non-negative token ids from `source` (see the module docstring).
+
+    `kind` is 'text', 'tokens', or 'auto': token files by suffix (.bin, .npy), else text.
+    The name "corpus" means the embedded corpus; write "./corpus" for a file of that name.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"data kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if str(source) == CORPUS:
+        return corpus_tokens()
+    path = Path(source)
+    if kind == "tokens" or (kind == "auto" and path.suffix.lower() in TOKEN_SUFFIXES):
+        return _read_npy(path) if path.suffix.lower() == ".npy" else _read_bin(path)
+    return _read_text(path)
+
+
+def _file_size(path: Path) -> int:
+    """Size in bytes of a readable, non-empty regular file, else a DataError."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    if size == 0:
+        raise DataError(f"{path}: the file is empty")
+    return size
+
+
+def _read_text(path: Path) -> np.ndarray:
+    _file_size(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    hint = "; token files need a .bin or .npy suffix, or kind='tokens'"
+    if b"\0" in data:  # valid UTF-8, but no text file holds NUL bytes: a binary file
+        raise DataError(f"{path}: looks like a binary file (it holds NUL bytes), not text{hint}")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}){hint}") from None
+    tokens = np.asarray(gpt2_encoding().encode_ordinary(text), dtype=np.uint16)
+    if tokens.size == 0:
+        raise DataError(f"{path}: holds no text")
+    return tokens
+
+
+def _read_bin(path: Path) -> np.ndarray:
+    """nanoGPT's raw little-endian uint16 ids, or llm.c's file with its 1 KiB header."""
+    size = _file_size(path)
+    offset = 0
+    if size >= _LLMC_HEADER_BYTES:
+        header = np.fromfile(path, dtype="<i4", count=3)
+        # As raw GPT-2 ids the magic would read (55432, 308): 55432 is no GPT-2 token.
+        if header[0] == _LLMC_MAGIC:
+            version, count = int(header[1]), int(header[2])
+            if version != 1:
+                raise DataError(
+                    f"{path}: llm.c token file version {version}; only 1 (GPT-2) is read"
+                )
+            if size != _LLMC_HEADER_BYTES + 2 * count:
+                raise DataError(
+                    f"{path}: corrupt llm.c token file: header says {count} tokens, "
+                    f"but {size} bytes hold {(size - _LLMC_HEADER_BYTES) / 2:g}"
+                )
+            offset = _LLMC_HEADER_BYTES
+    if (size - offset) % 2:
+        raise DataError(
+            f"{path}: corrupt token file: {size} bytes is not a whole number of uint16 tokens"
+        )
+    if size == offset:
+        raise DataError(f"{path}: holds no tokens")
+    return np.memmap(path, dtype="<u2", mode="r", offset=offset)
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    """A build-nanogpt shard: a 1-D integer .npy array (uint16 as written there)."""
+    _file_size(path)
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{path}: corrupt or not a .npy array ({e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(
+            f"{path}: expected a 1-D integer array of token ids, "
+            f"got shape {tokens.shape} of {tokens.dtype}"
+        )
+    if tokens.size == 0:
+        raise DataError(f"{path}: holds no tokens")
+    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
+        raise DataError(f"{path}: holds negative token ids")
+    return tokens
+
+
+# -- global batches ----------------------------------------------------------------------
+
+
+class GlobalBatches:
+    """The token stream cut into sequences, addressed by global sequence id.
+
+    Global id g reads data sequence ``d = g mod num_seqs`` (the stream wraps at its end):
+    ``x = tokens[d*T : (d+1)*T]`` and ``y = tokens[d*T+1 : (d+1)*T+1]``. Step s's global
+    batch is ids ``s*S .. s*S + S - 1``; `micro_batch` gives a rank's slice of it as
+    `schedc.model.batching.sequence_ids` assigns it.
+
+    Ids >= `vocab_size` are folded to ``id % vocab_size`` only for models whose vocabulary
+    is smaller than GPT-2's (the tiny CPU sizes); for a full vocabulary they are an error.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        global_seqs: int,
+        vocab_size: int,
+        *,
+        origin: str = "tokens",
+    ) -> None:
+        if seq_len < 1 or global_seqs < 1 or vocab_size < 1:
+            raise ValueError("seq_len, global_seqs and vocab_size must be positive")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(f"{origin}: expected a 1-D integer array of token ids")
+        if tokens.size < seq_len + 1:
+            raise DataError(
+                f"{origin}: {tokens.size} tokens are too few for one sequence of length "
+                f"{seq_len} (it needs {seq_len + 1}: the targets are shifted by one)"
+            )
+        if int(tokens.min()) < 0:
+            raise DataError(f"{origin}: holds negative token ids")
+        top = int(tokens.max())
+        full_vocab = vocab_size >= GPT2_VOCAB
+        if full_vocab and top >= vocab_size:
+            raise DataError(
+                f"{origin}: token id {top} is outside the model's vocabulary of {vocab_size}"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_seqs = global_seqs
+        self.vocab_size = vocab_size
+        self.origin = origin
+        self.num_seqs = (tokens.size - 1) // seq_len
+        """Distinct sequences in the stream; global ids wrap around modulo this."""
+        self._fold = top >= vocab_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_seqs * self.seq_len
+
+    def micro_batch(
+        self, step: int, rank: int, micro: int, B: int, D: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, int64 (B, T), that `rank` of `D` runs at micro-step `micro`."""
+        return self._rows(sequence_ids(step, rank, micro, B, D, self.global_seqs))
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, int64 (S, T), of the whole global batch of `step`."""
+        return self._rows(sequence_ids(step, 0, 0, self.global_seqs, 1, self.global_seqs))
+
+    def _rows(self, ids: range) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.seq_len
+        d = np.arange(ids.start, ids.stop, dtype=np.int64) % self.num_seqs  # data sequences
+        window = d[:, None] * T + np.arange(T + 1)  # (n, T+1): a sequence and its next token
+        rows = self.tokens[window].astype(np.int64)
+        if self._fold:
+            rows %= self.vocab_size
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # x, y: (n, T) each
+
+
+def load_batches(
+    data: DataConfig, seq_len: int, global_seqs: int, vocab_size: int
+) -> GlobalBatches:
+    """`GlobalBatches` over the source that `data` names."""
+    tokens = load_tokens(data.source, data.kind)
+    origin = "the embedded corpus" if data.source == CORPUS else str(data.source)
+    return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=origin)
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """A short hash of a token array, to prove every rank reads the same data.
+
+    Exact for arrays up to 4M tokens; beyond, it hashes the length, the first and last
+    64K tokens and an even stride of 4M tokens (so a multi-GB shard costs milliseconds).
+    """
+    h = hashlib.sha256(str(len(tokens)).encode())
+    a = np.ascontiguousarray(tokens)
+    if len(a) <= 1 << 22:
+        h.update(a.tobytes())
+    else:
+        h.update(a[: 1 << 16].tobytes())
+        h.update(a[-(1 << 16) :].tobytes())
+        h.update(np.ascontiguousarray(a[:: len(a) // (1 << 22)]).tobytes())
+    return h.hexdigest()[:16]

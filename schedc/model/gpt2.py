@@ -1,0 +1,179 @@
+"""GPT-2 in torch, nanoGPT-shaped, and cuttable at every layer boundary.
+
+Parameter names and shapes are exactly `schedc.model.arch`'s (a test holds them equal for every
+named size), so the compiler's buckets and units name real tensors. The executor runs
+the model one layer at a time with `forward_layer` / `forward_range` and drives backward
+itself; `forward` is the ordinary whole-model call the reference step uses.
+
+    embed   idx (B, T) int64  -> x (B, T, C)     wte(idx) + wpe(pos)
+    h.i     x (B, T, C)       -> x (B, T, C)     one pre-LayerNorm transformer block
+    head    x (B, T, C), y    -> loss ()         ln_f, logits through the tied wte, mean CE
+
+`lm_head.weight` *is* `wte.weight`: registered after `wte`, it never appears in
+`named_parameters()`, and the tensor receives gradient from both `head` and `embed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from schedc.model.arch import SIZES, GPTConfig
+
+__all__ = ["GPT", "MLP", "SIZES", "Block", "CausalSelfAttention", "GPTConfig"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        nh, hs = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.c_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (B, T, 4C) inside, (B, T, C) out
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2 with bias, no dropout, tied embeddings; initialised from `seed` (nanoGPT's init).
+
+    Built under ``torch.device('meta')`` it allocates nothing and skips initialisation.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        # Registration order is arch.py's parameter order; wte first so that the tied
+        # weight is named wte.weight.
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        if not self.wte.weight.is_meta:
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """nanoGPT's init: N(0, 0.02) matrices, N(0, 0.02/sqrt(2L)) for the residual
+        projections (c_proj), zero biases, unit LayerNorm gains.
+
+        Draws go in parameter order from one CPU generator in fp32, so a seed gives the
+        same values on every device, and a float64 model holds the fp32 values exactly.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = proj_std if name.endswith("c_proj.weight") else 0.02
+                draw = torch.empty(p.shape, dtype=torch.float32, device="cpu")
+                p.copy_(draw.normal_(0.0, std, generator=gen))
+            elif name.endswith(".weight"):  # the only vectors named weight: LayerNorm gains
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+    # -- whole model -------------------------------------------------------------------
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) and, given targets (B, T), the mean cross-entropy."""
+        x = self._embed(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self._logits(x)
+        return logits, None if targets is None else _cross_entropy(logits, targets)
+
+    # -- one layer at a time (the executor's view) ---------------------------------------
+
+    def forward_layer(
+        self, name: str, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run layer `name` (see the module docstring); `head` without targets gives logits."""
+        if name == "embed":
+            return self._embed(x)
+        if name == "head":
+            logits = self._logits(x)
+            return logits if targets is None else _cross_entropy(logits, targets)
+        return self.h[self._block_index(name)](x)
+
+    def forward_range(
+        self, first: str, last: str, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run layers `first` .. `last` inclusive, in forward order; the loss if `last` is head."""
+        layers = self.config.layers
+        i, j = self._layer_index(first), self._layer_index(last)
+        if i > j:
+            raise ValueError(f"layer range {first} .. {last} runs backwards")
+        for name in layers[i : j + 1]:
+            x = self.forward_layer(name, x, targets if name == "head" else None)
+        return x
+
+    def layer_parameters(self, name: str) -> list[tuple[str, nn.Parameter]]:
+        """The parameters layer `name` owns, in `GPTConfig.layer_params` order."""
+        params = dict(self.named_parameters())
+        return [(spec.name, params[spec.name]) for spec in self.config.layer_params(name)]
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)  # idx: (B, T)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        return self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab), through the tied wte
+
+    def _layer_index(self, name: str) -> int:
+        if name not in self.config.layers:
+            raise KeyError(f"no layer {name!r} in a {self.config.n_layer}-layer model")
+        return self.config.layer_index(name)
+
+    def _block_index(self, name: str) -> int:
+        return self._layer_index(name) - 1  # layers are embed, h.0, h.1, ...
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all B*T positions."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

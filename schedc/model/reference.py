@@ -1,0 +1,170 @@
+"""The single-process training step: the oracle every schedule is tested against.
+
+One optimizer step is what one GPU does with gradient accumulation over the step's global
+batch of S sequences (see `schedc.model.batching`):
+
+    for each of the k = S/B micro-batches, in order:  loss_j = CE(model(x_j), y_j)
+                                                       backward(loss_j / k)
+    grads  = sum_j grad(loss_j) / k  = gradient of the mean loss over the global batch
+    norm   = ||grads||_2 over all parameters; grads *= clip_coef(norm, clip) if clip > 0
+    AdamW at lr_at(step), decaying matrices and embeddings only
+
+A schedule that splits the same S sequences over D ranks and k' waves must reproduce
+`StepResult.grads` and `StepResult.params` (to fp32 rounding; exactly in float64 up to
+summation order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from schedc.model.arch import GPTConfig
+from schedc.model.batching import micro_steps
+from schedc.model.config import OptimConfig
+from schedc.model.data import GlobalBatches
+from schedc.model.gpt2 import GPT
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced."""
+
+    step: int
+    loss: float
+    """Mean of the micro-batch losses: the mean cross-entropy over the global batch."""
+    lr: float
+    grad_norm: float
+    """Global L2 norm of the accumulated gradient, before clipping."""
+    grads: dict[str, torch.Tensor]
+    """Accumulated gradient per parameter name, before clipping."""
+    params: dict[str, torch.Tensor]
+    """Parameters after the update."""
+
+
+def init_model(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
+    """A freshly initialised model; the same seed gives the same weights in any dtype."""
+    return GPT(config, seed=seed).to(dtype)
+
+
+def make_adamw(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], opt: OptimConfig
+) -> torch.optim.AdamW:
+    """AdamW with two groups, decay (dim >= 2) then no decay, each in the order given.
+
+    The order fixes the layout of the optimizer state, so callers that pass parameters in
+    the same order (arch.py's) get comparable optimizers.
+    """
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return adamw_groups(decay, no_decay, opt)
+
+
+def adamw_groups(decay: list, no_decay: list, opt: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over explicit groups: `decay` gets opt.weight_decay, `no_decay` none.
+
+    FSDP's flat shards are 1-D whatever they hold, so it names its groups itself.
+    """
+    groups = [
+        {"params": decay, "weight_decay": opt.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+    )
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of a set of gradients, computed as torch.nn.utils.clip_grad_norm_ does."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def clip_coef(total_norm, max_norm: float):
+    """Factor that scales gradients of norm `total_norm` to at most `max_norm`.
+
+    The formula of torch.nn.utils.clip_grad_norm_; works on floats and tensors alike.
+    """
+    coef = max_norm / (total_norm + 1e-6)
+    return torch.clamp(coef, max=1.0) if isinstance(coef, torch.Tensor) else min(coef, 1.0)
+
+
+class Reference:
+    """Single-process training on `batches`, `micro_seqs` sequences per micro-batch."""
+
+    def __init__(
+        self,
+        model_cfg: GPTConfig,
+        opt: OptimConfig,
+        batches: GlobalBatches,
+        micro_seqs: int,
+        total_steps: int,
+        seed: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if batches.seq_len > model_cfg.block_size:
+            raise ValueError(
+                f"sequence length {batches.seq_len} exceeds block_size {model_cfg.block_size}"
+            )
+        self.accum = micro_steps(batches.global_seqs, micro_seqs, 1)
+        self.opt = opt
+        self.batches = batches
+        self.micro_seqs = micro_seqs
+        self.total_steps = total_steps
+        self.device = torch.device(device)
+        self.model = init_model(model_cfg, seed, dtype).to(self.device)
+        self.named_params = list(self.model.named_parameters())
+        self.optimizer = make_adamw(self.named_params, opt)
+        self.step_index = 0
+
+    def step(self, *, record: bool = True) -> StepResult:
+        """Run the next optimizer step; `record=False` leaves grads and params empty."""
+        step, k = self.step_index, self.accum
+        self.model.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro in range(k):
+            x, y = self.batches.micro_batch(step, 0, micro, self.micro_seqs, 1)
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+            (loss / k).backward()  # summed over the k micro-batches: the mean loss's gradient
+            loss_sum += loss.detach()
+
+        grads = [p.grad for _, p in self.named_params]
+        norm = global_grad_norm(grads)
+        recorded = {n: p.grad.detach().clone() for n, p in self.named_params} if record else {}
+        if self.opt.clip > 0:
+            coef = clip_coef(norm, self.opt.clip)
+            for g in grads:
+                g.mul_(coef)
+
+        lr = self.opt.lr_at(step, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step_index += 1
+
+        params = {n: p.detach().clone() for n, p in self.named_params} if record else {}
+        return StepResult(step, (loss_sum / k).item(), lr, norm.item(), recorded, params)
+
+
+def format_log(
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    dt_ms: float,
+    tokens_per_s: float,
+    mfu: float | None = None,
+) -> str:
+    """build-nanogpt's log line; `mfu` is a fraction of peak FLOPs, printed as a percentage."""
+    line = (
+        f"step {step:4d} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+        f"dt {dt_ms:.2f}ms | tok/sec {tokens_per_s:.2f}"
+    )
+    return line if mfu is None else f"{line} | mfu {100 * mfu:.2f}%"

@@ -1,0 +1,1 @@
+"""The passes: Spec -> graph -> checked -> plans, predicted memory, agreement, dumps."""

@@ -1,0 +1,84 @@
+"""Do two schedules compute the same update? (seed 000: one GPU vs eight, one global batch)
+
+Two schedules agree when they train the same model on the same data with the same
+optimizer, and their step reads the same set of sequences, each exactly once, with the
+same weight in the loss: per token 1/(B T) inside a micro-batch mean, x 1/k for
+accumulation, x 1/D for averaging across ranks. The weights are computed exactly (as
+fractions) from the very slices each (rank, micro-step) reads, not assumed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+from schedc.ir.spec import Spec
+from schedc.lang.diagnostics import Diagnostic, Note
+from schedc.model.batching import sequence_ids
+
+
+@dataclass(frozen=True)
+class Agreement:
+    tokens: tuple[int, int]  # tokens per update of each schedule
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def agree(self) -> bool:
+        return not self.diagnostics
+
+
+def sequence_weights(spec: Spec) -> dict[int, Fraction]:
+    """Weight of each global-batch position in the loss of step 0, per token."""
+    w: dict[int, Fraction] = defaultdict(Fraction)
+    per_token = spec.loss_weight()
+    for rank in range(spec.world):
+        for mb in range(spec.accum):
+            for n in sequence_ids(0, rank, mb, spec.micro, spec.world, spec.seqs):
+                w[n] += per_token
+    return dict(w)
+
+
+def compare(a: Spec, b: Spec) -> Agreement:
+    out: list[Diagnostic] = []
+
+    def differ(what: str, va, vb, key: str, hint: str | None = None) -> None:
+        span_b, span_a = b.where.get(key), a.where.get(key)
+        out.append(Diagnostic(
+            "disagree", f"{what}: {vb} here, {va} in {a.source.path}", span_b,
+            hint=hint, path=b.source.path,
+            notes=(Note(f"{a.source.path} has {va}", span_a, a.source.path),) if span_a else (),
+        ))
+
+    if a.model != b.model:
+        differ("the models differ", _model(a), _model(b), "model")
+    if (a.seqs, a.seq_len) != (b.seqs, b.seq_len):
+        differ("the global batches differ", f"{a.seqs} x {a.seq_len}", f"{b.seqs} x {b.seq_len}",
+               "batch", hint="an update must see the same sequences: same sequences x tokens")
+    else:
+        wa, wb = sequence_weights(a), sequence_weights(b)
+        if wa != wb:
+            diff = sorted(n for n in set(wa) | set(wb) if wa.get(n) != wb.get(n))
+            n = diff[0]
+            differ(f"sequence {n} of the global batch is weighted differently",
+                   wa.get(n, 0), wb.get(n, 0), "micro")
+    if a.data != b.data:
+        differ("the data sources differ", a.data.source, b.data.source, "data")
+    if a.optim != b.optim:
+        fields = [f for f in a.optim.__dataclass_fields__
+                  if getattr(a.optim, f) != getattr(b.optim, f)]
+        differ("the optimizers differ in " + ", ".join(fields),
+               ", ".join(f"{f}={getattr(a.optim, f)}" for f in fields),
+               ", ".join(f"{f}={getattr(b.optim, f)}" for f in fields), "optimizer")
+    if a.seed != b.seed:
+        differ("the seeds differ (so do the initial weights)", a.seed, b.seed, "seed")
+    if a.steps != b.steps and not (a.optim.decay_steps and b.optim.decay_steps):
+        differ("the run lengths differ, and with them the cosine LR schedule", a.steps, b.steps,
+               "steps", hint="give both the same `steps`, or fix `decay_steps` in the optimizer")
+    return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(out))
+
+
+def _model(s: Spec) -> str:
+    m = s.model
+    return (f"{s.model_name} (n_layer={m.n_layer}, n_head={m.n_head}, n_embd={m.n_embd}, "
+            f"block={m.block_size}, vocab={m.vocab_size})")

@@ -1,0 +1,304 @@
+"""The checking pass: prove the schedule graph legal, or say exactly where it is not.
+
+Rules, each with its code (errors.CODES):
+
+* every op the step needs is placed once; nothing else is   [missing-op] [duplicate-op]
+  [unexpected-op] [nosync-comm]
+* the run graph is acyclic; no op waits on its own stream's future   [cycle] [deadlock]
+* every need holds in the run graph: activations and saved tensors [out-of-order],
+  cross-stream needs by an event [missing-event], reductions after the last gradient
+  write [early-reduce], the optimizer after every reduction [optimizer-wait], a unit's
+  parameters only while gathered [use-after-free]
+* every rank issues the same collectives in the same order on each stream   [spmd]
+* the predicted peak memory fits the declared budget   [memory-budget]
+
+Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
+streams of compute ops) are judged earlier, in resolve.py.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from schedc.ir.op import REDUCTIONS, Kind, Op
+from schedc.ir.plan import Plan
+from schedc.ir.source import Span
+from schedc.ir.spec import Spec, Strategy
+from schedc.lang.diagnostics import Diagnostics, Note
+from schedc.passes.graph import (
+    GRADS,
+    LAST_USE,
+    PARAMS,
+    UPDATE,
+    ScheduleGraph,
+    happens_before,
+    ordered,
+)
+from schedc.passes.memory import MemoryReport, fmt_bytes
+
+
+def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph],
+                 diag: Diagnostics) -> bool:
+    """The rules of each rank's graph; whether every graph can be lowered to a plan."""
+    lowerable = True
+    for sg in graphs.values():
+        ok = _placement(sg, diag)
+        ok = _acyclic(sg, diag) and ok
+        if ok:
+            _needs(sg, diag)
+        lowerable = lowerable and ok
+    return lowerable
+
+
+def check_plans(spec: Spec, graphs: dict[int | None, ScheduleGraph],
+                plans: dict[int | None, Plan], memory: dict[int | None, MemoryReport],
+                diag: Diagnostics) -> None:
+    """The rules across ranks' plans (collective order, waits in a circle) and the budget."""
+    if _spmd(spec, graphs, plans, diag) and len(graphs) > 1:
+        _across_ranks(spec, graphs, diag)
+    if spec.memory is not None:
+        for rank, report in memory.items():
+            if rank is None and _everyone_has_a_program(spec, graphs):
+                continue  # no rank runs the common plan
+            _memory(spec, report, diag, rank)
+
+
+def _everyone_has_a_program(spec: Spec, graphs) -> bool:
+    return len([r for r in graphs if r is not None]) == spec.world
+
+
+def _program_span(sg: ScheduleGraph, stream: str | None) -> Span | None:
+    for p in sg.spec.programs:
+        if p.stream == stream and p.rank in (None, sg.rank):
+            return p.span
+    return None
+
+
+def _who(sg: ScheduleGraph) -> str:
+    return "" if sg.rank is None else f" on rank {sg.rank}"
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
+    spec, g, ok = sg.spec, sg.g, True
+    for op, d in g.nodes(data=True):
+        if d.get("again") is not None:
+            diag.error("duplicate-op", f"{op} is written twice{_who(sg)}", d["again"],
+                       hint="each op runs once per step; delete one",
+                       notes=(Note("first written here", d["span"]),))
+            ok = False
+        if d.get("stream") is None and d.get("required"):
+            where = spec.streams[op.kind]
+            diag.error("missing-op", _missing_message(sg, op),
+                       _program_span(sg, where) or d.get("span"),
+                       hint=f"add `{op}` to `program {where}` (with the `after` it needs)")
+            ok = False
+        if d.get("stream") is None and not d.get("required"):
+            # named only by an `after`: no program runs it, so nothing can wait for it
+            diag.error("unexpected-op", f"this waits for {op}, which is not part of this "
+                       f"schedule{_why_not(sg, op)}", d.get("span"),
+                       hint="`schedc check --dump program` prints the ops it has")
+            ok = False
+        if d.get("stream") is not None and not d.get("required"):
+            if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
+                diag.error("nosync-comm", f"{op} communicates in micro-step {op.mb}, but no_sync "
+                           f"keeps gradients local until the last (mb{spec.accum - 1})",
+                           d["span"], hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`")
+            else:
+                diag.error("unexpected-op", f"{op} is not part of this schedule{_why_not(sg, op)}",
+                           d["span"], hint="`schedc check --dump program` prints the ops it has")
+            ok = False
+    return ok
+
+
+def _missing_message(sg: ScheduleGraph, op: Op) -> str:
+    who = _who(sg)
+    if op.kind is Kind.ALLREDUCE:
+        return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
+    if op.kind is Kind.REDUCESCATTER:
+        return f"unit '{op.target}' is never reduce-scattered in micro-step {op.mb}{who}"
+    if op.kind is Kind.ALLGATHER:
+        return f"unit '{op.target}' is never gathered for its {op.phase.value} in mb{op.mb}{who}"
+    return f"{op} is missing from the written program{who}"
+
+
+def _why_not(sg: ScheduleGraph, op: Op) -> str:
+    spec, fs = sg.spec, sg.spec.strategy
+    if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
+        return f" (no_sync keeps mb{op.mb} local; only mb{spec.accum - 1} communicates)"
+    if op.kind is Kind.ALLGATHER and op.phase and op.phase.value == "bwd" and fs is not None \
+            and not getattr(fs, "reshard_after_forward", True):
+        return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
+    return ""
+
+
+# -- the run graph ------------------------------------------------------------------------------
+
+
+def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
+    g, ok = sg.g, True
+    for u, v, d in g.edges(data=True):
+        if d.get("sync") == "after" and g.nodes[u]["pos"] >= g.nodes[v]["pos"]:
+            diag.error("deadlock", f"{v} waits for {u}, which comes later on stream "
+                       f"'{g.nodes[v]['stream']}'{_who(sg)}", d.get("span") or g.nodes[v]["span"],
+                       hint=f"a stream runs in order: move {u} before {v}, or drop the wait")
+            ok = False
+    if not ok:
+        return False
+    runs = sg.syncs()
+    try:
+        cycle = nx.find_cycle(runs)
+    except nx.NetworkXNoCycle:
+        return True
+    path = [u for u, _ in cycle] + [cycle[0][0]]
+    # point at a wait the file wrote (an `after`) if there is one, else at an event
+    written = [(u, v) for u, v in cycle if g.edges[u, v].get("span") is not None]
+    events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
+    u, v = (written or events or cycle)[0]
+    diag.error("cycle", f"the schedule waits in a circle{_who(sg)}: "
+               + " -> ".join(str(op) for op in path),
+               g.edges[u, v].get("span") or g.nodes[v]["span"],
+               hint="each arrow is program order or an `after`; break one of the waits")
+    return False
+
+
+def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
+    g = sg.g
+    clock = happens_before(sg)
+    unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
+    for u, v, whys in sg.needs():
+        if g.nodes[u].get("stream") is None or g.nodes[v].get("stream") is None:
+            continue  # reported as missing
+        if ordered(sg, clock, u, v):
+            continue
+        code, msg, hint = _unmet(sg, u, v, whys)
+        # one finding per op and rule: the producer that comes last is the one to wait for
+        seq = g.nodes[u].get("seq") or 0
+        if (v, code) not in unmet or unmet[(v, code)][0] < seq:
+            unmet[(v, code)] = (seq, msg, hint)
+    for (v, code), (_, msg, hint) in unmet.items():
+        diag.error(code, msg + _who(sg), g.nodes[v]["span"], hint=hint)
+
+
+def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, str]:
+    g = sg.g
+    su, sv = g.nodes[u]["stream"], g.nodes[v]["stream"]
+    cross = su != sv
+    wait = f"write `{v} after {u}`"
+    if v.kind is Kind.STEP and UPDATE in whys:
+        return ("optimizer-wait", f"the optimizer step does not wait for {u}",
+                f"{wait}: the update must read reduced gradients")
+    if v.kind in REDUCTIONS and GRADS in whys:
+        tied = " (the tied wte/lm_head weight gets its last gradient from bwd[embed])" if (
+            u.target == "embed") else ""
+        return ("early-reduce", f"{v} can start before {u} has written its gradients{tied}",
+                wait if cross else f"place {v} after {u}")
+    if LAST_USE in whys:
+        return ("use-after-free", f"{v} releases '{v.target}' while {u} may still read it",
+                f"free a unit only after its last reader: place {v} after {u}"
+                + (" or wait for it" if cross else ""))
+    if PARAMS in whys and not cross:
+        return ("use-after-free", f"{v} reads '{u.target}' before {u} gathers it",
+                f"place {u} before {v}")
+    if cross:
+        return ("missing-event", f"{v} on stream '{sv}' needs {u} on stream '{su}' "
+                f"({', '.join(whys)}) but nothing makes it wait", wait)
+    return ("out-of-order", f"{v} comes before {u} on stream '{sv}', but needs its "
+            f"{', '.join(whys)}", f"place {u} first")
+
+
+# -- ranks and memory ---------------------------------------------------------------------------
+
+
+def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> bool:
+    """Every rank must issue the same collectives, in the same order, on each stream."""
+    ok = True
+    # compare with the ranks that run the common plan; when every rank has programs of its
+    # own, nobody runs the common plan, so compare with the lowest rank instead
+    ranks = sorted(r for r in plans if r is not None)
+    base_rank = None if len(ranks) < spec.world else ranks[0]
+    base = plans[base_rank]
+    others = "the other ranks issue" if base_rank is None else f"rank {base_rank} issues"
+    for rank, plan in plans.items():
+        if rank is None or rank == base_rank:
+            continue
+        sg = graphs[rank]
+        for stream in sorted(set(base.streams) | set(plan.streams)):
+            a, b = base.collectives(stream), plan.collectives(stream)
+            if a == b:
+                continue
+            i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+            theirs = str(b[i]) if i < len(b) else "nothing"
+            ours = str(a[i]) if i < len(a) else "nothing"
+            # point at the rank's first differing collective if its program writes it
+            written = i < len(b) and sg.stream_of(b[i]) in sg.written
+            span = sg.span_of(b[i]) if written else next(
+                p.span for p in spec.programs if p.rank == rank)
+            diag.error("spmd", f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
+                       f"'{stream}', where {others} {ours}", span,
+                       hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
+                       "Give every rank the same collective order")
+            ok = False
+            break
+    return ok
+
+
+def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
+    """The ranks' run graphs must be acyclic together, not only one by one.
+
+    A collective completes on every rank at once, so it is one node shared by all ranks;
+    with collectives on two streams, rank 0 may wait for a gather before a reduce-scatter
+    while rank 1 waits the other way round: each rank's graph is acyclic, each stream's
+    order agrees, and yet the job hangs. Collectives are matched by (stream, position
+    among that stream's collectives), which _spmd has proven the same on every rank.
+    """
+    labels = [r for r in graphs if r is not None]
+    if not _everyone_has_a_program(spec, graphs):
+        labels.insert(0, None)
+    together = nx.DiGraph()
+    for label in labels:
+        sg = graphs[label]
+        index = {}
+        for stream, ops in sg.programs.items():
+            coll = [op for op in ops if op.is_collective]
+            index.update({op: (stream, i) for i, op in enumerate(coll)})
+
+        def key(op, label=label, index=index):
+            return ("all", op, index[op]) if op.is_collective else (label, op)
+
+        runs = sg.syncs()
+        together.add_nodes_from(key(op) for op in runs)
+        for u, v in runs.edges:
+            together.add_edge(key(u), key(v))
+            together.edges[key(u), key(v)].setdefault("ranks", []).append(label)
+    try:
+        cycle = nx.find_cycle(together)
+    except nx.NetworkXNoCycle:
+        return
+
+    def who(label) -> str:
+        return "the other ranks" if label is None else f"rank {label}"
+
+    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}"
+             for u, v in cycle]
+    rank = next((r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None),
+                labels[-1])
+    span = next(p.span for p in spec.programs if p.rank == rank)
+    diag.error("spmd", "the ranks wait for each other in a circle: " + "; ".join(steps), span,
+               hint="a collective finishes on every rank at once; order the waits the same "
+               "way on every rank")
+
+
+def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | None) -> None:
+    if report.peak > spec.memory:
+        who = "" if rank is None else f" on rank {rank}"
+        hint = "raise `memory`"
+        if spec.kind is Strategy.FSDP:
+            hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
+        at = f"after {report.peak_at}" if report.peak_at else "model states alone"
+        diag.error("memory-budget",
+                   f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
+                   f"exceeds the budget of {fmt_bytes(spec.memory)}",
+                   spec.where.get("memory"), hint=hint)

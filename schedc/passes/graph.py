@@ -1,0 +1,488 @@
+"""Spec -> the schedule graph: one networkx node per op, edges for what each op needs.
+
+Two kinds of edge live in one DiGraph, as edge attributes:
+
+* `needs`: why the consumer cannot run before the producer (an activation, a saved
+  tensor, gathered parameters, complete gradients, a buffer about to be reused, memory
+  that the prefetch window must wait for). These are the facts the checker proves hold.
+* `sync`: how the program makes it so: `order` between consecutive ops of one stream,
+  `event` for a wait across streams. Only these run.
+
+The generator lays the step out in one canonical sequence (the order a host would issue
+it in: fwd, bwd, and each collective the moment its inputs are complete), then projects it
+onto streams; every need that crosses streams becomes an event, minus those another
+event already implies. A `program` block written in the .sched file replaces the
+generated program of its stream and brings exactly the waits it names (`after`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd
+from schedc.ir.source import Span
+from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
+
+# why a consumer needs its producer
+ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
+GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
+SAVED = "saved activations"  # bwd[L] reads what fwd[L] saved
+PARAMS = "gathered parameters"  # compute reads a unit's full parameters
+GRADS = "complete gradients"  # a reduction reads gradients its writers produced
+REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
+LAST_USE = "last use"  # a free releases parameters only after their last reader
+WINDOW = "prefetch window"  # a gather waits for memory to come free
+UPDATE = "reduced gradients"  # the optimizer reads every reduction
+
+
+@dataclass
+class ScheduleGraph:
+    """The ops of one step on one rank (or on every rank, when `rank` is None)."""
+
+    spec: Spec
+    rank: int | None
+    g: nx.DiGraph
+    programs: dict[str, list[Op]]  # stream -> ops in program order
+    written: set[str] = field(default_factory=set)  # streams whose program the file wrote
+
+    def stream_of(self, op: Op) -> str | None:
+        return self.g.nodes[op].get("stream")
+
+    def placed(self) -> list[Op]:
+        return [op for ops in self.programs.values() for op in ops]
+
+    def needs(self):
+        """(producer, consumer, reasons) for every need."""
+        for u, v, d in self.g.edges(data=True):
+            if d.get("needs"):
+                yield u, v, d["needs"]
+
+    def syncs(self) -> nx.DiGraph:
+        """The graph that runs: program order and events, placed ops only."""
+        h = nx.DiGraph()
+        h.add_nodes_from(self.placed())
+        # an `after` may name an op no program holds; nothing runs it (the checker says so)
+        h.add_edges_from((u, v, d) for u, v, d in self.g.edges(data=True)
+                         if d.get("sync") and u in h and v in h)
+        return h
+
+    def events(self) -> list[tuple[Op, Op]]:
+        return [(u, v) for u, v, d in self.g.edges(data=True) if d.get("sync") == "event"]
+
+    def span_of(self, op: Op) -> Span | None:
+        return self.g.nodes[op].get("span") if op in self.g else None
+
+
+# -- the canonical sequence -----------------------------------------------------------------------
+
+
+@dataclass
+class _Seq:
+    """Ops in canonical order, each with its needs and the source line it comes from."""
+
+    ops: list[Op] = field(default_factory=list)
+    needs: dict[Op, list[tuple[Op, str]]] = field(default_factory=lambda: defaultdict(list))
+    span: dict[Op, Span | None] = field(default_factory=dict)
+
+    def emit(self, op: Op, needs=(), span: Span | None = None) -> Op:
+        self.ops.append(op)
+        self.needs[op].extend(needs)
+        self.span[op] = span
+        return op
+
+
+def canonical(spec: Spec) -> _Seq:
+    """The whole step in the order a host issues it; dispatches on the strategy."""
+    if spec.kind is Strategy.FSDP:
+        return _fsdp(spec, spec.strategy)
+    return _ddp(spec, spec.strategy)
+
+
+def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, str]]:
+    layers = spec.model.layers
+    i = layers.index(op.target)
+    if op.kind is Kind.FWD:
+        return [(fwd(layers[i - 1], op.mb), ACT)] if i else []
+    needs = [(fwd(op.target, op.mb), SAVED)]
+    if i + 1 < len(layers):
+        needs.insert(0, (bwd(layers[i + 1], op.mb), GRAD_IN))
+    return needs
+
+
+def _writers(spec: Spec, params) -> set[str]:
+    return {w for p in params for w in spec.model.writers(p)}
+
+
+def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
+    """fwd all layers, bwd in reverse; each bucket all-reduced once it and all before it fill."""
+    seq, cfg = _Seq(), spec.model
+    model_span = spec.where.get("model")
+    buckets = ddp.buckets if ddp else ()
+    bucket_writers = [_writers(spec, b.params) for b in buckets]
+    bucket_of_layer: dict[str, list[int]] = defaultdict(list)
+    for i, ws in enumerate(bucket_writers):
+        for w in ws:
+            bucket_of_layer[w].append(i)
+    for j in range(spec.accum):
+        for layer in cfg.layers:
+            op = fwd(layer, j)
+            seq.emit(op, _compute_needs(spec, op), model_span)
+        done: set[str] = set()
+        launched = 0
+        for layer in reversed(cfg.layers):
+            op = bwd(layer, j)
+            needs = _compute_needs(spec, op)
+            if j and spec.communicates(j - 1):
+                # this backward writes into buckets the previous all-reduce may still read
+                needs += [(Op(Kind.ALLREDUCE, buckets[b].name, j - 1), REUSE)
+                          for b in bucket_of_layer[layer]]
+            seq.emit(op, needs, model_span)
+            done.add(layer)
+            if not spec.communicates(j):
+                continue
+            # launch in the compiled bucket order, never first-ready: every rank must agree
+            while launched < len(buckets) and bucket_writers[launched] <= done:
+                b = buckets[launched]
+                seq.emit(Op(Kind.ALLREDUCE, b.name, j),
+                         [(bwd(w, j), GRADS) for w in sorted(bucket_writers[launched])],
+                         b.span or spec.where.get("ddp"))
+                launched += 1
+    last = spec.accum - 1
+    if buckets:
+        step_needs = [(Op(Kind.ALLREDUCE, b.name, last), UPDATE) for b in buckets]
+    else:
+        step_needs = [(bwd(layer, last), GRADS) for layer in cfg.layers]
+    seq.emit(STEP, step_needs, spec.where.get("optimizer", model_span))
+    return seq
+
+
+@dataclass
+class _Use:
+    """A run of compute ops (one micro-step, one pass) that needs one unit gathered."""
+
+    unit: UnitSpec
+    mb: int
+    phase: Phase
+    first: int  # index into the compute sequence
+    last: int
+    gather: bool = False
+    free: bool = False
+    index: int = -1  # position in the step's list of uses
+
+
+def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
+    """Gather, compute, free per unit; prefetch at the declared depth; reduce-scatter grads."""
+    cfg = spec.model
+    reads = {layer: [] for layer in cfg.layers}  # layer -> units its compute reads
+    for layer in cfg.layers:
+        for u in fs.units:
+            if layer in u.layers:
+                reads[layer].append(u)
+
+    compute: list[Op] = []
+    for j in range(spec.accum):
+        compute += [fwd(layer, j) for layer in cfg.layers]
+        compute += [bwd(layer, j) for layer in reversed(cfg.layers)]
+
+    # uses of the units that are not kept gathered, in compute order
+    uses: list[_Use] = []
+    open_use: dict[str, _Use] = {}
+    for i, op in enumerate(compute):
+        phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
+        for u in reads[op.target]:
+            if u.keep:
+                continue
+            cur = open_use.get(u.name)
+            if cur and cur.mb == op.mb and cur.phase is phase and cur.last == i - 1:
+                cur.last = i
+            else:
+                open_use[u.name] = _Use(u, op.mb, phase, i, i)
+                uses.append(open_use[u.name])
+        # a use also continues across ops that do not read the unit only if contiguous; the
+        # resolve pass proved units are contiguous, so each (mb, phase) has one use per unit
+    uses.sort(key=lambda x: (x.first, fs.units.index(x.unit)))
+    for m, use in enumerate(uses):
+        use.index = m
+    prev_of: dict[int, _Use | None] = {}
+    last_seen: dict[str, _Use] = {}
+    for m, use in enumerate(uses):
+        prev = last_seen.get(use.unit.name)
+        prev_of[m] = prev
+        use.gather = prev is None or prev.free
+        use.free = use.phase is Phase.BWD or fs.reshard_after_forward
+        last_seen[use.unit.name] = use
+
+    def gather_op(use: _Use) -> Op:
+        return Op(Kind.ALLGATHER, use.unit.name, use.mb, use.phase)
+
+    def free_op(use: _Use) -> Op:
+        return Op(Kind.FREE, use.unit.name, use.mb, use.phase)
+
+    # where each gather goes: after the release of the use depth+1 before it (the window),
+    # and after the previous free of its own buffer; never after its own first reader
+    anchored: dict[int, list[_Use]] = defaultdict(list)  # compute index -> gathers after it
+    for m, use in enumerate(uses):
+        if not use.gather:
+            continue
+        depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
+        anchor = uses[m - depth - 1].last if m - depth - 1 >= 0 else -1
+        prev = prev_of[m]
+        if prev is not None:
+            anchor = max(anchor, prev.last)
+        anchor = min(anchor, use.first - 1)
+        anchored[anchor].append(use)
+
+    # the live gather of each use (a bwd use without a gather reads the fwd use's buffer)
+    source_gather: dict[int, Op] = {}
+    for m, use in enumerate(uses):
+        if use.gather:
+            source_gather[m] = gather_op(use)
+        else:
+            prev = prev_of[m]
+            source_gather[m] = source_gather[prev.index]
+    use_at: dict[tuple[str, int], int] = {}  # (unit, compute index) -> use index
+    for m, use in enumerate(uses):
+        for i in range(use.first, use.last + 1):
+            use_at[(use.unit.name, i)] = m
+    ends_at: dict[int, list[int]] = defaultdict(list)
+    for m, use in enumerate(uses):
+        ends_at[use.last].append(m)
+
+    keep = [u for u in fs.units if u.keep]
+    keep_gather = {u.name: Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in keep}
+    keep_free = {u.name: Op(Kind.FREE, u.name, spec.accum - 1, Phase.BWD) for u in keep}
+
+    # reduce-scatter of a unit in micro-step j goes right after the last op writing its grads
+    last_writer: dict[tuple[str, int], int] = {}
+    unit_writers = {u.name: _writers(spec, u.params) for u in fs.units}
+    for i, op in enumerate(compute):
+        if op.kind is Kind.BWD:
+            for u in fs.units:
+                if op.target in unit_writers[u.name]:
+                    last_writer[(u.name, op.mb)] = i
+    rs_after: dict[int, list[UnitSpec]] = defaultdict(list)
+    for (uname, j), i in last_writer.items():
+        if spec.communicates(j):
+            rs_after[i].append(next(u for u in fs.units if u.name == uname))
+
+    # readers since the last gather, for each free
+    readers: dict[int, list[Op]] = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
+    for m, use in enumerate(uses):
+        if use.free and not use.gather:
+            readers[m] = readers[prev_of[m].index] + readers[m]
+
+    seq = _Seq()
+
+    def emit_gathers(index: int) -> None:
+        for use in anchored.get(index, []):
+            m = use.index
+            needs = []
+            prev = prev_of[m]
+            if prev is not None:
+                needs.append((free_op(prev), REUSE))
+            depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
+            if m - depth - 1 >= 0:
+                w = uses[m - depth - 1]
+                release = free_op(w) if w.free else compute[w.last]
+                if prev is None or release != free_op(prev):
+                    needs.append((release, WINDOW))
+            seq.emit(gather_op(use), needs, use.unit.span)
+
+    for u in keep:
+        seq.emit(keep_gather[u.name], [], u.span)
+    emit_gathers(-1)
+    for i, op in enumerate(compute):
+        needs = _compute_needs(spec, op)
+        for u in reads[op.target]:
+            if u.keep:
+                needs.append((keep_gather[u.name], PARAMS))
+            else:
+                needs.append((source_gather[use_at[(u.name, i)]], PARAMS))
+        seq.emit(op, needs, spec.where.get("model"))
+        for u in rs_after.get(i, []):
+            writers = unit_writers[u.name]
+            rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
+            if op.mb and not spec.no_sync:
+                rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), REUSE))
+            seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
+        for m in ends_at.get(i, []):
+            if uses[m].free:
+                seq.emit(free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
+        emit_gathers(i)
+    last = spec.accum - 1
+    for u in keep:
+        final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
+        seq.emit(keep_free[u.name], [(r, LAST_USE) for r in final_readers], u.span)
+    seq.emit(STEP, [(Op(Kind.REDUCESCATTER, u.name, last), UPDATE) for u in fs.units],
+             spec.where.get("optimizer", spec.where.get("model")))
+    return seq
+
+
+# -- streams, programs and events -----------------------------------------------------------------
+
+
+def build_graphs(spec: Spec) -> dict[int | None, ScheduleGraph]:
+    """One graph for every rank, plus one per rank that has programs of its own."""
+    seq = canonical(spec)
+    ranks = sorted({p.rank for p in spec.programs if p.rank is not None})
+    out = {None: _build(spec, seq, None)}
+    for r in ranks:
+        out[r] = _build(spec, seq, r)
+    return out
+
+
+def build_graph(spec: Spec, rank: int | None = None) -> ScheduleGraph:
+    graphs = build_graphs(spec)
+    return graphs.get(rank, graphs[None])
+
+
+def _programs_for(spec: Spec, rank: int | None) -> dict[str, ProgramSpec]:
+    chosen: dict[str, ProgramSpec] = {}
+    for p in spec.programs:
+        if p.rank is None and p.stream not in chosen:
+            chosen[p.stream] = p
+    for p in spec.programs:
+        if rank is not None and p.rank == rank:
+            chosen[p.stream] = p
+    return chosen
+
+
+def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
+    g = nx.DiGraph()
+    order = {op: i for i, op in enumerate(seq.ops)}
+    for op in seq.ops:
+        g.add_node(op, stream=None, seq=order[op], span=seq.span[op], required=True)
+        for producer, why in seq.needs[op]:
+            if producer not in g:  # the canonical order lists producers first
+                raise AssertionError(f"internal: {op} needs {producer}, which comes later")
+            g.add_edge(producer, op)
+            g.edges[producer, op].setdefault("needs", []).append(why)
+
+    written = _programs_for(spec, rank)
+    moved = {ins.op for p in written.values() for ins in p.instrs}
+    programs: dict[str, list[Op]] = {s: [] for s in spec.stream_names()}
+    for op in seq.ops:
+        s = spec.streams[op.kind]
+        if s not in written and op not in moved:
+            programs.setdefault(s, []).append(op)
+    explicit_waits: list[tuple[Op, Op, Span]] = []
+    for s, prog in written.items():
+        programs[s] = []
+        for ins in prog.instrs:
+            if ins.op not in g:
+                g.add_node(ins.op, stream=None, seq=None, span=ins.span, required=False)
+            if g.nodes[ins.op].get("stream") is not None:
+                g.nodes[ins.op]["again"] = ins.span  # written twice; the checker reports it
+                continue
+            programs[s].append(ins.op)
+            g.nodes[ins.op]["span"] = ins.span
+            g.nodes[ins.op]["stream"] = s
+            for a, a_span in zip(ins.after, ins.after_spans):
+                explicit_waits.append((a, ins.op, a_span))
+    for s, ops in programs.items():
+        for i, op in enumerate(ops):
+            g.nodes[op]["stream"] = s
+            g.nodes[op]["pos"] = i
+            if i:
+                _sync(g, ops[i - 1], op, "order")
+    for a, op, a_span in explicit_waits:
+        if a not in g:
+            g.add_node(a, stream=None, seq=None, span=a_span, required=False)
+        if g.nodes[a].get("stream") == g.nodes[op]["stream"]:
+            _sync(g, a, op, "after", a_span)  # same-stream wait: order, or a deadlock if later
+        else:
+            _sync(g, a, op, "event", a_span)
+    sg = ScheduleGraph(spec, rank, g, {s: ops for s, ops in programs.items()}, set(written))
+    _insert_events(sg)
+    return sg
+
+
+def _sync(g: nx.DiGraph, u: Op, v: Op, kind: str, span: Span | None = None) -> None:
+    g.add_edge(u, v)
+    d = g.edges[u, v]
+    if d.get("sync") in ("order", "event") and kind == "after":
+        return
+    d["sync"] = kind
+    if span is not None:
+        d["span"] = span
+
+
+def _insert_events(sg: ScheduleGraph) -> None:
+    """Give every generated op the cross-stream waits its needs call for, and no more.
+
+    A wait is skipped when an earlier wait on the same stream already covers it (vector
+    clocks over the streams), so the plan records and waits as few events as it can.
+    """
+    g = sg.g
+    streams = list(sg.programs)
+    # order by what runs and by what will be waited for, so producers come first
+    placed = set(sg.placed())
+    ahead = nx.DiGraph()
+    ahead.add_nodes_from(placed)
+    ahead.add_edges_from((u, v) for u, v, d in g.edges(data=True)
+                         if u in placed and v in placed and (d.get("sync") or d.get("needs")))
+    try:
+        topo = list(nx.topological_sort(ahead))
+    except nx.NetworkXUnfeasible:  # written programs contradict a need: order by what runs
+        try:
+            topo = list(nx.topological_sort(sg.syncs()))
+        except nx.NetworkXUnfeasible:
+            return  # the checker reports the cycle
+    generated = {op for s, ops in sg.programs.items() if s not in sg.written for op in ops}
+    clock: dict[Op, dict[str, int]] = {}
+    for op in topo:
+        vc = {s: -1 for s in streams}
+        for p in g.predecessors(op):
+            if g.edges[p, op].get("sync") and p in clock:
+                for s, v in clock[p].items():
+                    vc[s] = max(vc[s], v)
+        if op in generated:
+            mine = g.nodes[op]["stream"]
+            wanted = [
+                p for p in g.predecessors(op)
+                if g.edges[p, op].get("needs") and g.nodes[p].get("stream") not in (None, mine)
+            ]
+            wanted.sort(key=lambda p: -g.nodes[p]["pos"])
+            for p in wanted:
+                ps = g.nodes[p]["stream"]
+                if vc[ps] >= g.nodes[p]["pos"]:
+                    continue  # already ordered by an earlier wait
+                _sync(g, p, op, "event")
+                for s, v in clock.get(p, {}).items():
+                    vc[s] = max(vc[s], v)
+        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
+        clock[op] = vc
+
+
+def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
+    """Vector clock of every placed op: per stream, the last position known done before it
+    starts (its own stream: its own position). None when the run graph has a cycle."""
+    g, runs = sg.g, sg.syncs()
+    try:
+        topo = list(nx.topological_sort(runs))
+    except nx.NetworkXUnfeasible:
+        return None
+    clock: dict[Op, dict[str, int]] = {}
+    for op in topo:
+        vc: dict[str, int] = defaultdict(lambda: -1)
+        for p in runs.predecessors(op):
+            for s, v in clock[p].items():
+                vc[s] = max(vc[s], v)
+        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
+        clock[op] = vc
+    return clock
+
+
+def ordered(sg: ScheduleGraph, clock, u: Op, v: Op) -> bool:
+    """Whether u is complete before v starts, by the run graph (u placed, v placed)."""
+    su = sg.g.nodes[u]["stream"]
+    if u == v:
+        return False
+    if su == sg.g.nodes[v]["stream"]:
+        return sg.g.nodes[u]["pos"] < sg.g.nodes[v]["pos"]
+    # v's clock counts v itself on its own stream; u on another stream is done before v
+    # starts iff some wait of v (or of something before v) reached u's position
+    return clock[v].get(su, -1) >= sg.g.nodes[u]["pos"]

@@ -1,0 +1,67 @@
+"""Checked graph -> Plan (schedc/ir/plan.py): instructions in host issue order, with events.
+
+Every cross-stream edge of the graph becomes exactly one `wait`, placed immediately before
+its consumer's `run`, for an event recorded immediately after its producer's `run`
+(ordering invariant: a record follows its producer and precedes every wait for it).
+The issue order is a topological order of the run graph that prefers the canonical
+sequence, so a collective is issued the moment its inputs are ready.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from schedc.ir.op import Op
+from schedc.ir.plan import Action, Instr, Plan
+from schedc.passes.graph import ScheduleGraph
+
+
+def lower(sg: ScheduleGraph) -> Plan:
+    """The run graph in issue order, with a record/wait pair for every cross-stream edge."""
+    g = sg.g
+    runs = sg.syncs()
+    key: dict[Op, float] = {}
+    for s, ops in sg.programs.items():
+        prev = -1.0
+        for op in ops:
+            seq = g.nodes[op].get("seq")
+            k = float(seq) if seq is not None else prev + 0.5
+            key[op] = k
+            prev = k
+    indeg = {op: runs.in_degree(op) for op in runs}
+    heap = [(key[op], str(op), op) for op, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    order: list[Op] = []
+    while heap:
+        _, _, op = heapq.heappop(heap)
+        order.append(op)
+        for nxt in runs.successors(op):
+            indeg[nxt] -= 1
+            if indeg[nxt] == 0:
+                heapq.heappush(heap, (key[nxt], str(nxt), nxt))
+    if len(order) != len(indeg):
+        raise ValueError("the run graph has a cycle; check the schedule first")
+
+    event_of: dict[Op, int] = {}
+    consumers: dict[int, list[Op]] = {}
+    at = {op: i for i, op in enumerate(order)}
+    for u, v in sorted(sg.events(), key=lambda e: (at[e[0]], at[e[1]])):
+        if u not in event_of:
+            event_of[u] = len(event_of)
+        consumers.setdefault(event_of[u], []).append(v)
+    waits_for: dict[Op, list[int]] = {}
+    for e, vs in consumers.items():
+        for v in vs:
+            waits_for.setdefault(v, []).append(e)
+
+    instrs: list[Instr] = []
+    for op in order:
+        stream = g.nodes[op]["stream"]
+        for e in sorted(waits_for.get(op, [])):
+            instrs.append(Instr(Action.WAIT, stream, event=e))
+        instrs.append(Instr(Action.RUN, stream, op=op))
+        if op in event_of:
+            instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
+    streams = tuple(s for s, ops in sg.programs.items() if ops)
+    return Plan(sg.rank, streams, tuple(instrs), {e: op for op, e in event_of.items()},
+                {e: tuple(vs) for e, vs in consumers.items()})

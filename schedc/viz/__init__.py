@@ -1,0 +1,1 @@
+"""Pictures: the dependency graph and timelines (predicted by the cost model, or measured)."""

@@ -1,0 +1,117 @@
+"""The cost model: how long each op of a plan takes (viz/simulate.py says when it runs).
+
+    duration   fwd         FLOPs of the layer for one micro-batch / flops
+               bwd         2 x fwd
+               collective  latency + ring(kind, D) x bytes / bandwidth
+                           ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D
+               free        free (a storage release, no kernel)
+               optimizer   28 bytes x parameters on the rank / mem_bandwidth (fp32 AdamW)
+
+The defaults describe one node of current data-centre GPUs (see `CostModel`); every number
+can be set on the command line or fitted to a measured trace (`schedc calibrate`).
+Times are seconds. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from schedc.ir.op import Kind, Op
+from schedc.ir.spec import Spec, Strategy
+from schedc.model.arch import FP32
+from schedc.passes.memory import op_bytes, padded, unit_numel
+from schedc.viz.units import fmt_rate, fmt_time
+
+ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Throughputs and fixed costs of one GPU and its links (SI units)."""
+
+    flops: float = 300e12
+    """Effective compute throughput, FLOP/s. An H100-class GPU sustains 300-400 TFLOP/s on
+    GPT-2's matmuls in bf16/tf32 (40% of its dense peak); an A100 about half of that."""
+    bandwidth: float = 100e9
+    """Bus bandwidth per GPU, bytes/s, as nccl-tests reports it (busbw: the ring factor is
+    applied separately). 100 GB/s is a conservative NVLink ring or a 4 x 200 Gb/s
+    InfiniBand node; NVLink 4 within one H100 node measures 300-450 GB/s."""
+    latency: float = 10e-6
+    """Fixed cost of one collective, seconds: launch plus the ring's hop latencies."""
+    mem_bandwidth: float = 2e12
+    """Effective HBM bandwidth, bytes/s, for the memory-bound optimizer step."""
+    free: float = 1e-6
+    """Releasing a gathered unit's storage, seconds (host-side bookkeeping, no kernel)."""
+
+    def describe(self) -> str:
+        return (f"{fmt_rate(self.flops, 'FLOP/s')} compute, {fmt_rate(self.bandwidth, 'B/s')} "
+                f"bus bandwidth, {fmt_time(self.latency)} per collective")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """A params.json as `schedc calibrate -o` writes it; keys it lacks keep their default."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            # a file's content: a bad value, not a programming error's TypeError
+            raise ValueError(f"{path}: expected a JSON object of cost parameters")  # noqa: TRY004
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        values = {k: float(v) for k, v in data.items()}
+        bad = [k for k, v in values.items() if not v > 0 and k not in ("latency", "free")]
+        if bad or any(v < 0 for v in values.values()):
+            raise ValueError(f"{path}: cost parameters must be positive ({', '.join(bad)})")
+        return cls(**values)
+
+    def with_(self, **changes: float | None) -> CostModel:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# -- durations ------------------------------------------------------------------------------------
+
+
+def ring_factor(kind: Kind, world: int) -> float:
+    """Bytes each rank sends per byte of the collective's (full) buffer, on a ring."""
+    if kind is Kind.ALLREDUCE:
+        return 2 * (world - 1) / world
+    if kind in (Kind.ALLGATHER, Kind.REDUCESCATTER):
+        return (world - 1) / world
+    return 0.0
+
+
+def op_flops(spec: Spec, op: Op) -> float:
+    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward)."""
+    if op.kind not in (Kind.FWD, Kind.BWD):
+        return 0.0
+    f = spec.model.layer_fwd_flops(op.target, spec.micro * spec.seq_len, spec.seq_len)
+    return 2 * f if op.kind is Kind.BWD else f
+
+
+def comm_volume(spec: Spec, op: Op) -> float:
+    """Bytes each rank moves for a collective on a ring: ring factor x buffer bytes."""
+    return ring_factor(op.kind, spec.world) * op_bytes(spec, op)
+
+
+def optimizer_bytes(spec: Spec) -> float:
+    """Bytes AdamW reads and writes on one rank (FSDP: its shards only)."""
+    if spec.kind is Strategy.FSDP:
+        n = sum(padded(unit_numel(spec, u), spec.world) for u in spec.strategy.units)
+        return ADAMW_BYTES * n / spec.world
+    return ADAMW_BYTES * spec.model.numel
+
+
+def duration(spec: Spec, op: Op, cost: CostModel) -> float:
+    if op.kind in (Kind.FWD, Kind.BWD):
+        return op_flops(spec, op) / cost.flops
+    if op.is_collective:
+        return cost.latency + comm_volume(spec, op) / cost.bandwidth
+    if op.kind is Kind.FREE:
+        return cost.free
+    return optimizer_bytes(spec) / cost.mem_bandwidth

@@ -1,0 +1,72 @@
+"""DOT for Graphviz: string quoting, schedc's palette, and writing a picture file.
+
+Both views (viz/graph.py, viz/timeline.py) build DOT text with these helpers; `write` turns
+it into the format the output's extension names (`.dot` is the text itself, no Graphviz).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from schedc.ir.op import Kind
+
+FORMATS = ("svg", "png", "pdf", "dot")
+ENGINE = {"graph": "dot", "timeline": "neato"}
+
+# Excalidraw's palette, as in the seed pictures: (fill, stroke)
+COLORS = {
+    Kind.FWD: ("#a5d8ff", "#1971c2"),
+    Kind.BWD: ("#b2f2bb", "#2f9e44"),
+    Kind.FREE: ("#f1f3f5", "#868e96"),
+    Kind.STEP: ("#dee2e6", "#1e1e1e"),
+    Kind.ALLREDUCE: ("#ffc9c9", "#e03131"),
+    Kind.REDUCESCATTER: ("#ffc9c9", "#e03131"),
+    Kind.ALLGATHER: ("#d0ebff", "#1864ab"),
+}
+EVENT_COLOR = "#e8590c"
+FONT = "Helvetica"
+
+
+def q(text: str) -> str:
+    """A DOT string literal: newlines become centred line breaks; a written "\\l" stays a
+    left-justified one (schedc's own texts hold no other backslashes)."""
+    return '"' + text.replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def attrs(**kv) -> str:
+    return "[" + ", ".join(f"{k}={v}" for k, v in kv.items() if v is not None) + "]"
+
+
+
+def html(text: str) -> str:
+    """Escape the few characters HTML-like labels reserve (our <br/> tags pass through)."""
+    return text.replace("&", "&amp;").replace("<br/>", "\0").replace("<", "&lt;") \
+        .replace(">", "&gt;").replace("\0", "<br/>")
+
+
+class GraphvizMissing(Exception):
+    pass
+
+
+def write(dot: str, out: Path, engine: str) -> None:
+    """DOT text to `out`, its format named by the extension (.dot needs no Graphviz)."""
+    fmt = out.suffix.lstrip(".").lower()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "dot":
+        out.write_text(dot)
+        return
+    if shutil.which(engine) is None:
+        raise GraphvizMissing(
+            f"writing {out.name} needs Graphviz's `{engine}` program, which is not on PATH; "
+            "install Graphviz (Debian/Ubuntu: `sudo apt-get install graphviz`, macOS: "
+            "`brew install graphviz`, conda: `conda install graphviz`), or write DOT text "
+            f"with -o {out.with_suffix('.dot').name} and render it elsewhere")
+    import graphviz
+
+    try:
+        data = graphviz.pipe(engine, fmt, dot.encode(),
+                             neato_no_op=2 if engine == "neato" else None, quiet=True)
+    except graphviz.ExecutableNotFound as e:  # on PATH but not runnable
+        raise GraphvizMissing(f"cannot run Graphviz's `{engine}`: {e}") from None
+    out.write_bytes(data)

@@ -1,0 +1,169 @@
+"""The graph view: the dependency graph as DOT for `dot`.
+
+One cluster per stream, nodes labelled with their IR text in program order, program order
+as thin grey edges, events (cross-stream waits) dashed and labelled with what they carry,
+collectives as coloured hexagons. Repeated micro-steps fold into one node per stream
+("mb1 .. mb30 (x30, same ops)") unless `unfold`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from schedc.compiler import Compiled
+from schedc.ir.op import Kind, Op
+from schedc.ir.spec import Strategy
+from schedc.viz.dot import COLORS, EVENT_COLOR, FONT, attrs, html, q
+
+
+def describe(c: Compiled) -> str:
+    """One line saying what the schedule is: strategy, world, micro-steps."""
+    s = c.spec
+    k = f"{s.accum} micro-step{'s' if s.accum != 1 else ''} of {s.micro} x {s.seq_len} tokens"
+    if s.kind is Strategy.DDP:
+        st = s.strategy
+        how = f"{len(st.buckets)} bucket{'s' if len(st.buckets) != 1 else ''}"
+        sync = ", no_sync" if s.no_sync and s.accum > 1 else ""
+        return f"DDP, world {s.world}, {k}, {how}{sync}"
+    if s.kind is Strategy.FSDP:
+        st = s.strategy
+        return (f"FSDP, world {s.world}, {k}, {len(st.units)} units, prefetch forward "
+                f"{st.prefetch_forward} / backward {st.prefetch_backward}")
+    return f"one process, {k}, gradients added across micro-steps"
+
+
+# -- folding repeated micro-steps ----------------------------------------------------------------
+
+
+def folded_microsteps(c: Compiled, rank: int | None = None) -> range:
+    """The middle micro-steps 1 .. k-2 when every one has the same ops on the same streams
+    (two or more of them); otherwise an empty range: nothing folds."""
+    k = c.spec.accum
+    if k < 4:
+        return range(0)
+    sg = c.graph(rank)
+    shape: dict[int, list] = defaultdict(list)
+    for stream, ops in sg.programs.items():
+        for op in ops:
+            if op.mb >= 0:
+                shape[op.mb].append((stream, op.kind, op.target, op.phase))
+    middle = range(1, k - 1)
+    first = shape[middle[0]]
+    return middle if all(shape[j] == first for j in middle) else range(0)
+
+
+def _fold_label(ops: list[Op], folded: range) -> str:
+    counts: dict[str, int] = {}
+    for op in ops:
+        if op.mb == folded[0]:
+            counts[op.kind.value] = counts.get(op.kind.value, 0) + 1
+    each = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    return (f"mb{folded[0]} .. mb{folded[-1]}\n(x{len(folded)}, same ops)\n{each} each")
+
+
+# -- the graph view -------------------------------------------------------------------------------
+
+
+def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = False) -> str:
+    """The schedule graph(s) as DOT for `dot`: what runs on which stream and what waits."""
+    graph = attrs(rankdir="TB", fontname=q(FONT), fontsize=16, labelloc="t", nodesep="0.3",
+                  ranksep="0.22")
+    node = attrs(fontname=q(FONT), fontsize=11, shape="box", style=q("rounded,filled"),
+                 height="0.3", margin=q("0.08,0.03"))
+    out = ["digraph schedc {", f"  graph {graph};", f"  node {node};",
+           f"  edge {attrs(fontname=q(FONT), fontsize=9, arrowsize='0.6')};"]
+    for i, c in enumerate(compiled):
+        out += _graph_body(c, i, rank, unfold, nested=len(compiled) > 1)
+    legend = ("grey arrows: program order on a stream; dashed orange: an event, a wait across "
+              "streams, labelled with what it carries;<br/>hexagons: collectives (red: "
+              "all-reduce and reduce-scatter, blue: all-gather); dashed boxes: frees")
+    title = f"{Path(compiled[0].source.path).name}: {describe(compiled[0])}<br/>" \
+        if len(compiled) == 1 else ""
+    out.append(f'  label=<{html(title)}<font point-size="11">{legend}</font>>;')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested: bool) -> list[str]:
+    sg = c.graph(rank)
+    g = sg.g
+    folded = range(0) if unfold else folded_microsteps(c, rank)
+    ids: dict[Op, str] = {}
+    lines: list[str] = []
+    pad = "    " if nested else "  "
+    if nested:
+        lines.append(f"  subgraph cluster_s{index} {{")
+        lines.append(f"    label={q(f'{Path(c.source.path).name}: {describe(c)}')}; "
+                     "fontsize=14; style=rounded; color=\"#adb5bd\";")
+    n = 0
+    for stream, ops in sg.programs.items():
+        if not ops:
+            continue
+        lines.append(f"{pad}subgraph cluster_s{index}_{_ident(stream)} {{")
+        lines.append(f"{pad}  label={q(f'{stream} stream')}; fontsize=13; "
+                     'style="rounded,filled"; fillcolor="#f8f9fa"; color="#ced4da";')
+        fold_id = None
+        fold_ops = [op for op in ops if op.mb in folded]
+        for op in ops:
+            if op.mb in folded:
+                if fold_id is None:
+                    fold_id = f"s{index}n{n}"
+                    n += 1
+                    style = attrs(label=q(_fold_label(fold_ops, folded)), shape="box3d",
+                                  style="filled", fillcolor=q("#fff9db"), color=q("#f08c00"))
+                    lines.append(f"{pad}  {fold_id} {style};")
+                ids[op] = fold_id
+                continue
+            ids[op] = f"s{index}n{n}"
+            n += 1
+            lines.append(f"{pad}  {ids[op]} {_node_style(op)};")
+        lines.append(f"{pad}}}")
+    edges: dict[tuple[str, str], tuple[str, set[str]]] = {}
+    rank_of = {"order": 0, "after": 1, "event": 2}
+    for u, v, d in sorted(g.edges(data=True), key=lambda e: (_pos(g, e[1]), _pos(g, e[0]))):
+        kind = d.get("sync")
+        if not kind or u not in ids or v not in ids or ids[u] == ids[v]:
+            continue
+        key = (ids[u], ids[v])
+        why = set(d.get("needs") or ()) if u.mb not in folded and v.mb not in folded else set()
+        old = edges.get(key)
+        if old is None or rank_of[kind] > rank_of[old[0]]:
+            edges[key] = (kind, why | (old[1] if old else set()))
+        else:
+            old[1].update(why)
+    for (a, b), (kind, why) in edges.items():
+        if kind == "event":
+            label = q(", ".join(sorted(why))) if why else None
+            style = attrs(style="dashed", color=q(EVENT_COLOR), fontcolor=q(EVENT_COLOR),
+                          penwidth="1.4", label=label)
+            lines.append(f"{pad}{a} -> {b} {style};")
+        elif kind == "after":
+            lines.append(f"{pad}{a} -> {b} {attrs(style='dotted', color=q('#495057'))};")
+        else:
+            lines.append(f"{pad}{a} -> {b} {attrs(color=q('#adb5bd'))};")
+    if nested:
+        lines.append("  }")
+    return lines
+
+
+def _pos(g, op: Op) -> tuple:
+    d = g.nodes[op]
+    return (d.get("seq") if d.get("seq") is not None else 1 << 30, d.get("pos") or 0, str(op))
+
+
+def _ident(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text)
+
+
+def _node_style(op: Op) -> str:
+    fill, stroke = COLORS[op.kind]
+    if op.is_collective:
+        return attrs(label=q(str(op)), shape="hexagon", style="filled", fillcolor=q(fill),
+                     color=q(stroke), penwidth="2", fontcolor=q("#1e1e1e"))
+    if op.kind is Kind.FREE:
+        return attrs(label=q(str(op)), style=q("rounded,dashed"), color=q(stroke),
+                     fontcolor=q(stroke))
+    if op.kind is Kind.STEP:
+        return attrs(label=q(str(op)), style=q("filled,bold"), fillcolor=q(fill), color=q(stroke))
+    return attrs(label=q(str(op)), fillcolor=q(fill), color=q(stroke))

@@ -1,0 +1,296 @@
+"""Run-time faults end cleanly, and checkpoints lose nothing (real processes, gloo).
+
+Ranks are launched by hand here (RANK, WORLD_SIZE, MASTER_ADDR/PORT), not by torchrun:
+torchrun kills the survivors the moment one worker dies, and these tests want to see
+what a survivor itself reports. One test checks that torchrun sees the failure too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from schedc.exec.checkpoint import CRASH_ENV
+from tests.pool import JobFailed
+from tests.exec.test_equivalence import DDP_CASES
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ROOT / "schedules"
+_port = [29600 + os.getpid() % 2000]
+
+
+def launch(world: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
+    """`schedc run ARGS` as `world` processes, each its own rank."""
+    _port[0] += 1
+    base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **(env or {})}
+    return [subprocess.Popen([sys.executable, "-m", "schedc", "run", *args],
+                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+
+
+def finish(procs, timeout: float = 240) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank did not exit within the bound") from None
+        out.append((p.returncode, o, e))
+    return out
+
+
+def wait_for_step(p: subprocess.Popen, step: int, timeout: float = 120) -> str:
+    """Read rank 0's stdout until it logs `step`."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        seen.append(line)
+        if line.startswith(f"step {step:4d}"):
+            return "".join(seen)
+    raise AssertionError("no progress:\n" + "".join(seen))
+
+
+def run(world: int, *args: str, env: dict | None = None) -> list[tuple[int, str, str]]:
+    return finish(launch(world, *args, env=env))
+
+
+# -- dead and stuck ranks ------------------------------------------------------------------------
+
+
+def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
+    procs = launch(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
+                   "--timeout", "20")
+    wait_for_step(procs[0], 2)
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    (code, _, err), _ = finish(procs, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert code == 1
+    assert "rank 1 stopped answering" in err
+    assert "error on rank 0" in err and "instruction" in err  # where it was waiting
+    assert "Traceback" not in err
+
+
+def test_a_stuck_rank_is_named_after_the_timeout():
+    procs = launch(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
+                   "--timeout", "8")
+    wait_for_step(procs[0], 2)
+    procs[1].send_signal(signal.SIGSTOP)  # alive, but answers nothing
+    t0 = time.monotonic()
+    try:
+        code, _, err = finish(procs[:1], timeout=60)[0]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    elapsed = time.monotonic() - t0
+    assert code == 1 and "rank 1 stopped answering" in err, err
+    assert elapsed < 8 + 20, elapsed  # the timeout, plus the grace to hear from the others
+
+
+def test_torchrun_sees_the_failure():
+    p = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
+         "--timeout", "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    wait_for_step(p, 2)
+    children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                              text=True).stdout.split()
+    workers = [c for c in children if c]
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    _, err = p.communicate(timeout=90)
+    assert p.returncode != 0
+
+
+# -- numerics -----------------------------------------------------------------------------------
+
+
+def test_a_nan_gradient_stops_the_run_with_the_step_named(pool):
+    with pytest.raises(JobFailed) as e:
+        pool.run(DDP_CASES["w2-two-buckets-k2"], 2, steps=3, fault="nan-grad step1")
+    assert "step 1: the gradient norm is nan" in str(e.value)
+
+
+def test_nonfinite_skip_skips_the_update_and_says_so(pool):
+    res = pool.run(DDP_CASES["w2-two-buckets-k2"], 2, steps=3, fault="nan-grad step1 skip")
+    assert [bool(s.skipped) for s in res.steps] == [False, True, False]
+    assert "step 1" in res.steps[1].skipped
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, read in one process with schedc's safe reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from schedc.exec.checkpoint import SafeReader, find, verify
+
+    path = find(ckpt)
+    verify(path)
+    reader = SafeReader(str(path))
+    md = reader.read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
+def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
+    f = str(SCHEDULES / sched)
+    straight = tmp_path / "straight"
+    (code, _, err), _ = run(2, f, "--steps", "6", "--save", str(straight), "--save-every", "6",
+                            "--log-json", str(tmp_path / "straight.jsonl"))
+    assert code == 0, err
+    ck = tmp_path / "ck"
+    procs = launch(2, f, "--steps", "6", "--save", str(ck), "--save-every", "2",
+                   "--log-json", str(tmp_path / "a.jsonl"))
+    deadline = time.monotonic() + 120
+    while not (ck / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()  # mid-run, after the first checkpoint
+    finish(procs)
+    (code, out, err), _ = run(2, f, "--steps", "6", "--save", str(ck), "--save-every", "6",
+                              "--resume", str(ck), "--log-json", str(tmp_path / "b.jsonl"))
+    assert code == 0, err
+    assert "resumed from" in out
+    want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "b.jsonl")
+    assert got and all(got[s] == want[s] for s in got), (got, want)  # bitwise: == on floats
+    a, b = final_state(straight), final_state(ck)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
+    two = SCHEDULES / "tiny_fsdp_prefetch.sched"
+    one = tmp_path / "one.sched"  # the same model, global batch and units, on one rank
+    one.write_text(two.read_text().replace("world 2", "world 1").replace("micro 2", "micro 4"))
+    ck = tmp_path / "ck"
+    (code, _, err), _ = run(2, str(two), "--steps", "4", "--save", str(ck), "--save-every", "2",
+                            "--log-json", str(tmp_path / "two.jsonl"))
+    assert code == 0, err
+    (code, out, err), = run(1, str(one), "--steps", "4", "--resume", str(ck / "step_00000002"),
+                            "--log-json", str(tmp_path / "one.jsonl"))
+    assert code == 0, err
+    want, got = losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl")
+    assert sorted(got) == [2, 3]
+    for s in got:  # another world sums in another order: equal to fp32 rounding
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+
+
+@pytest.mark.parametrize("point", ["before-write", "after-write", "before-rename",
+                                   "before-latest"])
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, point):
+    f = str(SCHEDULES / "tiny_ddp_overlap.sched")
+    ck = tmp_path / "ck"
+    (code, _, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "2", "--save",
+                          str(ck), "--save-every", "2")
+    assert code == 0, err
+    # the next save (step 4) dies at `point`
+    (code, _, _), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume",
+                        str(ck), "--save", str(ck), "--save-every", "2",
+                        env={CRASH_ENV: point})
+    assert code != 0
+    (code, out, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume",
+                            str(ck))
+    assert code == 0, err
+    resumed_at = int(out.split("at step ")[1].split()[0])
+    assert resumed_at in (2, 4)  # the old one, or the new one if it was complete
+    del f
+
+
+def _corrupt(ck: Path, how: str) -> None:
+    path = ck / (ck / "latest").read_text().strip()
+    data = path / "__0_0.distcp"
+    blob = data.read_bytes()
+    if how == "truncate":
+        data.write_bytes(blob[: len(blob) // 2])
+    elif how == "flip":
+        data.write_bytes(blob[:100] + bytes([blob[100] ^ 0xFF]) + blob[101:])
+    elif how == "evil-metadata":  # a pickle that runs code, with the manifest "fixed" to match
+        import hashlib
+
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch " + str(ck / "pwned"),))
+
+        (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+        meta = json.loads((path / "meta.json").read_text())
+        meta["files"][".metadata"] = hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()
+        (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("how,message", [
+    ("truncate", "truncated or altered"),
+    ("flip", "truncated or altered"),
+    ("evil-metadata", "which a DCP checkpoint never does"),
+])
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, how, message):
+    ck = tmp_path / "ck"
+    (code, _, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "2", "--save",
+                          str(ck), "--save-every", "2")
+    assert code == 0, err
+    _corrupt(ck, how)
+    (code, out, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "3", "--resume",
+                            str(ck))
+    assert code == 1
+    assert message in err and "Traceback" not in err, err
+    assert not (ck / "pwned").exists()
+
+
+def test_a_schedule_is_data_never_code():
+    """No eval or exec anywhere in schedc: a .sched file can only be parsed."""
+    for f in (ROOT / "schedc").glob("*.py"):
+        text = f.read_text()
+        assert "eval(" not in text and "exec(" not in text, f.name
+
+
+def test_ranks_reading_different_data_refuse_to_start(tmp_path):
+    """The same schedule text, but `data "text.txt"` is another file on each rank."""
+    text = (SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace(
+        "data corpus", 'data "text.txt"')
+    dirs = []
+    for r in range(2):
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        (d / "run.sched").write_text(text)
+        (d / "text.txt").write_text(("In the beginning was the word. " * 400) if r == 0 else
+                                    ("Call me Ishmael. Some years ago. " * 400))
+        dirs.append(d)
+    _port[0] += 1
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", "run.sched", "--timeout",
+                               "60"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              cwd=dirs[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for code, out, err in finish(procs, timeout=120):
+        assert code == 1, err
+        assert "ranks disagree before step 1" in err and "data" in err
+        assert "step    0" not in out

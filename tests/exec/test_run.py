@@ -1,0 +1,234 @@
+"""`schedc run` for real: torchrun, traces, memory, communication volume, failures.
+
+The traces come from the CLI under torchrun, as a user would make them; the rest runs on
+the session's pool of gloo ranks (tests/pool.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedc.compiler import compile_file, compile_text
+from tests.oracle import assert_matches
+from tests.pool import JobFailed
+from tests.exec.test_equivalence import DDP_CASES, FSDP_CASES, fsdp
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ROOT / "schedules"
+
+
+def torchrun(n: int, *args: str, timeout: float = 300, env: dict | None = None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={n}", "-m", "schedc", "run", *args]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=e)
+
+
+def spans(events: list[dict], rank: int) -> dict[tuple[int, str], tuple[float, float, dict]]:
+    """(step, op) -> (start, end, event) for one rank's complete events."""
+    out = {}
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] == rank:
+            out[(e["args"]["step"], e["name"])] = (e["ts"], e["ts"] + e["dur"], e)
+    return out
+
+
+def overlap(a: tuple[float, float, dict], b: tuple[float, float, dict]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+# -- traces -----------------------------------------------------------------------------------
+
+
+def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
+    trace = tmp_path / "ddp.json"
+    r = torchrun(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "3",
+                 "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
+    assert names == {(0, "compute"), (0, "comm"), (1, "compute"), (1, "comm")}
+    for rank in (0, 1):
+        s = spans(events, rank)
+        for step in range(3):
+            b1 = s[(step, "allreduce[b1]@mb3")]
+            last_bwd = s[(step, "bwd[embed]@mb3")]
+            # seed 003: bucket 1 goes out while backward still has layers to run
+            assert b1[2]["args"]["launch_us"] < last_bwd[1]
+            assert b1[2]["args"]["launch_us"] < s[(step, "bwd[h.1]@mb3")][0]
+            b2 = s[(step, "allreduce[b2]@mb3")]
+            assert b2[2]["args"]["launch_us"] >= last_bwd[1]  # exposed: nothing left
+            assert s[(step, "optimizer.step")][0] >= b2[1]
+
+
+def test_fsdp_trace_shows_prefetch_overlapping_compute(tmp_path):
+    trace = tmp_path / "fsdp.json"
+    r = torchrun(2, str(SCHEDULES / "tiny_fsdp_prefetch.sched"), "--steps", "3",
+                 "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in (0, 1):
+        s = spans(events, rank)
+        fwd_hits = bwd_hits = 0
+        for step in range(3):
+            for mb in range(2):
+                # forward: u2's gather runs while u1 (embed, h.0) computes
+                ag_u2 = s[(step, f"allgather[u2]@mb{mb}:fwd")]
+                fwd_u1 = [s[(step, f"fwd[{x}]@mb{mb}")] for x in ("embed", "h.0")]
+                fwd_hits += any(overlap(ag_u2, f) > 0 for f in fwd_u1)
+                assert ag_u2[2]["args"]["launch_us"] < fwd_u1[-1][1]
+                # backward: u2's gather again runs while u3 (head, h.3) computes
+                ag_u2b = s[(step, f"allgather[u2]@mb{mb}:bwd")]
+                bwd_u3 = [s[(step, f"bwd[{x}]@mb{mb}")] for x in ("head", "h.3")]
+                bwd_hits += any(overlap(ag_u2b, b) > 0 for b in bwd_u3)
+                assert ag_u2b[2]["args"]["launch_us"] < bwd_u3[-1][1]
+        assert fwd_hits > 0 and bwd_hits > 0, (rank, fwd_hits, bwd_hits)
+
+
+def test_main_command_trains_and_writes_a_trace(tmp_path):
+    """The README's main job: the bundled default schedule on 2 CPU ranks; loss falls."""
+    trace = tmp_path / "run.json"
+    r = torchrun(2, "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    losses = [float(line.split("loss ")[1].split()[0]) for line in r.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses
+    assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
+
+
+# -- memory and communication ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp_memory_matches_prediction_and_shards_scale(pool, world):
+    text = fsdp(world, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+                "  unit u2 = h.1\n  unit u3 = head", micro=2)
+    predicted = compile_text(text).memory
+    res = pool.run(text, world, steps=2)
+    for measured in res.memory:
+        # states after a step: shard, gradient shard, Adam m and v, all real tensors
+        assert abs(measured["states"] - predicted.states) <= 0.10 * predicted.states
+        assert abs(measured["gathered_peak"] - predicted.gathered_peak) <= (
+            0.10 * predicted.gathered_peak)
+
+
+def test_fsdp_sharded_state_scales_as_one_over_world():
+    states = {}
+    for world in (1, 2, 4):
+        text = fsdp(world, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+                    "  unit u2 = h.1\n  unit u3 = head", micro=2)
+        states[world] = compile_text(text).memory.states
+    for world in (2, 4):
+        assert abs(states[world] * world - states[1]) <= 0.01 * states[1], states
+
+
+def test_fsdp_communicates_three_times_each_unit(pool):
+    """Seed 004: per unit per step, AG (fwd) + AG (bwd) + RS = 3 x the unit's parameters."""
+    text = fsdp(2, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+                "  unit u2 = h.1\n  unit u3 = head")
+    spec = compile_text(text).spec
+    res = pool.run(text, 2, steps=1)
+    for counted in res.comm_bytes:
+        for u in spec.strategy.units:
+            unit_bytes = -(-sum(spec.model.param(p).numel for p in u.params) // 2) * 2 * 4
+            gathers = counted[f"allgather[{u.name}]"]
+            scatters = counted[f"reducescatter[{u.name}]"]
+            if u.keep:  # gathered once for the whole step, then reduce-scattered
+                assert (gathers, scatters) == (unit_bytes, unit_bytes)
+            else:
+                assert (gathers, scatters) == (2 * unit_bytes, unit_bytes)
+                assert gathers + scatters == 3 * unit_bytes
+
+
+def test_ddp_communicates_each_bucket_once_per_step_with_no_sync(pool):
+    text = DDP_CASES["w2-two-buckets-k2"]
+    res = pool.run(text, 2, steps=1)
+    spec = compile_text(text).spec
+    for counted in res.comm_bytes:
+        assert counted == {f"allreduce[{b.name}]": b.nbytes for b in spec.strategy.buckets}
+
+
+# -- faults are caught ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault,text", [
+    ("skip-accum-scale", DDP_CASES["w2-two-buckets-k2"]),
+    ("skip-accum-scale", FSDP_CASES["w2-three-units-p1-k2"]),
+    ("reduce-first-micro-step", DDP_CASES["w2-two-buckets-k2"]),
+])
+def test_a_wrong_executor_is_caught(pool, reference, fault, text):
+    result = pool.run(text, 2, steps=1, fault=fault)  # runs to the end, computing garbage
+    with pytest.raises(AssertionError):
+        assert_matches(result, reference(text, 1))
+
+
+def test_a_failing_instruction_shows_the_plan(pool):
+    with pytest.raises(JobFailed) as e:
+        pool.run(DDP_CASES["w2-two-buckets-k2"], 2, steps=1, fault="fail-at bwd[h.0]@mb1")
+    msg = str(e.value)
+    assert "instruction" in msg and "bwd[h.0]@mb1" in msg and "<-- ERROR HERE" in msg
+
+
+# -- refusing to start ------------------------------------------------------------------------------
+
+
+def test_world_mismatch_without_torchrun_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "schedc", "run",
+                        str(SCHEDULES / "tiny_ddp_overlap.sched")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1
+    assert "world-2 schedule, but this job has 1 rank" in r.stderr
+    assert "nproc_per_node=2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_world_mismatch_under_torchrun_fails_every_rank():
+    r = torchrun(2, str(SCHEDULES / "tiny_4gpu.sched"), timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.count("world-4 schedule, but this job has 2 ranks") == 2
+
+
+def test_ranks_with_different_schedules_refuse_to_start(tmp_path):
+    """Each rank is given another file: both stop before step 1, neither hangs."""
+    other = tmp_path / "other.sched"
+    other.write_text((SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace(
+        "bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3").replace(
+        "bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.2 .. h.0, embed"))
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29500 + os.getpid() % 1000), "OMP_NUM_THREADS": "1"}
+    files = [SCHEDULES / "tiny_ddp_overlap.sched", other]
+    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", str(f), "--timeout", "60"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, f in enumerate(files)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 1, err
+        assert "ranks disagree before step 1" in err
+        assert "step    0" not in out
+
+
+def test_every_bundled_tiny_schedule_runs_one_step(pool):
+    for f in sorted(SCHEDULES.glob("tiny_*.sched")):
+        c = compile_file(f)
+        res = pool.run(c.source.text, c.spec.world, steps=1)
+        assert res.steps[0].loss > 0
+
+
+def test_mfu_on_a_gpu_is_palms_estimate_over_the_devices_peak(monkeypatch):
+    import torch
+
+    from schedc.exec.train import mfu
+
+    spec = compile_file(SCHEDULES / "gpt2_8gpu.sched").spec
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    per_token = 6 * 124_439_808 + 12 * 12 * 768 * 1024
+    got = mfu(spec, 1e6, torch.device("cuda", 0))
+    assert abs(got - per_token * 1e6 / (989e12 * 8)) < 1e-12
+    assert mfu(spec, 1e6, torch.device("cpu")) is None

@@ -1,0 +1,368 @@
+"""schedc render and calibrate: golden DOT, images, the simulator's verdicts, measured traces.
+
+Golden files live in tests/golden/render/; regenerate them after an intended change with
+    SCHEDC_REGEN=1 python -m pytest tests/viz/test_render.py
+Image tests need Graphviz's `dot`/`neato` and are skipped without them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedc.cli.main import main
+from schedc.compiler import compile_file, compile_text
+from schedc.ir.op import Kind, Op
+from schedc.lang.resources import bundled_schedules
+from schedc.viz.cost import CostModel, duration
+from schedc.viz.graph import graph_dot
+from schedc.viz.overlap import overlap
+from schedc.viz.simulate import simulate
+from schedc.viz.timeline import Panel, timeline_dot
+from schedc.viz.trace import calibrate, chrome_trace, load, measured
+from schedc.viz.units import parse_rate, parse_time
+from tests.goldens import GOLDEN, assert_golden
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEDULES = bundled_schedules()
+IDS = [p.stem for p in SCHEDULES]
+HAVE_DOT = shutil.which("dot") is not None and shutil.which("neato") is not None
+needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz (dot, neato) is not installed")
+
+
+def golden(name: str, text: str) -> None:
+    assert_golden(GOLDEN / "render" / name, text)
+
+
+def sched(name: str):
+    return compile_file(REPO / "schedules" / f"{name}.sched")
+
+
+# -- golden DOT for every bundled schedule, both views --------------------------------------------
+
+
+@pytest.mark.parametrize("path", SCHEDULES, ids=IDS)
+def test_graph_view_golden(path):
+    c = compile_file(path)
+    dot = graph_dot([c])
+    assert dot == graph_dot([compile_file(path)])  # deterministic
+    golden(f"{path.stem}.graph.dot", dot)
+
+
+@pytest.mark.parametrize("path", SCHEDULES, ids=IDS)
+def test_timeline_view_golden(path):
+    c = compile_file(path)
+    golden(f"{path.stem}.timeline.dot", timeline_dot([Panel.of(c, simulate(c))]))
+
+
+@needs_dot
+@pytest.mark.parametrize("view", ["graph", "timeline"])
+@pytest.mark.parametrize("path", SCHEDULES, ids=IDS)
+def test_every_schedule_renders_svg(path, view, tmp_path, capsys):
+    out = tmp_path / f"{path.stem}.svg"
+    assert main(["render", str(path), "--view", view, "-o", str(out)]) == 0
+    svg = out.read_text()
+    assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+# -- the graph view: streams, events, collectives, folding ----------------------------------------
+
+
+def test_graph_view_draws_streams_events_and_collectives():
+    dot = graph_dot([sched("ddp_overlap")])
+    assert "cluster_s0_compute" in dot and "cluster_s0_comm" in dot
+    assert dot.count("style=dashed") == 3  # the plan's 3 events, and only they are dashed
+    assert dot.count("shape=hexagon") == 2  # allreduce[b1]@mb3, allreduce[b2]@mb3
+    assert 'label="allreduce[b1]@mb3"' in dot and 'label="complete gradients"' in dot
+
+
+def test_gpt2_1gpu_folds_30_microsteps_and_unfolds():
+    c = sched("gpt2_1gpu")
+    ops = len(c.plan().ops)
+    folded, unfolded = graph_dot([c]), graph_dot([c], unfold=True)
+    nodes = folded.count(" [label=")
+    assert ops == 32 * 28 + 1
+    assert nodes == 2 * 28 + 1 + 1  # mb0, mb31, optimizer.step, one fold node
+    assert "mb1 .. mb30" in folded and "(x30, same ops)" in folded
+    assert unfolded.count(" [label=") == ops
+    assert "fwd[h.5]@mb17" in unfolded and "fwd[h.5]@mb17" not in folded
+
+
+def test_two_schedules_side_by_side():
+    dot = graph_dot([sched("gpt2_1gpu"), sched("gpt2_8gpu")])
+    assert "cluster_s0" in dot and "cluster_s1" in dot
+    assert "(x30, same ops)" in dot and "(x2, same ops)" in dot
+
+
+# -- the simulator ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", SCHEDULES, ids=IDS)
+def test_simulation_keeps_program_order_and_events(path):
+    c = compile_file(path)
+    tl = simulate(c)
+    at = {i.op: i for i in tl.intervals}
+    assert set(at) == set(c.plan().ops)
+    for s in tl.streams:
+        lane = tl.on(0, s)
+        assert [i.op for i in lane] == [op for op in c.plan().ops if at[op].stream == s]
+        assert all(a.end <= b.start + 1e-15 for a, b in itertools.pairwise(lane))
+    for u, v in c.graph().events():
+        assert at[u].end <= at[v].start + 1e-15, (u, v)
+    for x in overlap(tl)[0].items:
+        assert x.hidden >= 0 and x.exposed >= -1e-15
+        assert x.hidden + x.exposed == pytest.approx(x.interval.length)
+
+
+def test_cost_model_durations():
+    c = sched("ddp_overlap")
+    spec, cost = c.spec, CostModel()
+    f = spec.model.layer_fwd_flops("h.1", spec.micro * spec.seq_len, spec.seq_len)
+    assert duration(spec, Op.parse("fwd[h.1]@mb0"), cost) == pytest.approx(f / 300e12)
+    assert duration(spec, Op.parse("bwd[h.1]@mb0"), cost) == pytest.approx(2 * f / 300e12)
+    b1 = next(b for b in spec.strategy.buckets if b.name == "b1")
+    assert duration(spec, Op.parse("allreduce[b1]@mb3"), cost) == pytest.approx(
+        10e-6 + 2 * 7 / 8 * b1.nbytes / 100e9)
+
+
+def test_ddp_overlap_bucket1_hidden_bucket2_exposed():
+    """Seed 003 under the default cost model: b1 is all-reduced while bwd h.1 and h.0 compute
+    (its interval lies inside theirs, so it is entirely hidden); b2 starts after the last
+    backward (bwd[embed]) has ended, and the optimizer waits for it: entirely exposed."""
+    c = sched("ddp_overlap")
+    tl = simulate(c)
+    ov = overlap(tl)[0]
+    b1, b2 = tl.find("allreduce[b1]@mb3"), tl.find("allreduce[b2]@mb3")
+    h1, h0 = tl.find("bwd[h.1]@mb3"), tl.find("bwd[h.0]@mb3")
+    assert h1.start <= b1.start and b1.end <= h0.end
+    assert ov.of("allreduce[b1]@mb3").exposed == pytest.approx(0, abs=1e-12)
+    last_bwd = max(i.end for i in tl.intervals if i.op.kind is Kind.BWD)
+    assert b2.start >= last_bwd
+    assert ov.of("allreduce[b2]@mb3").hidden == 0
+    assert tl.find("optimizer.step").start >= b2.end
+    assert ov.exposed == pytest.approx(b2.length)
+
+
+def _fsdp(prefetch: int):
+    text = (REPO / "schedules" / "fsdp_prefetch.sched").read_text()
+    text = text.replace("prefetch forward 1", f"prefetch forward {prefetch}")
+    text = text.replace("prefetch backward 1", f"prefetch backward {prefetch}")
+    return compile_text(text, "fsdp_prefetch.sched")
+
+
+def _gathers(c):
+    tl = simulate(c)
+    kept = {u.name for u in c.spec.strategy.units if u.keep}
+    return {str(x.interval.op): x for x in overlap(tl)[0].items
+            if x.interval.op.kind is Kind.ALLGATHER}, kept
+
+
+def test_fsdp_without_prefetch_every_gather_is_exposed():
+    """prefetch 0: every all-gather of a unit that is not kept gathered starts only after the
+    previous unit is freed, so compute waits for all of it: hidden time exactly 0."""
+    gathers, kept = _gathers(_fsdp(0))
+    others = {k: x for k, x in gathers.items() if x.interval.op.target not in kept}
+    assert len(others) == 6  # u1, u2, u3 forward and backward
+    for name, x in others.items():
+        assert x.hidden == 0 and x.exposed > 0, name
+
+
+def test_fsdp_prefetch_hides_all_gathers_but_the_step_start():
+    """prefetch 1: exposed are exactly the gathers nothing can overlap: the kept tied weight's
+    and u1's at the very start of the step, and u3's backward gather, which cannot start
+    before u3's forward free (reshard_after_forward) and is what backward starts with.
+    Every other gather is entirely hidden behind the previous unit's compute."""
+    gathers, _ = _gathers(_fsdp(1))
+    exposed = {k for k, x in gathers.items() if x.exposed > 1e-12}
+    assert exposed == {"allgather[tied]@mb0:fwd", "allgather[u1]@mb0:fwd",
+                       "allgather[u3]@mb0:bwd"}
+    for k in exposed:
+        assert gathers[k].hidden == 0, k
+    for k in set(gathers) - exposed:
+        assert gathers[k].exposed == pytest.approx(0, abs=1e-12), k
+    assert len(gathers) - len(exposed) == 4
+
+
+def test_prefetch_shortens_the_predicted_step():
+    step0 = overlap(simulate(_fsdp(0)))[0]
+    step1 = overlap(simulate(_fsdp(1)))[0]
+    assert step1.step < step0.step and step1.exposed < step0.exposed
+
+
+PER_RANK = """\
+model nano world 2 batch 8 x 32 micro 2
+ddp { bucket b1 = head, h.1  bucket b2 = h.0, embed }
+program comm on rank 1 {
+  allreduce[b1]@mb1 after bwd[embed]@mb1
+  allreduce[b2]@mb1
+}
+"""
+
+
+def test_plans_that_differ_by_rank_simulate_every_rank():
+    """Rank 1 holds b1 back until its last backward; rank 0 cannot all-reduce without it."""
+    c = compile_text(PER_RANK, "r.sched")
+    tl = simulate(c)
+    assert tl.ranks == (0, 1) and not tl.every_rank
+    last_bwd = tl.find("bwd[embed]@mb1", rank=1).end
+    for r in (0, 1):
+        assert tl.find("allreduce[b1]@mb1", rank=r).start == pytest.approx(last_bwd)
+    assert simulate(c, ranks=[1]).ranks == (1,)
+
+
+def test_window_draws_part_of_the_step():
+    c = sched("ddp_overlap")
+    panel = [Panel.of(c, simulate(c))]
+    whole, part = timeline_dot(panel, unfold=True), timeline_dot(panel, True, window="mb3:")
+    assert "drawn:" in part and "drawn:" not in whole
+    assert "bwd[h.3]@mb0" in whole and "bwd[h.3]@mb0" not in part
+    assert 'label="allreduce[b2]@mb3"' in part
+
+
+# -- calibration -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ddp_overlap", "fsdp_prefetch", "gpt2_8gpu"])
+def test_calibrate_recovers_a_synthetic_trace(name):
+    c = sched(name)
+    true = CostModel(flops=42e12, bandwidth=17e9, latency=33e-6, mem_bandwidth=0.9e12, free=3e-6)
+    fit = calibrate(c, chrome_trace(simulate(c, true)))
+    for field in ("flops", "bandwidth", "latency", "mem_bandwidth"):
+        assert getattr(fit.cost, field) == pytest.approx(getattr(true, field), rel=1e-6), field
+    assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
+
+
+def test_calibrate_cli_writes_params_that_render_reads(tmp_path, capsys):
+    c = sched("fsdp_prefetch")
+    true = CostModel(flops=80e12, bandwidth=40e9, latency=20e-6)
+    trace = chrome_trace(simulate(c, true), path=str(REPO / "schedules" / "fsdp_prefetch.sched"))
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    params = tmp_path / "p.json"
+    assert main(["calibrate", str(tmp_path / "t.json"), "-o", str(params)]) == 0
+    out = capsys.readouterr().out
+    assert "80 TFLOP/s" in out and "40 GB/s" in out and "20 us" in out
+    assert CostModel.load(params).flops == pytest.approx(80e12)
+    # flags win over the file, the file over the defaults
+    assert main(["render", str(REPO / "schedules" / "fsdp_prefetch.sched"), "--view", "timeline",
+                 "--cost", str(params), "--bandwidth", "10G", "-o", str(tmp_path / "x.dot")]) == 0
+    dot = (tmp_path / "x.dot").read_text()
+    assert "80 TFLOP/s compute, 10 GB/s bus bandwidth, 20 us per collective" in dot
+
+
+def test_rates_and_times_parse():
+    assert parse_rate("300T") == 300e12 and parse_rate("100GB/s") == 100e9
+    assert parse_rate("2.5e14") == 2.5e14 and parse_rate("1.5 TFLOP/s") == 1.5e12
+    assert parse_time("10us") == pytest.approx(1e-5) and parse_time("0.5ms") == 5e-4
+    assert parse_time("2e-6") == 2e-6
+    with pytest.raises(ValueError):
+        parse_rate("-3G")
+
+
+# -- a measured timeline from a real run -----------------------------------------------------------
+
+WORLD1_DDP = """\
+model nano
+world 1
+batch 4 x 32
+micro 2
+steps 2
+data corpus
+ddp {
+  bucket b1 = head, h.1
+  bucket b2 = h.0, embed
+  overlap on
+  no_sync on
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory):
+    """Two steps of a world-1 DDP schedule (real collectives, no torchrun) with --trace."""
+    d = tmp_path_factory.mktemp("run")
+    (d / "w1.sched").write_text(WORLD1_DDP)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
+                   cwd=d, env=env, check=True, capture_output=True, timeout=300)
+    return d
+
+
+@pytest.mark.torch
+def test_measured_timeline_from_a_real_trace(real_trace):
+    c = compile_file(real_trace / "w1.sched")
+    trace = load(real_trace / "t.json")
+    tl = measured(c, trace)
+    assert tl.ranks == (0,) and {i.op for i in tl.intervals} == set(c.plan().ops)
+    ov = overlap(tl)[0]
+    assert len(ov.items) == 2
+    assert ov.hidden >= 0 and ov.exposed >= 0
+    assert ov.hidden + ov.exposed == pytest.approx(ov.comm)
+    assert ov.comm == pytest.approx(sum(i.length for i in tl.intervals if i.op.is_collective))
+    assert measured(c, trace, step=0).note.endswith("step 0")
+
+
+@pytest.mark.torch
+def test_render_and_calibrate_cli_on_a_real_trace(real_trace, capsys):
+    d = real_trace
+    assert main(["render", str(d / "w1.sched"), "--trace", str(d / "t.json"), "--compare",
+                 "-o", str(d / "m.dot")]) == 0
+    out = capsys.readouterr().out
+    assert "measured: rank 0: step" in out and "predicted: rank 0" in out
+    assert main(["calibrate", str(d / "t.json"), "--schedule", str(d / "w1.sched")]) == 0
+    assert "world 1: collectives move no data" in capsys.readouterr().out
+    if HAVE_DOT:
+        assert main(["render", str(d / "w1.sched"), "--trace", str(d / "t.json"),
+                     "-o", str(d / "m.svg")]) == 0
+
+
+@pytest.mark.torch
+def test_a_trace_of_another_schedule_is_refused(real_trace, capsys):
+    code = main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), "--trace",
+                 str(real_trace / "t.json"), "-o", str(real_trace / "x.dot")])
+    assert code == 1
+    assert "plan does not hold" in capsys.readouterr().err
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def test_without_graphviz_images_fail_cleanly_and_dot_text_works(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    ddp = str(REPO / "schedules" / "ddp_overlap.sched")
+    assert main(["render", ddp, "-o", str(tmp_path / "g.svg")]) == 1
+    err = capsys.readouterr().err
+    assert "apt-get install graphviz" in err and "brew install graphviz" in err
+    assert "Traceback" not in err and not (tmp_path / "g.svg").exists()
+    assert main(["render", ddp, "--view", "timeline", "-o", str(tmp_path / "t.dot")]) == 0
+    assert (tmp_path / "t.dot").read_text().startswith("digraph timeline")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-o", "x.jpg"], "use one of .svg, .png, .pdf, .dot"),
+    (["-o", "x.dot", "--view", "graph", "--trace", "t.json"], "drop --view graph"),
+    (["-o", "x.dot", "--compare"], "add --trace"),
+    (["-o", "x.dot", "--step", "2"], "add --trace"),
+    (["-o", "x.dot", "--window", "mb1:"], "add --view timeline"),
+    (["-o", "x.dot", "--view", "timeline", "--window", "mb7:"], "no micro-step mb7"),
+    (["-o", "x.dot", "--rank", "8"], "has ranks 0..7"),
+    (["-o", "x.dot", "--view", "timeline", "--flops", "fast"], "cost model"),
+])
+def test_usage_errors(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_render_prints_hidden_and_exposed(tmp_path, capsys):
+    assert main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), "--view", "timeline",
+                 "-o", str(tmp_path / "t.dot")]) == 0
+    out = capsys.readouterr().out
+    assert "communication 4.76 ms: 1 ms hidden behind compute (21%), 3.76 ms exposed" in out
