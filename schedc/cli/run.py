@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from schedc.cli.common import add_override_args
+from schedc.lang.diagnostics import UserError
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
 
@@ -33,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UserError("`schedc run` trains with torch, which is not installed here; "
+                        "scripts/install.sh installs it (check and render need no torch)") from None
     from schedc.exec.train import run_command
 
     return run_command(args)

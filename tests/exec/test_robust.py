@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from schedc.exec.checkpoint import CRASH_ENV
-from tests.pool import JobFailed
 from tests.exec.test_equivalence import DDP_CASES
+from tests.pool import JobFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = ROOT / "schedules"

@@ -824,7 +824,7 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-FUZZ_LIMIT_S = 10.0
+FUZZ_LIMIT_S = 30.0  # a hang guard, not a speed target
 
 
 @settings(max_examples=examples(400))
