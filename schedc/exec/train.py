@@ -10,7 +10,7 @@ that fails (a dead peer, a peer that stops answering within --timeout, an error 
 instruction) writes where it was to the rendezvous store, reads what the others wrote,
 names the ranks that said nothing, and exits 1; torchrun then ends the job. Non-finite
 losses or gradient norms stop the run with the step and micro-step named (or, with
-`--nonfinite skip`, skip that update and say so). Checkpoints (schedc/checkpoint.py) are
+`--nonfinite skip`, skip that update and say so). Checkpoints (schedc/exec/checkpoint.py) are
 complete or absent.
 """
 

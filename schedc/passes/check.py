@@ -13,7 +13,7 @@ Rules, each with its code (errors.CODES):
 * the predicted peak memory fits the declared budget   [memory-budget]
 
 Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
-streams of compute ops) are judged earlier, in resolve.py.
+streams of compute ops) are judged earlier, in lang/resolve.py.
 """
 
 from __future__ import annotations
