@@ -44,6 +44,59 @@ class Strategy(str, Enum):
         return {"single": "single-process", "ddp": "DDP", "fsdp": "FSDP"}[self.value]
 
 
+class Dtype(str, Enum):
+    """A floating-point format a schedule computes or communicates in."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 if self is Dtype.FP32 else 2
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What a step computes and communicates in, in the terms of FSDP2's MixedPrecisionPolicy
+    and DDP's communication hooks. Master weights, gradients held for the optimizer and the
+    AdamW moments are fp32 always; only these are chosen.
+
+    compute  the autocast dtype of forward and backward (fp32: no autocast)
+    gather   the dtype FSDP units are all-gathered in (FSDP2's param_dtype; DDP gathers none)
+    reduce   the dtype gradients are all-reduced or reduce-scattered in (reduce_dtype)
+    tf32     fp32 matmuls on TF32 tensor cores; None: on where there are any (CUDA)
+    compile  torch.compile each layer, or each run of layers that nothing separates
+    """
+
+    compute: Dtype = Dtype.FP32
+    gather: Dtype = Dtype.FP32
+    reduce: Dtype = Dtype.FP32
+    tf32: bool | None = None
+    compile: bool = False
+
+    def describe(self) -> str:
+        tf32 = "auto (on CUDA)" if self.tf32 is None else ("on" if self.tf32 else "off")
+        return (f"compute {self.compute}, gather {self.gather}, reduce {self.reduce}; "
+                f"master weights and AdamW fp32; tf32 {tf32}, compile "
+                f"{'on' if self.compile else 'off'}")
+
+
+# the named policies of `precision NAME`; fields after the name override them
+POLICIES = {
+    "fp32": Numerics(),
+    # what a GPT-2 user runs: bf16 autocast, bf16 weights gathered, fp32 gradient reduction
+    # (torchtitan's default; FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+    "bf16": Numerics(compute=Dtype.BF16, gather=Dtype.BF16, reduce=Dtype.FP32),
+}
+
+
 # -- the resolved schedule ----------------------------------------------------------------------
 
 
@@ -124,6 +177,7 @@ class Spec:
     strategy: DDPSpec | FSDPSpec | None  # None: one process, no collectives
     streams: dict[Kind, str]
     programs: tuple[ProgramSpec, ...]
+    numerics: Numerics = field(default_factory=Numerics)
     where: dict[str, Span] = field(default_factory=dict, compare=False)
 
     @property

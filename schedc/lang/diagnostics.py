@@ -45,6 +45,7 @@ CODES: dict[str, str] = {
     "layer-range": "a layer past the end of the model (h.N with N >= n_layer)",
     "model-config": "model dimensions that do not fit together",
     "conflict": "two statements that cannot both hold",
+    "dtype": "a dtype schedc does not train in (fp16 needs loss scaling; bf16 does not)",
     # batch arithmetic
     "batch-arithmetic": "global sequences != micro x accumulation x world",
     "context-length": "the sequence length exceeds the model's context",

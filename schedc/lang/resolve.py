@@ -9,17 +9,20 @@ users can see it. All findings are collected before the stage fails.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
 from schedc.ir.source import Span
 from schedc.ir.spec import (
+    POLICIES,
     TIED,
     BucketSpec,
     DDPSpec,
+    Dtype,
     FSDPSpec,
     InstrSpec,
     MiB,
+    Numerics,
     ProgramSpec,
     Spec,
     Strategy,
@@ -40,6 +43,7 @@ from schedc.lang.syntax import (
     Name,
     Num,
     Optimizer,
+    Precision,
     Prefetch,
     Program,
     Ref,
@@ -83,6 +87,9 @@ class Overrides:
     model: str | None = None
     steps: int | None = None
     seed: int | None = None
+    precision: str | None = None  # a named policy: replaces the file's whole `precision`
+    tf32: bool | None = None
+    compile: bool | None = None
 
 
 def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, list]:
@@ -175,6 +182,10 @@ class _Resolver:
             memory = self.size_of(m.size, "memory")
         data = self.data(single(Data, "data", "the data source"))
         optim = self.optimizer(single(Optimizer, "optimizer", "the optimizer"))
+        toggles = {}
+        for t in by_type.get(Toggle, []):  # top level: tf32, compile
+            if self.once(t.key, t.span, f"'{t.key}'"):
+                toggles[t.key] = t.value.on
 
         missing = [k for k, present in (("model", model_name is not None),
                                         ("world", "world" in self.seen),
@@ -220,6 +231,8 @@ class _Resolver:
                      f"world {world} needs a ddp or fsdp block to say how gradients are combined",
                      self.seen["world"], hint="add `ddp { bucket_cap 25 MiB }`, for one")
 
+        numerics = self.numerics(single(Precision, "precision", "the precision"), strategy,
+                                 toggles)
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
         programs = self.programs(by_type.get(Program, []), model, strategy, world, accum,
                                  streams)
@@ -230,7 +243,7 @@ class _Resolver:
             steps=self.ov.steps or settings.get("steps") or DEFAULT_STEPS,
             seed=_first(self.ov.seed, settings.get("seed"), DEFAULT_SEED),
             data=data, optim=optim, memory=memory, strategy=strategy, streams=streams,
-            programs=programs, where=dict(self.seen),
+            programs=programs, numerics=numerics, where=dict(self.seen),
         )
 
     def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:
@@ -371,6 +384,61 @@ class _Resolver:
         except ValueError as e:
             self.err("value-range", f"optimizer: {e}", o.span)
             return OptimConfig()
+
+    def numerics(self, p: Precision | None, strategy, toggles: dict[str, bool]) -> Numerics:
+        """`precision NAME { compute = .., gather = .., reduce = .. }`, `tf32`, `compile`."""
+        tf32 = _first(self.ov.tf32, toggles.get("tf32"), _UNSET)
+        compile_ = _first(self.ov.compile, toggles.get("compile"), False)
+        tf32 = None if tf32 is _UNSET else tf32
+        if self.ov.precision is not None:  # --precision NAME replaces the file's policy
+            if self.ov.precision not in POLICIES:
+                self.err("unknown-name", f"--precision {self.ov.precision}: no such policy",
+                         None, hint=f"policies: {', '.join(POLICIES)}")
+                return Numerics(tf32=tf32, compile=compile_)
+            return replace(POLICIES[self.ov.precision], tf32=tf32, compile=compile_)
+        if p is None:
+            return Numerics(tf32=tf32, compile=compile_)
+        base = POLICIES["fp32"]
+        if p.name is not None:
+            if p.name.text in POLICIES:
+                base = POLICIES[p.name.text]
+            else:
+                self.err("unknown-name", f"unknown precision policy '{p.name.text}'",
+                         p.name.span, hint=did_you_mean(p.name.text, POLICIES)
+                         or f"policies: {', '.join(POLICIES)}; or write the dtypes: "
+                         "`precision { compute = bf16  gather = bf16  reduce = fp32 }`")
+        chosen: dict[str, Dtype] = {}
+        where: dict[str, Span] = {}
+        for f in p.fields:
+            key = f.key.text
+            if key not in PRECISION_KEYS:
+                self.err("unknown-setting", f"precision has no '{key}'", f.key.span,
+                         hint=did_you_mean(key, PRECISION_KEYS)
+                         or f"keys: {', '.join(PRECISION_KEYS)}")
+                continue
+            if not self.once(f"precision.{key}", f.key.span, f"'{key}'"):
+                continue
+            value = f.values[0] if len(f.values) == 1 else None
+            text = value.text if isinstance(value, Name) else None
+            if text not in DTYPES:
+                self.err("value-range", f"{key} takes one dtype: fp32 or bf16", f.span)
+                continue
+            chosen[key], where[key] = Dtype(text), f.span
+        for key, dt in chosen.items():
+            if dt is Dtype.FP16:
+                self.err("dtype", f"{key} = fp16 needs dynamic loss scaling (fp16 overflows "
+                         "where bf16 does not), which schedc does not do", where[key],
+                         hint=f"use `{key} = bf16`: the same speed, fp32's range")
+        if "gather" in chosen and Strategy.of(strategy) is not Strategy.FSDP:
+            self.err("conflict", f"gather is the dtype FSDP units are all-gathered in; a "
+                     f"{Strategy.of(strategy).label} schedule gathers none", where["gather"],
+                     hint="drop `gather`, or use an fsdp block")
+        numerics = replace(base, **chosen, tf32=tf32, compile=compile_)
+        if numerics.gather is not Dtype.FP32 and numerics.compute is Dtype.FP32:
+            self.err("conflict", f"gathering in {numerics.gather} rounds the weights to it, "
+                     "but compute is fp32", where.get("gather") or where.get("compute")
+                     or p.span, hint=f"compute in {numerics.gather} too, or gather in fp32")
+        return numerics
 
     # -- references to layers and parameters --------------------------------------------------
 
@@ -687,6 +755,11 @@ class _Resolver:
 
 def _first(*values):
     return next(v for v in values if v is not None)
+
+
+_UNSET = object()
+PRECISION_KEYS = ("compute", "gather", "reduce")
+DTYPES = {d.value for d in Dtype}
 
 
 def _range_hint(what: str, lo: int, hi: int) -> str | None:

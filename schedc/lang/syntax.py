@@ -112,6 +112,15 @@ class Optimizer:
 
 
 @dataclass(frozen=True)
+class Precision:
+    """`precision bf16 { reduce = fp32 }`: a named policy, optionally with overrides."""
+
+    name: Name | None
+    fields: tuple[Field, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class Ref:
     """One layer or parameter (`h.3`, `embed`, `wte.weight`), or a range `h.0 .. h.5`."""
 
@@ -202,7 +211,8 @@ class Program:
     span: Span
 
 
-Stmt = Union[Model, Setting, Batch, Memory, Data, Optimizer, DDP, FSDP, StreamDecl, Program]
+Stmt = Union[Model, Setting, Batch, Memory, Data, Optimizer, Precision, Toggle, DDP, FSDP,
+             StreamDecl, Program]
 
 
 @dataclass(frozen=True)
@@ -315,6 +325,11 @@ class _ToAST(Transformer):
     def optimizer(self, meta, c):
         return Optimizer(c[0], c[1] if len(c) > 1 else (), self._span(meta))
 
+    def precision(self, meta, c):
+        name = next((x for x in c if isinstance(x, Name)), None)
+        fields = next((x for x in c if isinstance(x, tuple)), ())
+        return Precision(name, fields, self._span(meta))
+
     # DDP / FSDP
     def ref_one(self, meta, c):
         return Ref(c[0], None, self._span(meta))
@@ -337,6 +352,8 @@ class _ToAST(Transformer):
 
         return build
 
+    tf32 = _toggle("tf32")
+    compile = _toggle("compile")
     overlap = _toggle("overlap")
     no_sync = _toggle("no_sync")
     reshard = _toggle("reshard_after_forward")
