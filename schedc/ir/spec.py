@@ -201,6 +201,10 @@ class Spec:
         names += sorted({p.stream for p in self.programs} - set(names))
         return names
 
+    def writers(self, params) -> frozenset[str]:
+        """The layers whose backward writes these parameters' gradients."""
+        return frozenset(w for p in params for w in self.model.writers(p))
+
     def loss_weight(self) -> Fraction:
         """Weight of one token's loss in the update: 1/(B T) per micro mean, x 1/k, x 1/D."""
         return Fraction(1, self.micro * self.seq_len) / self.accum / self.world

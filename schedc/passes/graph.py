@@ -112,16 +112,12 @@ def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, str]]:
     return needs
 
 
-def _writers(spec: Spec, params) -> set[str]:
-    return {w for p in params for w in spec.model.writers(p)}
-
-
 def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
     """fwd all layers, bwd in reverse; each bucket all-reduced once it and all before it fill."""
     seq, cfg = _Seq(), spec.model
     model_span = spec.where.get("model")
     buckets = ddp.buckets if ddp else ()
-    bucket_writers = [_writers(spec, b.params) for b in buckets]
+    bucket_writers = [spec.writers(b.params) for b in buckets]
     bucket_of_layer: dict[str, list[int]] = defaultdict(list)
     for i, ws in enumerate(bucket_writers):
         for w in ws:
@@ -176,103 +172,21 @@ class _Use:
 def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     """Gather, compute, free per unit; prefetch at the declared depth; reduce-scatter grads."""
     cfg = spec.model
-    reads = {layer: [] for layer in cfg.layers}  # layer -> units its compute reads
-    for layer in cfg.layers:
-        for u in fs.units:
-            if layer in u.layers:
-                reads[layer].append(u)
-
-    compute: list[Op] = []
-    for j in range(spec.accum):
-        compute += [fwd(layer, j) for layer in cfg.layers]
-        compute += [bwd(layer, j) for layer in reversed(cfg.layers)]
-
-    # uses of the units that are not kept gathered, in compute order
-    uses: list[_Use] = []
-    open_use: dict[str, _Use] = {}
-    for i, op in enumerate(compute):
-        phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
-        for u in reads[op.target]:
-            if u.keep:
-                continue
-            cur = open_use.get(u.name)
-            if cur and cur.mb == op.mb and cur.phase is phase and cur.last == i - 1:
-                cur.last = i
-            else:
-                open_use[u.name] = _Use(u, op.mb, phase, i, i)
-                uses.append(open_use[u.name])
-        # a use also continues across ops that do not read the unit only if contiguous; the
-        # resolve pass proved units are contiguous, so each (mb, phase) has one use per unit
-    uses.sort(key=lambda x: (x.first, fs.units.index(x.unit)))
-    for m, use in enumerate(uses):
-        use.index = m
-    prev_of: dict[int, _Use | None] = {}
-    last_seen: dict[str, _Use] = {}
-    for m, use in enumerate(uses):
-        prev = last_seen.get(use.unit.name)
-        prev_of[m] = prev
-        use.gather = prev is None or prev.free
-        use.free = use.phase is Phase.BWD or fs.reshard_after_forward
-        last_seen[use.unit.name] = use
-
-    def gather_op(use: _Use) -> Op:
-        return Op(Kind.ALLGATHER, use.unit.name, use.mb, use.phase)
-
-    def free_op(use: _Use) -> Op:
-        return Op(Kind.FREE, use.unit.name, use.mb, use.phase)
-
-    # where each gather goes: after the release of the use depth+1 before it (the window),
-    # and after the previous free of its own buffer; never after its own first reader
-    anchored: dict[int, list[_Use]] = defaultdict(list)  # compute index -> gathers after it
-    for m, use in enumerate(uses):
-        if not use.gather:
-            continue
-        depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
-        anchor = uses[m - depth - 1].last if m - depth - 1 >= 0 else -1
-        prev = prev_of[m]
-        if prev is not None:
-            anchor = max(anchor, prev.last)
-        anchor = min(anchor, use.first - 1)
-        anchored[anchor].append(use)
-
-    # the live gather of each use (a bwd use without a gather reads the fwd use's buffer)
-    source_gather: dict[int, Op] = {}
-    for m, use in enumerate(uses):
-        if use.gather:
-            source_gather[m] = gather_op(use)
-        else:
-            prev = prev_of[m]
-            source_gather[m] = source_gather[prev.index]
-    use_at: dict[tuple[str, int], int] = {}  # (unit, compute index) -> use index
-    for m, use in enumerate(uses):
-        for i in range(use.first, use.last + 1):
-            use_at[(use.unit.name, i)] = m
+    reads = {layer: [u for u in fs.units if layer in u.layers] for layer in cfg.layers}
+    compute = _compute_order(spec)
+    uses, prev_of = _unit_uses(fs, compute, reads)
+    anchored = _gather_anchors(fs, uses, prev_of)
+    source_gather = _source_gathers(uses, prev_of)
+    use_at = {(use.unit.name, i): m for m, use in enumerate(uses)
+              for i in range(use.first, use.last + 1)}  # (unit, compute index) -> use
     ends_at: dict[int, list[int]] = defaultdict(list)
     for m, use in enumerate(uses):
         ends_at[use.last].append(m)
-
     keep = [u for u in fs.units if u.keep]
     keep_gather = {u.name: Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in keep}
-    keep_free = {u.name: Op(Kind.FREE, u.name, spec.accum - 1, Phase.BWD) for u in keep}
-
-    # reduce-scatter of a unit in micro-step j goes right after the last op writing its grads
-    last_writer: dict[tuple[str, int], int] = {}
-    unit_writers = {u.name: _writers(spec, u.params) for u in fs.units}
-    for i, op in enumerate(compute):
-        if op.kind is Kind.BWD:
-            for u in fs.units:
-                if op.target in unit_writers[u.name]:
-                    last_writer[(u.name, op.mb)] = i
-    rs_after: dict[int, list[UnitSpec]] = defaultdict(list)
-    for (uname, j), i in last_writer.items():
-        if spec.communicates(j):
-            rs_after[i].append(next(u for u in fs.units if u.name == uname))
-
-    # readers since the last gather, for each free
-    readers: dict[int, list[Op]] = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
-    for m, use in enumerate(uses):
-        if use.free and not use.gather:
-            readers[m] = readers[prev_of[m].index] + readers[m]
+    unit_writers = {u.name: spec.writers(u.params) for u in fs.units}
+    rs_after = _reduce_scatter_points(spec, fs, compute, unit_writers)
+    readers = _readers_since_gather(compute, uses, prev_of)
 
     seq = _Seq()
 
@@ -282,14 +196,14 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             needs = []
             prev = prev_of[m]
             if prev is not None:
-                needs.append((free_op(prev), REUSE))
+                needs.append((_free_op(prev), REUSE))
             depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
             if m - depth - 1 >= 0:
                 w = uses[m - depth - 1]
-                release = free_op(w) if w.free else compute[w.last]
-                if prev is None or release != free_op(prev):
+                release = _free_op(w) if w.free else compute[w.last]
+                if prev is None or release != _free_op(prev):
                     needs.append((release, WINDOW))
-            seq.emit(gather_op(use), needs, use.unit.span)
+            seq.emit(_gather_op(use), needs, use.unit.span)
 
     for u in keep:
         seq.emit(keep_gather[u.name], [], u.span)
@@ -310,15 +224,116 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
         for m in ends_at.get(i, []):
             if uses[m].free:
-                seq.emit(free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
+                seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]],
+                         uses[m].unit.span)
         emit_gathers(i)
     last = spec.accum - 1
     for u in keep:
         final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
-        seq.emit(keep_free[u.name], [(r, LAST_USE) for r in final_readers], u.span)
+        seq.emit(Op(Kind.FREE, u.name, last, Phase.BWD),
+                 [(r, LAST_USE) for r in final_readers], u.span)
     seq.emit(STEP, [(Op(Kind.REDUCESCATTER, u.name, last), UPDATE) for u in fs.units],
              spec.where.get("optimizer", spec.where.get("model")))
     return seq
+
+
+def _compute_order(spec: Spec) -> list[Op]:
+    """Every fwd and bwd of the step, in the order the compute stream runs them."""
+    layers = spec.model.layers
+    return [op for j in range(spec.accum)
+            for op in [fwd(layer, j) for layer in layers]
+            + [bwd(layer, j) for layer in reversed(layers)]]
+
+
+def _unit_uses(fs: FSDPSpec, compute: list[Op], reads) -> tuple[list[_Use], dict[int, _Use | None]]:
+    """The uses of units not kept gathered, in compute order; which gather and which free,
+    and each use's previous use of the same unit."""
+    uses: list[_Use] = []
+    open_use: dict[str, _Use] = {}
+    for i, op in enumerate(compute):
+        phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
+        for u in reads[op.target]:
+            if u.keep:
+                continue
+            cur = open_use.get(u.name)
+            if cur and cur.mb == op.mb and cur.phase is phase and cur.last == i - 1:
+                cur.last = i
+            else:
+                open_use[u.name] = _Use(u, op.mb, phase, i, i)
+                uses.append(open_use[u.name])
+        # the resolve pass proved units contiguous, so each (mb, phase) has one use per unit
+    uses.sort(key=lambda x: (x.first, fs.units.index(x.unit)))
+    prev_of: dict[int, _Use | None] = {}
+    last_seen: dict[str, _Use] = {}
+    for m, use in enumerate(uses):
+        use.index = m
+        prev = last_seen.get(use.unit.name)
+        prev_of[m] = prev
+        use.gather = prev is None or prev.free
+        use.free = use.phase is Phase.BWD or fs.reshard_after_forward
+        last_seen[use.unit.name] = use
+    return uses, prev_of
+
+
+def _gather_anchors(fs: FSDPSpec, uses: list[_Use], prev_of) -> dict[int, list[_Use]]:
+    """Compute index -> the gathers issued after it: after the release of the use depth+1
+    before (the prefetch window) and the previous free of their own buffer, never after
+    their own first reader."""
+    anchored: dict[int, list[_Use]] = defaultdict(list)
+    for m, use in enumerate(uses):
+        if not use.gather:
+            continue
+        depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
+        anchor = uses[m - depth - 1].last if m - depth - 1 >= 0 else -1
+        prev = prev_of[m]
+        if prev is not None:
+            anchor = max(anchor, prev.last)
+        anchored[min(anchor, use.first - 1)].append(use)
+    return anchored
+
+
+def _source_gathers(uses: list[_Use], prev_of) -> dict[int, Op]:
+    """The live gather of each use (a bwd use without a gather reads the fwd use's buffer)."""
+    source: dict[int, Op] = {}
+    for m, use in enumerate(uses):
+        source[m] = _gather_op(use) if use.gather else source[prev_of[m].index]
+    return source
+
+
+def _reduce_scatter_points(spec: Spec, fs: FSDPSpec, compute: list[Op],
+                           unit_writers) -> dict[int, list[UnitSpec]]:
+    """Compute index -> the reduce-scatters right after it: a unit's, in micro-step j, after
+    the last backward of j that writes its gradients (when j communicates)."""
+    last_writer: dict[tuple[str, int], int] = {}
+    for i, op in enumerate(compute):
+        if op.kind is Kind.BWD:
+            for u in fs.units:
+                if op.target in unit_writers[u.name]:
+                    last_writer[(u.name, op.mb)] = i
+    by_name = {u.name: u for u in fs.units}
+    rs_after: dict[int, list[UnitSpec]] = defaultdict(list)
+    for (uname, j), i in last_writer.items():
+        if spec.communicates(j):
+            rs_after[i].append(by_name[uname])
+    return rs_after
+
+
+def _readers_since_gather(compute: list[Op], uses: list[_Use], prev_of) -> dict[int, list[Op]]:
+    """For each use, the compute ops that read its buffer since it was gathered (a free
+    waits for all of them)."""
+    readers = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
+    for m, use in enumerate(uses):
+        if use.free and not use.gather:
+            readers[m] = readers[prev_of[m].index] + readers[m]
+    return readers
+
+
+def _gather_op(use: _Use) -> Op:
+    return Op(Kind.ALLGATHER, use.unit.name, use.mb, use.phase)
+
+
+def _free_op(use: _Use) -> Op:
+    return Op(Kind.FREE, use.unit.name, use.mb, use.phase)
 
 
 # -- streams, programs and events -----------------------------------------------------------------
@@ -332,11 +347,6 @@ def build_graphs(spec: Spec) -> dict[int | None, ScheduleGraph]:
     for r in ranks:
         out[r] = _build(spec, seq, r)
     return out
-
-
-def build_graph(spec: Spec, rank: int | None = None) -> ScheduleGraph:
-    graphs = build_graphs(spec)
-    return graphs.get(rank, graphs[None])
 
 
 def _programs_for(spec: Spec, rank: int | None) -> dict[str, ProgramSpec]:
@@ -396,7 +406,8 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
         else:
             _sync(g, a, op, "event", a_span)
     sg = ScheduleGraph(spec, rank, g, {s: ops for s, ops in programs.items()}, set(written))
-    _insert_events(sg)
+    for producer, consumer in _needed_events(sg):
+        _sync(g, producer, consumer, "event")
     return sg
 
 
@@ -410,8 +421,8 @@ def _sync(g: nx.DiGraph, u: Op, v: Op, kind: str, span: Span | None = None) -> N
         d["span"] = span
 
 
-def _insert_events(sg: ScheduleGraph) -> None:
-    """Give every generated op the cross-stream waits its needs call for, and no more.
+def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
+    """The cross-stream waits every generated op's needs call for, and no more.
 
     A wait is skipped when an earlier wait on the same stream already covers it (vector
     clocks over the streams), so the plan records and waits as few events as it can.
@@ -430,7 +441,8 @@ def _insert_events(sg: ScheduleGraph) -> None:
         try:
             topo = list(nx.topological_sort(sg.syncs()))
         except nx.NetworkXUnfeasible:
-            return  # the checker reports the cycle
+            return []  # the checker reports the cycle
+    events: list[tuple[Op, Op]] = []
     generated = {op for s, ops in sg.programs.items() if s not in sg.written for op in ops}
     clock: dict[Op, dict[str, int]] = {}
     for op in topo:
@@ -450,11 +462,12 @@ def _insert_events(sg: ScheduleGraph) -> None:
                 ps = g.nodes[p]["stream"]
                 if vc[ps] >= g.nodes[p]["pos"]:
                     continue  # already ordered by an earlier wait
-                _sync(g, p, op, "event")
+                events.append((p, op))
                 for s, v in clock.get(p, {}).items():
                     vc[s] = max(vc[s], v)
         vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
         clock[op] = vc
+    return events
 
 
 def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
