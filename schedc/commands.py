@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -77,11 +78,12 @@ def _check(args) -> int:
     files = [Path(f) for f in args.files] or bundled_schedules()
     if args.dump and len(files) != 1 and args.files:
         raise UserError("--dump takes one file")
+    ov = overrides(args)  # a bad flag is one error, not one per file
     errors: list[CompileError] = []
     compiled: list[Compiled] = []
     for f in files:
         try:
-            c = compile_file(f, overrides(args))
+            c = compile_file(f, ov)
         except CompileError as e:
             errors.append(e)
             continue
@@ -194,6 +196,24 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="on a non-finite loss or gradient norm: stop the run (default), or "
                    "skip that update and say so")
     p.add_argument("--log-json", metavar="FILE", help="also append each step as JSON to FILE")
+
+
+def check_output(flag: str, path: str | None, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a file (--trace,
+    --log-json) whose directory is missing, or that is a directory; a checkpoint directory
+    (--save) that is a file, or whose parent is missing. The OS still has the last word."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        raise UserError(f"{flag} {path}: " + ("not a directory" if directory else
+                                              "is a directory, not a file"))
+    parent = p.parent if not p.exists() else p if directory else p.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: " + (f"no such directory {parent}" if not
+                                              parent.exists() else f"{parent} is not a directory"))
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise UserError(f"{flag} {path}: not writable (permission denied)")
 
 
 def _run(args) -> int:

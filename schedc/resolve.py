@@ -455,8 +455,9 @@ class _Resolver:
         return seqs // (accum * world), accum
 
     def data(self, d: Data | None) -> DataConfig:
+        """The data source resolved (DataConfig.resolved): the spec holds its meaning."""
         if d is None:
-            return DataConfig()
+            return DataConfig().resolved()
         if isinstance(d.source, Name):
             if d.source.text != "corpus":
                 self.err("unknown-name", f"unknown data source '{d.source.text}'", d.source.span,
@@ -464,7 +465,7 @@ class _Resolver:
             return DataConfig("corpus", "text")
         if not d.source.text:
             self.err("value-range", "the data path is empty", d.source.span)
-        return DataConfig(d.source.text, d.kind)
+        return DataConfig(d.source.text, d.kind).resolved()
 
     def optimizer(self, o: Optimizer | None) -> OptimConfig:
         if o is None:
