@@ -267,11 +267,9 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
 
 
 def run_command(args) -> int:
-    from schedc.commands import overrides
+    from schedc.commands import check_output, overrides
     from schedc.compiler import compile_file
     from schedc.resources import default_schedule
-
-    from schedc.commands import check_output
 
     # flag values first (commands.py's types checked the numbers), before any work: a bad
     # --trace or --log-json path used to fail only after training

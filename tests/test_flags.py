@@ -54,7 +54,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
      "schedc: --rank -1: error: rank must be >= 0, got -1  [value-range]"),
 ])
 def test_check_flags_get_the_files_diagnostics(capsys, argv, want):
-    code, out, err = cli(capsys, "check", DDP, *argv)
+    code, _, err = cli(capsys, "check", DDP, *argv)
     assert code == 1 and want in err, err
     assert err.rstrip().endswith("1 error")
     if "--rank" in argv:
