@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -18,8 +20,37 @@ class UserError(Exception):
 
 
 def overrides(args) -> Overrides:
-    return Overrides(model=getattr(args, "model", None), steps=getattr(args, "steps", None),
-                     seed=getattr(args, "seed", None))
+    """The flags that override the file, judged by the file's rules before anything compiles
+    (so a bad one is said once, not once per schedule): a CompileError, exit 1."""
+    ov = Overrides(model=getattr(args, "model", None), steps=getattr(args, "steps", None),
+                   seed=getattr(args, "seed", None))
+    if diags := ov.diagnostics():
+        raise CompileError(diags)
+    return ov
+
+
+def _number(kind, lo, hi=None, *, what: str):
+    """An argparse `type=` for a number in [lo, hi] (finite): anything else is a usage error."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
+        if not (math.isfinite(v) and v >= lo and (hi is None or v <= hi)):
+            bound = f"at least {lo}" if hi is None else f"between {lo} and {hi:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in "invalid <name> value"
+    return parse
+
+
+# --timeout: > 0 and finite (gloo and NCCL take whole milliseconds, datetime.timedelta
+# overflows near 1e14 s); a million seconds is eleven days of waiting.
+TIMEOUT_S = _number(float, 0.001, 1e6, what="number of seconds")
+POSITIVE = _number(int, 1, what="whole number >= 1")
+COUNT = _number(int, 0, what="whole number >= 0")
 
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
@@ -47,15 +78,25 @@ def _check(args) -> int:
     files = [Path(f) for f in args.files] or bundled_schedules()
     if args.dump and len(files) != 1 and args.files:
         raise UserError("--dump takes one file")
+    ov = overrides(args)  # a bad flag is one error, not one per file
     errors: list[CompileError] = []
     compiled: list[Compiled] = []
     for f in files:
         try:
-            c = compile_file(f, overrides(args))
+            c = compile_file(f, ov)
         except CompileError as e:
             errors.append(e)
             continue
         compiled.append(c)
+        if args.rank is not None and not 0 <= args.rank < c.spec.world:
+            from schedc.errors import Diagnostic
+            from schedc.resolve import flag_place, range_error
+
+            raise CompileError([Diagnostic(
+                "value-range", range_error("rank", args.rank, 0, c.spec.world - 1),
+                path=flag_place("rank", args.rank),
+                hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
+                f"{c.spec.world - 1}")])
         for w in c.warnings:
             print(w.render(c.source), file=sys.stderr)
         if args.dump:
@@ -143,17 +184,36 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     _add_overrides(p)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=TIMEOUT_S, default=300.0, metavar="S",
                    help="seconds a rank waits for the others before failing (default 300)")
     p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=int, default=100, metavar="N",
+    p.add_argument("--save-every", type=POSITIVE, default=100, metavar="N",
                    help="checkpoint every N steps, and after the last (default 100)")
-    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    p.add_argument("--keep", type=COUNT, default=2,
+                   help="checkpoints to keep (default 2; 0 keeps every one)")
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="on a non-finite loss or gradient norm: stop the run (default), or "
                    "skip that update and say so")
     p.add_argument("--log-json", metavar="FILE", help="also append each step as JSON to FILE")
+
+
+def check_output(flag: str, path: str | None, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a file (--trace,
+    --log-json) whose directory is missing, or that is a directory; a checkpoint directory
+    (--save) that is a file, or whose parent is missing. The OS still has the last word."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        raise UserError(f"{flag} {path}: " + ("not a directory" if directory else
+                                              "is a directory, not a file"))
+    parent = p.parent if not p.exists() else p if directory else p.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: " + (f"no such directory {parent}" if not
+                                              parent.exists() else f"{parent} is not a directory"))
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise UserError(f"{flag} {path}: not writable (permission denied)")
 
 
 def _run(args) -> int:

@@ -5,7 +5,8 @@
     torchrun ... -m schedc run schedules/tiny_ddp_overlap.sched --resume ckpt
 
 Before step 1 every rank proves it runs the same thing as the others: the same schedule
-text, the same collective order, the same world, the same data. During the run, a rank
+meaning (not text), the same collective order, the same data, the same resume checkpoint
+and step, save settings and run flags. During the run, a rank
 that fails (a dead peer, a peer that stops answering within --timeout, an error in an
 instruction) writes where it was to the rendezvous store, reads what the others wrote,
 names the ranks that said nothing, and exits 1; torchrun then ends the job. Non-finite
@@ -35,30 +36,66 @@ from schedc.run import Comm, Executor, PlanError, RunError, RunOptions, pick_dev
 FAILURE_GRACE_S = 3.0  # how long a failing rank waits to hear from the others
 
 
-def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str) -> None:
-    """Every rank compiled the same schedule into the same collectives and reads the same
-    data, or none starts."""
-    mine = {
-        "rank": comm.rank,
-        "schedule": hashlib.sha256(compiled.source.text.encode()).hexdigest()[:16],
-        "path": compiled.source.path,
-        "collectives": plan.collective_digest(),
-        "world": compiled.spec.world,
-        "steps": compiled.spec.steps,
-        "model": compiled.spec.model_name,
-        "data": data,
-    }
+def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str,
+                     flags: dict[str, str] | None = None) -> None:
+    """Every rank runs the same thing, or none starts: the schedule's meaning (agree.meaning:
+    model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its
+    text, so comments and spelling may differ), the same collectives in the same order, the
+    same data (a fingerprint of the tokens read), and the same run flags (`flags`: resume
+    source and step, save settings, --nonfinite, device, precision). A difference is named
+    by field and rank on every rank: `seed 1 on rank 0, 2 on rank 1`."""
+    from schedc.agree import meaning
+
+    mine = {"rank": comm.rank, "path": compiled.source.path, "fields": {
+        **meaning(compiled.spec), "collectives": plan.collective_digest(), "data": data,
+        **(flags or {})}}
     everyone: list[dict] = [None] * comm.world
     dist.all_gather_object(everyone, mine, group=comm.group)
-    base = everyone[0]
+    base = everyone[0]["fields"]
+    what = []
     for other in everyone[1:]:
-        diff = [k for k in ("schedule", "collectives", "world", "steps", "model", "data")
-                if other[k] != base[k]]
-        if diff:
-            what = ", ".join(f"{k} {base[k]} vs {other[k]}" for k in diff)
-            raise RunError(f"ranks disagree before step 1: rank 0 compiled {base['path']} and "
-                           f"rank {other['rank']} compiled {other['path']} ({what}); every "
-                           "rank must run the same schedule on the same data")
+        f = other["fields"]
+        what += [f"{k} {_short(k, base.get(k))} on rank 0, {_short(k, f.get(k))} on rank "
+                 f"{other['rank']}" for k in dict.fromkeys([*base, *f]) if base.get(k) != f.get(k)]
+    if what:
+        paths = {e["path"] for e in everyone}
+        ran = f" (rank 0 runs {everyone[0]['path']})" if len(paths) > 1 else ""
+        raise RunError(f"ranks disagree before step 1{ran}: {'; '.join(what)}; every rank must "
+                       "run the same schedule on the same data with the same flags")
+
+
+def _short(key: str, v) -> str:
+    """A field's value for a message: whole when short or a flag (paths are shown whole),
+    else its start and a hash (a strategy lists every parameter)."""
+    v = str(v)
+    if key.startswith("--"):
+        return v
+    digest = hashlib.sha256(v.encode()).hexdigest()[:8]
+    return v if len(v) <= 60 else f"{v[:40]}... (sha256 {digest})"
+
+
+def run_flags(args, device: torch.device, opts: RunOptions) -> dict[str, str]:
+    """The run flags every rank must share, resolved: the checkpoint --resume names and its
+    step (read from its meta.json now, before any collective: a rank that resumes alone
+    would otherwise wait in DCP's collectives for the others until --timeout), the save
+    directory and cadence, what to do on a non-finite loss, the device type, the precision."""
+    from schedc.checkpoint import CheckpointError, find
+
+    resume = "none"
+    if args.resume:
+        try:
+            path = find(args.resume)
+            step = json.loads((path / "meta.json").read_text()).get("step")
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise CheckpointError(f"{path}/meta.json: 'step' is not a step number")
+            resume = f"{path.resolve()} (step {step})"
+        except (CheckpointError, OSError, ValueError, AttributeError) as e:
+            resume = f"unusable: {e}"  # said after agreement, by every rank that has it
+    save = "none"
+    if args.save:
+        save = f"{os.path.abspath(args.save)} every {args.save_every}, keep {args.keep}"
+    return {"--resume": resume, "--save": save, "--nonfinite": opts.nonfinite,
+            "device": device.type, "precision": str(opts.dtype).removeprefix("torch.")}
 
 
 def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
@@ -85,7 +122,11 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
         batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
         # agree first: building the executor creates a process group per stream, which would
         # wait forever for a rank whose schedule has other streams
-        agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens))
+        flags = run_flags(args, device, opts)
+        agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens),
+                         flags)
+        if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
+            raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
         ex = Executor(compiled, comm, opts, batches)
         if args.resume:
             where = f"loading {args.resume}"
@@ -226,16 +267,18 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
 
 
 def run_command(args) -> int:
-    from schedc.commands import overrides
+    from schedc.commands import check_output, overrides
     from schedc.compiler import compile_file
     from schedc.resources import default_schedule
 
-    if args.save_every < 1:
-        from schedc.commands import UserError
-
-        raise UserError("--save-every must be at least 1")
+    # flag values first (commands.py's types checked the numbers), before any work: a bad
+    # --trace or --log-json path used to fail only after training
+    ov = overrides(args)
+    check_output("--trace", args.trace)
+    check_output("--log-json", args.log_json)
+    check_output("--save", args.save, directory=True)
     path = args.file or str(default_schedule())
-    compiled = compile_file(path, overrides(args))
+    compiled = compile_file(path, ov)
     opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
                       nonfinite=args.nonfinite)
     try:
