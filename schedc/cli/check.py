@@ -32,15 +32,25 @@ def run(args: argparse.Namespace) -> int:
     files = [Path(f) for f in args.files] or bundled_schedules()
     if args.dump and len(files) != 1 and args.files:
         raise UserError("--dump takes one file")
+    ov = overrides(args)  # a bad flag is one error, not one per file
     errors: list[CompileError] = []
     compiled: list[Compiled] = []
     for f in files:
         try:
-            c = compile_file(f, overrides(args))
+            c = compile_file(f, ov)
         except CompileError as e:
             errors.append(e)
             continue
         compiled.append(c)
+        if args.rank is not None and not 0 <= args.rank < c.spec.world:
+            from schedc.lang.diagnostics import Diagnostic
+            from schedc.lang.resolve import flag_place, range_error
+
+            raise CompileError([Diagnostic(
+                "value-range", range_error("rank", args.rank, 0, c.spec.world - 1),
+                path=flag_place("rank", args.rank),
+                hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
+                f"{c.spec.world - 1}")])
         for w in c.warnings:
             print(w.render(c.source), file=sys.stderr)
         if args.dump:

@@ -1,18 +1,28 @@
-"""What the verbs share: the flags that override a schedule's own values."""
+"""What the verbs share: the flags that override a schedule's own values, number types
+for flags, and the check of an output path before any work."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 
+from schedc.lang.diagnostics import CompileError, UserError
 from schedc.lang.resolve import Overrides
 
 
 def overrides(args) -> Overrides:
-    return Overrides(model=getattr(args, "model", None), steps=getattr(args, "steps", None),
-                     seed=getattr(args, "seed", None),
-                     precision=getattr(args, "precision", None),
-                     tf32=_switch(getattr(args, "tf32", None)),
-                     compile=_switch(getattr(args, "compile", None)))
+    """The flags that override the file, judged by the file's rules before anything compiles
+    (so a bad one is said once, not once per schedule): a CompileError, exit 1."""
+    ov = Overrides(model=getattr(args, "model", None), steps=getattr(args, "steps", None),
+                   seed=getattr(args, "seed", None),
+                   precision=getattr(args, "precision", None),
+                   tf32=_switch(getattr(args, "tf32", None)),
+                   compile=_switch(getattr(args, "compile", None)))
+    if diags := ov.diagnostics():
+        raise CompileError(diags)
+    return ov
 
 
 def _switch(value: str | None) -> bool | None:
@@ -29,3 +39,45 @@ def add_override_args(p: argparse.ArgumentParser) -> None:
                    "(overrides the file; default on with CUDA)")
     p.add_argument("--compile", choices=["on", "off"], help="torch.compile each layer or "
                    "fused run of layers (overrides the file)")
+
+
+def _number(kind, lo, hi=None, *, what: str):
+    """An argparse `type=` for a number in [lo, hi] (finite): anything else is a usage error."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
+        if not (math.isfinite(v) and v >= lo and (hi is None or v <= hi)):
+            bound = f"at least {lo}" if hi is None else f"between {lo} and {hi:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in "invalid <name> value"
+    return parse
+
+
+# --timeout: > 0 and finite (gloo and NCCL take whole milliseconds, datetime.timedelta
+# overflows near 1e14 s); a million seconds is eleven days of waiting.
+TIMEOUT_S = _number(float, 0.001, 1e6, what="number of seconds")
+POSITIVE = _number(int, 1, what="whole number >= 1")
+COUNT = _number(int, 0, what="whole number >= 0")
+
+
+def check_output(flag: str, path: str | None, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a file (--trace,
+    --log-json) whose directory is missing, or that is a directory; a checkpoint directory
+    (--save) that is a file, or whose parent is missing. The OS still has the last word."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        raise UserError(f"{flag} {path}: " + ("not a directory" if directory else
+                                              "is a directory, not a file"))
+    parent = p.parent if not p.exists() else p if directory else p.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: " + (f"no such directory {parent}" if not
+                                              parent.exists() else f"{parent} is not a directory"))
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise UserError(f"{flag} {path}: not writable (permission denied)")

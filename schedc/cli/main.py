@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node=2 -m schedc run schedules/tiny_ddp.sched
     schedc render schedules/fsdp_prefetch.sched -o fsdp.svg --view timeline
 
-User errors print compiler diagnostics and exit 1; internal errors print a traceback
-under "internal error" and exit 2.
+Exit codes: 0 ok; 1 a user error (compiler diagnostics, a bad flag value, a usage error,
+a failed run); 2 an internal error (a bug in schedc: a traceback under "internal error").
 """
 
 from __future__ import annotations
@@ -36,10 +36,19 @@ def _report(e: CompileError) -> int:
     return EXIT_USER
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a user error like any other: exit 1, not argparse's 2
+    (2 means a bug in schedc). Subparsers are built from this class too."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USER, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from schedc import __version__
 
-    ap = argparse.ArgumentParser(prog="schedc", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="schedc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action="version", version=f"schedc {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, verb in VERBS.items():

@@ -7,9 +7,20 @@ building the parser for any verb never imports torch.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-from schedc.cli.common import add_override_args
+from schedc.cli.common import (
+    COUNT,
+    POSITIVE,
+    TIMEOUT_S,
+    add_override_args,
+    check_output,
+    overrides,
+)
+from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
+from schedc.lang.resources import default_schedule
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
 
@@ -20,12 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_override_args(p)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--timeout", type=TIMEOUT_S, default=300.0, metavar="S",
                    help="seconds a rank waits for the others before failing (default 300)")
     p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=int, default=100, metavar="N",
+    p.add_argument("--save-every", type=POSITIVE, default=100, metavar="N",
                    help="checkpoint every N steps, and after the last (default 100)")
-    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    p.add_argument("--keep", type=COUNT, default=2,
+                   help="checkpoints to keep (default 2; 0 keeps every one)")
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="on a non-finite loss or gradient norm: stop the run (default), or "
@@ -34,11 +46,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # flag values first (the number types above checked the numbers), before any work: a bad
+    # --trace or --log-json path used to fail only after training
+    ov = overrides(args)
+    check_output("--trace", args.trace)
+    check_output("--log-json", args.log_json)
+    check_output("--save", args.save, directory=True)
+    compiled = compile_file(args.file or str(default_schedule()), ov)
     try:
         import torch  # noqa: F401
     except ImportError:
         raise UserError("`schedc run` trains with torch, which is not installed here; "
                         "scripts/install.sh installs it (check and render need no torch)") from None
-    from schedc.exec.train import run_command
+    from schedc.exec.executor import RunError, RunOptions
+    from schedc.exec.train import TrainOptions, run_main
 
-    return run_command(args)
+    opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
+                      nonfinite=args.nonfinite)
+    job = TrainOptions(save=args.save, save_every=args.save_every, keep=args.keep,
+                       resume=args.resume, log_json=args.log_json, trace=args.trace)
+    try:
+        return run_main(compiled, opts, job)
+    except RunError as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 1

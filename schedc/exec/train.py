@@ -5,7 +5,8 @@
     torchrun ... -m schedc run schedules/tiny_ddp_overlap.sched --resume ckpt
 
 Before step 1 every rank proves it runs the same thing as the others: the same schedule
-text, the same collective order, the same world, the same data. During the run, a rank
+meaning (not text), the same collective order, the same data, the same resume checkpoint
+and step, save settings and run flags. During the run, a rank
 that fails (a dead peer, a peer that stops answering within --timeout, an error in an
 instruction) writes where it was to the rendezvous store, reads what the others wrote,
 names the ranks that said nothing, and exits 1; torchrun then ends the job. Non-finite
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,36 +34,86 @@ from schedc.ir.plan import Plan
 from schedc.model.data import fingerprint, load_batches
 from schedc.model.reference import format_log
 
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What a run does besides the schedule's step: checkpoints, logs, traces (built by
+    cli/run.py from the flags, which it has already checked)."""
+
+    save: str | None = None  # a checkpoint directory
+    save_every: int = 100
+    keep: int = 2  # checkpoints kept; 0: every one
+    resume: str | None = None
+    log_json: str | None = None
+    trace: str | None = None
+
+
 FAILURE_GRACE_S = 3.0  # how long a failing rank waits to hear from the others
 
 
-def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str) -> None:
-    """Every rank compiled the same schedule into the same collectives and reads the same
-    data, or none starts."""
-    mine = {
-        "rank": comm.rank,
-        "schedule": hashlib.sha256(compiled.source.text.encode()).hexdigest()[:16],
-        "path": compiled.source.path,
-        "collectives": plan.collective_digest(),
-        "world": compiled.spec.world,
-        "steps": compiled.spec.steps,
-        "model": compiled.spec.model_name,
-        "data": data,
-    }
+def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str,
+                     flags: dict[str, str] | None = None) -> None:
+    """Every rank runs the same thing, or none starts: the schedule's meaning (agree.meaning:
+    model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its
+    text, so comments and spelling may differ), the same collectives in the same order, the
+    same data (a fingerprint of the tokens read), and the same run flags (`flags`: resume
+    source and step, save settings, --nonfinite, device, precision). A difference is named
+    by field and rank on every rank: `seed 1 on rank 0, 2 on rank 1`."""
+    from schedc.passes.agree import meaning
+
+    mine = {"rank": comm.rank, "path": compiled.source.path, "fields": {
+        **meaning(compiled.spec), "collectives": plan.collective_digest(), "data": data,
+        **(flags or {})}}
     everyone: list[dict] = [None] * comm.world
     dist.all_gather_object(everyone, mine, group=comm.group)
-    base = everyone[0]
+    base = everyone[0]["fields"]
+    what = []
     for other in everyone[1:]:
-        diff = [k for k in ("schedule", "collectives", "world", "steps", "model", "data")
-                if other[k] != base[k]]
-        if diff:
-            what = ", ".join(f"{k} {base[k]} vs {other[k]}" for k in diff)
-            raise RunError(f"ranks disagree before step 1: rank 0 compiled {base['path']} and "
-                           f"rank {other['rank']} compiled {other['path']} ({what}); every "
-                           "rank must run the same schedule on the same data")
+        f = other["fields"]
+        what += [f"{k} {_short(k, base.get(k))} on rank 0, {_short(k, f.get(k))} on rank "
+                 f"{other['rank']}" for k in dict.fromkeys([*base, *f]) if base.get(k) != f.get(k)]
+    if what:
+        paths = {e["path"] for e in everyone}
+        ran = f" (rank 0 runs {everyone[0]['path']})" if len(paths) > 1 else ""
+        raise RunError(f"ranks disagree before step 1{ran}: {'; '.join(what)}; every rank must "
+                       "run the same schedule on the same data with the same flags")
 
 
-def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
+def _short(key: str, v) -> str:
+    """A field's value for a message: whole when short or a flag (paths are shown whole),
+    else its start and a hash (a strategy lists every parameter)."""
+    v = str(v)
+    if key.startswith("--"):
+        return v
+    digest = hashlib.sha256(v.encode()).hexdigest()[:8]
+    return v if len(v) <= 60 else f"{v[:40]}... (sha256 {digest})"
+
+
+def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict[str, str]:
+    """The run flags every rank must share, resolved: the checkpoint --resume names and its
+    step (read from its meta.json now, before any collective: a rank that resumes alone
+    would otherwise wait in DCP's collectives for the others until --timeout), the save
+    directory and cadence, what to do on a non-finite loss, the device type, the precision."""
+    from schedc.exec.checkpoint import CheckpointError, find
+
+    resume = "none"
+    if job.resume:
+        try:
+            path = find(job.resume)
+            step = json.loads((path / "meta.json").read_text()).get("step")
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise CheckpointError(f"{path}/meta.json: 'step' is not a step number")
+            resume = f"{path.resolve()} (step {step})"
+        except (CheckpointError, OSError, ValueError, AttributeError) as e:
+            resume = f"unusable: {e}"  # said after agreement, by every rank that has it
+    save = "none"
+    if job.save:
+        save = f"{os.path.abspath(job.save)} every {job.save_every}, keep {job.keep}"
+    return {"--resume": resume, "--save": save, "--nonfinite": opts.nonfinite,
+            "device": device.type, "precision": str(opts.dtype).removeprefix("torch.")}
+
+
+def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     """Train for the schedule's steps under torchrun (or alone, at world 1)."""
     from schedc.exec import checkpoint
 
@@ -85,16 +137,20 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
         batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
         # agree first: building the executor creates a process group per stream, which would
         # wait forever for a rank whose schedule has other streams
-        agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens))
+        flags = run_flags(job, device, opts)
+        agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens),
+                         flags)
+        if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
+            raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
         ex = Executor(compiled, comm, opts, batches)
-        if args.resume:
-            where = f"loading {args.resume}"
-            step = checkpoint.load(ex, args.resume)
-            log(comm, f"schedc: resumed from {checkpoint.find(args.resume)} at step {step}")
+        if job.resume:
+            where = f"loading {job.resume}"
+            step = checkpoint.load(ex, job.resume)
+            log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
         log(comm, f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
             f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, {spec.steps} steps "
             f"on {device.type} ({torch.get_num_threads()} thread(s) per rank)")
-        records = open(args.log_json, "a") if args.log_json and comm.rank == 0 else None
+        records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
         while ex.step_index < spec.steps:
             where = f"step {ex.step_index}"
             st = ex.step()
@@ -108,14 +164,14 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
                                           "grad_norm": st.grad_norm, "dt_ms": st.dt_ms,
                                           "skipped": st.skipped}) + "\n")
                 records.flush()
-            if args.save and (ex.step_index % args.save_every == 0
+            if job.save and (ex.step_index % job.save_every == 0
                               or ex.step_index == spec.steps):
                 where = f"saving step {ex.step_index}"
-                path = checkpoint.save(ex, args.save, keep=args.keep)
+                path = checkpoint.save(ex, job.save, keep=job.keep)
                 log(comm, f"schedc: checkpoint {path}")
         ex.close()
-        if args.trace:
-            write_trace(args.trace, ex, comm)
+        if job.trace:
+            write_trace(job.trace, ex, comm)
         if comm.rank == 0 and opts.log:
             report_memory(compiled, ex)
     except KeyboardInterrupt:
@@ -223,25 +279,3 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
     if "cuda_max_allocated" in meas:
         text += f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}"
     print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)
-
-
-def run_command(args) -> int:
-    from schedc.cli.common import overrides
-    from schedc.compiler import compile_file
-    from schedc.lang.resources import default_schedule
-
-    if args.save_every < 1:
-        from schedc.lang.diagnostics import UserError
-
-        raise UserError("--save-every must be at least 1")
-    path = args.file or str(default_schedule())
-    compiled = compile_file(path, overrides(args))
-    opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
-                      nonfinite=args.nonfinite)
-    try:
-        return run_main(compiled, opts, args)
-    except RunError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 1
-

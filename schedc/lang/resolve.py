@@ -9,6 +9,7 @@ users can see it. All findings are collected before the stage fails.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, replace
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
@@ -28,7 +29,7 @@ from schedc.ir.spec import (
     Strategy,
     UnitSpec,
 )
-from schedc.lang.diagnostics import Diagnostics, Note, did_you_mean
+from schedc.lang.diagnostics import Diagnostic, Diagnostics, Note, did_you_mean
 from schedc.lang.params import auto_buckets, group_by_layer, ready_position
 from schedc.lang.syntax import (
     DDP,
@@ -91,6 +92,42 @@ class Overrides:
     tf32: bool | None = None
     compile: bool | None = None
 
+    def diagnostics(self) -> list[Diagnostic]:
+        """The flags judged by the file's own rules (LIMITS, SIZES) with the file's codes.
+
+        A flag has no line to point at: its diagnostics are placed at `schedc: --FLAG VALUE`,
+        as a file's are at `path:line:col`. The resolver reports these too, so every caller
+        of the compiler gets them; the CLI asks first, to say them once, not once per file.
+        """
+        out = []
+        for key in ("steps", "seed"):
+            v = getattr(self, key)
+            if v is not None and (bad := range_error(key, v, *LIMITS[key])) is not None:
+                out.append(Diagnostic("value-range", bad, path=flag_place(key, v)))
+        if self.model is not None and self.model not in SIZES:
+            out.append(Diagnostic("unknown-model", f"unknown model '{self.model}'",
+                                  path=flag_place("model", self.model),
+                                  hint=did_you_mean(self.model, SIZES)
+                                  or f"known sizes: {', '.join(SIZES)}"))
+        return out
+
+
+def flag_place(flag: str, value) -> str:
+    """Where a diagnostic about a command-line value is reported: `schedc: --steps -5`."""
+    text = str(value)
+    return f"schedc: --{flag} {text if len(text) <= 40 else text[:20] + '...'}"
+
+
+def range_error(what: str, v: int, lo: int, hi: int, shown: str | None = None) -> str | None:
+    """The message for an integer outside [lo, hi] (None when inside), the same for a number
+    written in a file and one given as a flag."""
+    if lo <= v <= hi:
+        return None
+    bound = f">= {lo}" if v < lo else f"<= {hi:,}"
+    if shown is None:
+        shown = str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}..."
+    return f"{what} must be {bound}, got {f'{v:,}' if abs(v) < 10**15 else shown}"
+
 
 def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, list]:
     """The resolved schedule and its warnings; raises CompileError on any error."""
@@ -105,6 +142,7 @@ class _Resolver:
         self.ast = ast
         self.src = ast.source
         self.diag = Diagnostics(self.src)
+        self.diag.extend(overrides.diagnostics())  # the flags, by the file's rules
         self.seen: dict[str, Span] = {}
         self.refs_ok = True
 
@@ -132,11 +170,8 @@ class _Resolver:
             return None
         huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
         v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
-        if not lo <= v <= hi:
-            bound = f">= {lo}" if v < lo else f"<= {hi:,}"
-            got = f"{v:,}" if abs(v) < 10**15 and not huge else shown
-            self.err("value-range", f"{what} must be {bound}, got {got}", num.span,
-                     hint=_range_hint(what, lo, hi))
+        if (bad := range_error(what, v, lo, hi, shown if huge else None)) is not None:
+            self.err("value-range", bad, num.span, hint=_range_hint(what, lo, hi))
             return None
         return v
 
@@ -240,19 +275,15 @@ class _Resolver:
         return Spec(
             source=self.src, model_name=model_name, model=model, world=world, seqs=seqs,
             seq_len=seq_len, micro=micro, accum=accum,
-            steps=self.ov.steps or settings.get("steps") or DEFAULT_STEPS,
+            steps=_first(self.ov.steps, settings.get("steps"), DEFAULT_STEPS),
             seed=_first(self.ov.seed, settings.get("seed"), DEFAULT_SEED),
             data=data, optim=optim, memory=memory, strategy=strategy, streams=streams,
             programs=programs, numerics=numerics, where=dict(self.seen),
         )
 
     def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:
-        if self.ov.model is not None:
-            if self.ov.model not in SIZES:
-                self.err("unknown-model", f"unknown model '{self.ov.model}' (from --model)", None,
-                         hint=did_you_mean(self.ov.model, SIZES) or f"known: {', '.join(SIZES)}")
-                return self.ov.model, None
-            return self.ov.model, SIZES[self.ov.model]
+        if self.ov.model is not None:  # an unknown one is reported by Overrides.diagnostics
+            return self.ov.model, SIZES.get(self.ov.model)
         if m is None:
             return None, None
         base = None
@@ -331,8 +362,9 @@ class _Resolver:
         return seqs // (accum * world), accum
 
     def data(self, d: Data | None) -> DataConfig:
+        """The data source resolved (DataConfig.resolved): the spec holds its meaning."""
         if d is None:
-            return DataConfig()
+            return DataConfig().resolved()
         if isinstance(d.source, Name):
             if d.source.text != "corpus":
                 self.err("unknown-name", f"unknown data source '{d.source.text}'", d.source.span,
@@ -340,7 +372,7 @@ class _Resolver:
             return DataConfig("corpus", "text")
         if not d.source.text:
             self.err("value-range", "the data path is empty", d.source.span)
-        return DataConfig(d.source.text, d.kind)
+        return DataConfig(d.source.text, d.kind).resolved()
 
     def optimizer(self, o: Optimizer | None) -> OptimConfig:
         if o is None:
@@ -376,6 +408,13 @@ class _Resolver:
                 if not (0 <= v < 1e6) or (key == "lr" and v == 0):
                     self.err("value-range", f"{key} = {num.text} is out of range", num.span,
                              hint="lr must be > 0; rates, eps, clip and decay must be >= 0")
+                    v = None
+                elif (why := _fp32_breaks(key, v)) is not None:
+                    got = "0" if _fp32(v) == 0 else f"{_fp32(v):.3g}, a subnormal (0 on a GPU)"
+                    self.err("value-range", f"{key} = {num.text} is {got} in fp32, {why}",
+                             num.span, hint=f"write {key} >= {FP32_TINY:.3g} (fp32's smallest "
+                             "normal number)" + (", or 0 to turn clipping off"
+                                                 if key == "clip" else ""))
                     v = None
             if v is not None:
                 values[key] = v
@@ -751,6 +790,35 @@ class _Resolver:
                      f"mb0 .. mb{accum - 1}", span)
             return None
         return op
+
+
+FP32_TINY = 2.0**-126  # the smallest normal float32; below it values are subnormal, then 0
+
+
+def _fp32(v: float) -> float:
+    """`v` as the executor holds it: rounded to float32 (struct, so no numpy or torch here)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _fp32_breaks(key: str, v: float) -> str | None:
+    """Why an optimizer value that is fine as a decimal breaks AdamW once rounded to fp32
+    (the precision it runs in), or None. Zero or subnormal (flushed to zero on GPUs):
+    - eps: AdamW divides m by sqrt(v) + eps; a parameter that never gets a gradient (an
+      embedding row of a token the data lacks) has m = v = 0, so 0 / 0 = NaN. eps is a
+      divisor, so 0 is refused too.
+    - lr: the update is lr x (...): zero means training that changes nothing.
+    - clip: the gradient is scaled by clip / norm: zero scales every gradient to nothing
+      (clip 0 itself means no clipping and is fine).
+    weight_decay, min_lr and betas that round to 0 are plain zeros, which AdamW allows."""
+    tiny = _fp32(v) < FP32_TINY
+    if key == "eps" and tiny:
+        return ("and AdamW divides by sqrt(v) + eps: a parameter that never gets a gradient "
+                "(an unused embedding row) would become 0/0 = NaN")
+    if key == "lr" and tiny:
+        return "so no update would change the model"
+    if key == "clip" and v > 0 and tiny:
+        return "so clipping would scale every gradient to zero"
+    return None
 
 
 def _first(*values):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import PurePath
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,17 @@ class DataConfig:
     """'corpus' (the embedded default), a UTF-8 text file, or a uint16 token file."""
     kind: str = "auto"
     """'text', 'tokens' or 'auto' (by suffix: .bin/.npy are tokens, anything else text)."""
+
+    def resolved(self) -> DataConfig:
+        """The source as it is read, whatever the spelling: 'auto' decided by the suffix, and
+        the embedded corpus always kind 'text'. `data corpus` and no `data` line, or `data
+        "f.txt"` and `data text "f.txt"`, resolve alike, so they agree and fingerprint alike."""
+        if self.source == "corpus":
+            return DataConfig("corpus", "text")
+        if self.kind != "auto":
+            return self
+        tokens = PurePath(self.source).suffix.lower() in TOKEN_SUFFIXES  # as data.py reads it
+        return DataConfig(self.source, "tokens" if tokens else "text")
+
+
+TOKEN_SUFFIXES = (".bin", ".npy")  # read as uint16 token ids when the data kind is auto

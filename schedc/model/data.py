@@ -30,7 +30,7 @@ from tiktoken.load import load_tiktoken_bpe
 
 from schedc.model.arch import GPT2_VOCAB
 from schedc.model.batching import sequence_ids
-from schedc.model.config import DataConfig
+from schedc.model.config import TOKEN_SUFFIXES, DataConfig
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
@@ -46,7 +46,6 @@ _LLMC_MAGIC, _LLMC_HEADER_BYTES = 20240520, 1024
 
 CORPUS = "corpus"
 KINDS = ("auto", "text", "tokens")
-TOKEN_SUFFIXES = (".bin", ".npy")
 
 
 class DataError(Exception):

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from schedc.ir.spec import Spec
+from schedc.ir.spec import DDPSpec, FSDPSpec, Spec
 from schedc.lang.diagnostics import Diagnostic, Note
 from schedc.model.batching import sequence_ids
 
@@ -62,8 +62,8 @@ def compare(a: Spec, b: Spec) -> Agreement:
             n = diff[0]
             differ(f"sequence {n} of the global batch is weighted differently",
                    wa.get(n, 0), wb.get(n, 0), "micro")
-    if a.data != b.data:
-        differ("the data sources differ", a.data.source, b.data.source, "data")
+    if a.data != b.data:  # both resolved (DataConfig.resolved): meaning, not spelling
+        differ("the data sources differ", _data(a), _data(b), "data")
     if a.optim != b.optim:
         fields = [f for f in a.optim.__dataclass_fields__
                   if getattr(a.optim, f) != getattr(b.optim, f)]
@@ -82,3 +82,33 @@ def _model(s: Spec) -> str:
     m = s.model
     return (f"{s.model_name} (n_layer={m.n_layer}, n_head={m.n_head}, n_embd={m.n_embd}, "
             f"block={m.block_size}, vocab={m.vocab_size})")
+
+
+def _data(s: Spec) -> str:
+    d = s.data
+    return "the embedded corpus" if d.source == "corpus" else f'{d.kind} "{d.source}"'
+
+
+def meaning(spec: Spec) -> dict[str, str]:
+    """What a schedule computes, field by field, without its spelling: no path, text,
+    comments or positions, and the data source resolved. Ranks prove at start-up that
+    theirs are equal (schedc/train.py), so two files that differ only in comments, or in
+    `data corpus` written or left out, run together, and a difference is named by field."""
+    st = spec.strategy
+    if isinstance(st, DDPSpec):
+        how = (f"ddp overlap={st.overlap} no_sync={st.no_sync} "
+               + " ".join(f"{b.name}={','.join(b.params)}" for b in st.buckets))
+    elif isinstance(st, FSDPSpec):
+        how = (f"fsdp prefetch={st.prefetch_forward},{st.prefetch_backward} "
+               f"reshard={st.reshard_after_forward} no_sync={st.no_sync} "
+               + " ".join(f"{u.name}={','.join(u.params)}{'(keep)' * u.keep}"
+                          for u in st.units))
+    else:
+        how = "single"
+    return {"model": _model(spec), "world": str(spec.world),
+            "batch": f"{spec.seqs} x {spec.seq_len}",
+            "split": f"micro {spec.micro} x {spec.accum} micro-steps",
+            "steps": str(spec.steps), "seed": str(spec.seed), "data source": _data(spec),
+            "optimizer": repr(spec.optim), "strategy": how,
+            "streams": ", ".join(f"{k.value}:{v}" for k, v in sorted(
+                spec.streams.items(), key=lambda kv: kv[0].value))}

@@ -100,9 +100,9 @@ def test_an_internal_error_exits_2_with_a_traceback(capsys, monkeypatch):
 def test_usage_errors_exit_1(capsys):
     code, _, err = check(capsys, TINY, FSDP, "--dump", "plan")
     assert code == 1 and err == "schedc: error: --dump takes one file\n"
-    with pytest.raises(SystemExit) as info:  # argparse's own usage errors exit 2
+    with pytest.raises(SystemExit) as info:  # argparse's own usage errors exit 1 too
         main(["check", TINY, "--dump", "dot"])
-    assert info.value.code == 2
+    assert info.value.code == 1
     assert "invalid choice: 'dot'" in capsys.readouterr().err
 
 
@@ -122,7 +122,7 @@ def test_flags_override_the_file(capsys):
     assert code == 1 and "error: the model has no layer h.3  [layer-range]" in err
     code, _, err = check(capsys, TINY, "--model", "gpt3")
     assert code == 1
-    assert "error: unknown model 'gpt3' (from --model)  [unknown-model]" in err
+    assert "schedc: --model gpt3: error: unknown model 'gpt3'  [unknown-model]" in err
     assert "hint: did you mean 'gpt2'?" in err
 
 

@@ -1,0 +1,263 @@
+"""Every command-line value is judged like the file's, and ranks agree on meaning (issue 14).
+
+A flag that overrides the file (--steps, --seed, --model) goes through the file's own rules
+and gets the file's diagnostic code, placed at `schedc: --FLAG VALUE`; a pure run flag
+(--timeout, --save-every, --keep, output paths) is a usage error; both exit 1, never with a
+traceback. At start-up ranks compare the schedule's meaning and the run flags, and refuse
+to start, on every rank, naming the field and the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedc.cli.main import main
+from schedc.compiler import compile_text
+from schedc.lang.diagnostics import CompileError
+from schedc.passes.agree import meaning
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ROOT / "schedules"
+DDP = str(SCHEDULES / "tiny_ddp_overlap.sched")
+ONE = str(SCHEDULES / "tiny_1gpu.sched")
+_port = [31700 + os.getpid() % 1500]
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`schedc ARGV` in this process: (exit code, stdout, stderr), usage errors included."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "internal error" not in err, err
+    return code, out, err
+
+
+# -- flags that override the file: the file's rules and codes -------------------------------------
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--steps", "-5"], "schedc: --steps -5: error: steps must be >= 1, got -5  [value-range]"),
+    (["--steps", "0"], "schedc: --steps 0: error: steps must be >= 1, got 0  [value-range]"),
+    (["--seed", "-1"], "schedc: --seed -1: error: seed must be >= 0, got -1  [value-range]"),
+    (["--seed", "9" * 30], "error: seed must be <= 9,223,372,036,854,775,807, got 999"),
+    (["--model", "gpt3"], "schedc: --model gpt3: error: unknown model 'gpt3'  [unknown-model]"),
+    (["--dump", "plan", "--rank", "99"],
+     "schedc: --rank 99: error: rank must be <= 1, got 99  [value-range]"),
+    (["--dump", "plan", "--rank", "-1"],
+     "schedc: --rank -1: error: rank must be >= 0, got -1  [value-range]"),
+])
+def test_check_flags_get_the_files_diagnostics(capsys, argv, want):
+    code, _, err = cli(capsys, "check", DDP, *argv)
+    assert code == 1 and want in err, err
+    assert err.rstrip().endswith("1 error")
+    if "--rank" in argv:
+        assert "is a world-2 schedule: ranks 0 .. 1" in err  # names the world
+
+
+def test_a_flag_and_the_file_say_the_same_thing(capsys, tmp_path):
+    """One rule: `steps 0` in the file and `--steps 0` give the same message and code."""
+    f = tmp_path / "s.sched"
+    f.write_text(Path(ONE).read_text().replace("steps 40", "steps 0"))
+    _, _, from_file = cli(capsys, "check", str(f))
+    _, _, from_flag = cli(capsys, "check", ONE, "--steps", "0")
+    msg = "error: steps must be >= 1, got 0  [value-range]"
+    assert f"{f}:7:7: {msg}" in from_file and f"schedc: --steps 0: {msg}" in from_flag
+
+
+def test_a_bad_flag_is_said_once_not_once_per_bundled_schedule(capsys):
+    code, _, err = cli(capsys, "check", "--seed", "-1")
+    assert code == 1 and err.count("seed must be >= 0") == 1
+
+
+def test_run_flag_overrides_are_refused_before_torch_starts(capsys):
+    code, out, err = cli(capsys, "run", ONE, "--steps", "-5")
+    assert code == 1 and "schedc: --steps -5: error: steps must be >= 1" in err
+    assert out == ""  # nothing trained: `--steps -5` used to train nothing and exit 0
+
+
+# -- run flags: usage errors, paths checked before any work ---------------------------------------
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--timeout", "-5", "must be between 0.001 and 1e+06, got -5"),
+    ("--timeout", "nan", "must be between 0.001 and 1e+06, got nan"),
+    ("--timeout", "inf", "must be between 0.001 and 1e+06, got inf"),
+    ("--timeout", "0", "must be between 0.001 and 1e+06, got 0"),
+    ("--timeout", "soon", "'soon' is not a number of seconds"),
+    ("--save-every", "0", "must be at least 1, got 0"),
+    ("--save-every", "-1", "must be at least 1, got -1"),
+    ("--keep", "-1", "must be at least 0, got -1"),
+])
+def test_bad_run_flag_values_are_usage_errors(capsys, flag, value, want):
+    code, out, err = cli(capsys, "run", ONE, flag, value)
+    assert code == 1 and f"schedc run: error: argument {flag}: {want}" in err, err
+    assert err.startswith("usage: schedc run") and out == ""
+
+
+def test_usage_errors_exit_1_not_argparses_2(capsys):
+    assert cli(capsys, "check", "--dump", "dot")[0] == 1
+    assert cli(capsys, "nosuchverb")[0] == 1
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--trace", "/missing/dir/t.json", "no such directory /missing/dir"),
+    ("--trace", "{tmp}", "is a directory, not a file"),
+    ("--log-json", "/missing/dir/log.jsonl", "no such directory /missing/dir"),
+    ("--log-json", "{tmp}", "is a directory, not a file"),
+    ("--save", "/missing/dir/ck", "no such directory /missing/dir"),
+    ("--save", "{tmp}/file", "not a directory"),
+    ("--save", "{tmp}/file/ck", "is not a directory"),
+])
+def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value, want):
+    (tmp_path / "file").write_text("x")
+    value = value.format(tmp=tmp_path)
+    code, out, err = cli(capsys, "run", ONE, "--steps", "1", flag, value)
+    assert code == 1 and f"schedc: error: {flag} {value}: " in err and want in err, err
+    assert "step" not in out  # refused before step 0, not after the run as --trace was
+
+
+# -- optimizer values that fp32 turns into zero ---------------------------------------------------
+
+BASE = Path(ONE).read_text().replace("optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }",
+                                     "")
+
+
+@pytest.mark.parametrize("setting,want", [
+    ("eps = 1e-50", "eps = 1e-50 is 0 in fp32, and AdamW divides by sqrt(v) + eps"),
+    ("eps = 0", "eps = 0 is 0 in fp32"),
+    ("eps = 1e-40", "a subnormal (0 on a GPU)"),
+    ("lr = 1e-50", "lr = 1e-50 is 0 in fp32, so no update would change the model"),
+    ("clip = 1e-46", "clip = 1e-46 is 0 in fp32, so clipping would scale every gradient"),
+])
+def test_optimizer_values_that_round_to_zero_are_refused(setting, want):
+    with pytest.raises(CompileError) as e:
+        compile_text(BASE + f"optimizer adamw {{ {setting} }}\n", "o.sched")
+    assert e.value.codes == ["value-range"] and want in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("setting", ["eps = 1e-8", "eps = 1e-30", "clip = 0",
+                                     "weight_decay = 1e-50", "min_lr = 0"])
+def test_optimizer_values_fp32_holds_are_accepted(setting):
+    compile_text(BASE + f"optimizer adamw {{ {setting} }}\n", "o.sched")
+
+
+def test_eps_that_rounds_to_zero_makes_adamw_nan():
+    """Why the rule exists: a parameter with no gradient (m = v = 0) becomes 0/0."""
+    import torch
+
+    for eps, nan in ((1e-50, True), (1e-8, False)):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([p], lr=1e-3, eps=eps)
+        p.grad = torch.zeros(3)
+        opt.step()
+        assert bool(p.detach().isnan().all()) is nan
+
+
+# -- agreement on meaning -------------------------------------------------------------------------
+
+SPELLINGS = [("data corpus\n", ""), ('data "f.txt"\n', 'data text "f.txt"\n'),
+             ('data "f.bin"\n', 'data tokens "f.bin"\n')]
+
+
+@pytest.mark.parametrize("a,b", SPELLINGS)
+def test_check_agrees_on_data_spelled_differently(capsys, tmp_path, a, b):
+    text = Path(DDP).read_text().replace("data corpus\n", "")
+    fa, fb = tmp_path / "a.sched", tmp_path / "b.sched"
+    fa.write_text(text + a)
+    fb.write_text("# the same run, spelled another way\n" + text + b)
+    code, out, err = cli(capsys, "check", str(fa), str(fb))
+    assert code == 0 and "agree: same model" in out, err
+    assert meaning(compile_text(fa.read_text()).spec) == meaning(compile_text(fb.read_text()).spec)
+
+
+def test_data_that_really_differs_is_named_without_contradiction(capsys, tmp_path):
+    text = Path(DDP).read_text().replace("data corpus\n", "")
+    fa, fb = tmp_path / "a.sched", tmp_path / "b.sched"
+    fa.write_text(text + 'data text "f.bin"\n')
+    fb.write_text(text + 'data "f.bin"\n')  # auto: .bin is tokens
+    code, _, err = cli(capsys, "check", str(fa), str(fb))
+    assert code == 1
+    assert 'the data sources differ: tokens "f.bin" here, text "f.bin" in' in err, err
+
+
+def test_meaning_names_what_differs():
+    text = Path(DDP).read_text()
+    a = meaning(compile_text(text).spec)
+    b = meaning(compile_text(text.replace("seed 1337", "seed 7")).spec)
+    assert {k for k in a if a[k] != b[k]} == {"seed"}
+
+
+# -- start-up agreement across ranks (real processes, gloo) ---------------------------------------
+
+
+def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, str]]:
+    """`schedc run ARGS[r]` as one process per rank (torchrun gives every rank the same
+    args); returns (exit code, stdout, stderr) of each."""
+    _port[0] += 1
+    env = {**os.environ, "WORLD_SIZE": str(len(per_rank)), "LOCAL_WORLD_SIZE": str(len(per_rank)),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", *args],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, args in enumerate(per_rank)]
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank did not exit within the bound") from None
+        out.append((p.returncode, o, e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    ck = tmp_path_factory.mktemp("ck") / "ck"
+    (code, _, err), _ = launch([[DDP, "--steps", "1", "--save", str(ck), "--save-every", "1"]] * 2)
+    assert code == 0, err
+    return ck
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+@pytest.mark.parametrize("case", ["seed", "resume", "save"])
+def test_ranks_with_different_flags_refuse_to_start(case, tmp_path, request):
+    common = [DDP, "--steps", "2", "--timeout", "60"]
+    if case == "seed":
+        per_rank = [common + ["--seed", "1"], common + ["--seed", "2"]]
+        want = "seed 1 on rank 0, 2 on rank 1"
+    elif case == "resume":
+        ck = request.getfixturevalue("checkpoint")
+        per_rank = [common + ["--resume", str(ck)], common]
+        want = f"--resume {ck.resolve()}/step_00000001 (step 1) on rank 0, none on rank 1"
+    else:
+        per_rank = [common, common + ["--save", str(tmp_path / "ck")]]
+        want = f"--save none on rank 0, {tmp_path / 'ck'} every 100, keep 2 on rank 1"
+    for code, out, err in launch(per_rank):
+        assert code == 1, err
+        assert "ranks disagree before step 1" in err and want in err, err
+        assert "step    0" not in out and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+def test_ranks_with_the_same_meaning_spelled_differently_run_together(tmp_path):
+    """Rank 1's file has comments and no `data corpus` line: once a text hash, now equal."""
+    other = tmp_path / "other.sched"
+    other.write_text("# spelled differently\n" + Path(DDP).read_text().replace(
+        "data corpus\n", "") + "# the end\n")
+    (c0, out, e0), (c1, _, e1) = launch([[DDP, "--steps", "1"], [str(other), "--steps", "1"]])
+    assert c0 == 0 and c1 == 0, e0 + e1
+    assert "step    0" in out
