@@ -124,9 +124,10 @@ def range_error(what: str, v: int, lo: int, hi: int, shown: str | None = None) -
     if lo <= v <= hi:
         return None
     bound = f">= {lo}" if v < lo else f"<= {hi:,}"
-    if shown is None:
-        shown = str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}..."
-    return f"{what} must be {bound}, got {f'{v:,}' if abs(v) < 10**15 else shown}"
+    if shown is None:  # `shown`: the text as written, for numbers too long to format
+        shown = f"{v:,}" if abs(v) < 10**15 else (
+            str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}...")
+    return f"{what} must be {bound}, got {shown}"
 
 
 def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, list]:
