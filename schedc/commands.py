@@ -8,7 +8,7 @@ from pathlib import Path
 
 from schedc.check import fmt_bytes
 from schedc.compiler import Compiled, compile_file
-from schedc.errors import CompileError
+from schedc.errors import CompileError, render_all
 from schedc.resolve import DDPSpec, FSDPSpec, Overrides, describe_params
 from schedc.resources import bundled_schedules
 
@@ -56,8 +56,8 @@ def _check(args) -> int:
             errors.append(e)
             continue
         compiled.append(c)
-        for w in c.warnings:
-            print(w.render(c.source), file=sys.stderr)
+        if c.warnings:  # bounded like errors: the first MAX_SHOWN, then a count
+            print(render_all(list(c.warnings), c.source), file=sys.stderr)
         if args.dump:
             text = DUMPS[args.dump](c, args.rank) if args.dump != "ast" else DUMPS["ast"](c)
             print(text if len(files) == 1 else f"## {f}\n{text}")
