@@ -118,12 +118,13 @@ class Source:
                 size = os.stat(path).st_size
             except OSError:
                 size = 0
-            said = f"{size:,} bytes" if size > MAX_SOURCE_BYTES else "larger than that"
+            limit = f"{MAX_SOURCE_BYTES:,}"
+            said = f"{size:,} bytes" if size > MAX_SOURCE_BYTES else f"over {limit} bytes"
             raise CompileError(
                 [
                     Diagnostic(
                         "file-too-large",
-                        f"file is {said}; a schedule is at most {MAX_SOURCE_BYTES:,}",
+                        f"file is {said}; a schedule is at most {limit}",
                         hint="a .sched file describes one training step in a page of text",
                         path=str(path),
                     )
