@@ -10,7 +10,7 @@ from pathlib import Path
 
 from schedc.check import fmt_bytes
 from schedc.compiler import Compiled, compile_file
-from schedc.errors import CompileError
+from schedc.errors import CompileError, render_all
 from schedc.resolve import DDPSpec, FSDPSpec, Overrides, describe_params
 from schedc.resources import bundled_schedules
 
@@ -97,8 +97,8 @@ def _check(args) -> int:
                 path=flag_place("rank", args.rank),
                 hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
                 f"{c.spec.world - 1}")])
-        for w in c.warnings:
-            print(w.render(c.source), file=sys.stderr)
+        if c.warnings:  # bounded like errors: the first MAX_SHOWN, then a count
+            print(render_all(list(c.warnings), c.source), file=sys.stderr)
         if args.dump:
             text = DUMPS[args.dump](c, args.rank) if args.dump != "ast" else DUMPS["ast"](c)
             print(text if len(files) == 1 else f"## {f}\n{text}")
