@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from schedc.compiler import no_cyclic_gc  # noqa: E402
-from schedc.ir.source import Source  # noqa: E402
 from schedc.lang.diagnostics import Diagnostics  # noqa: E402
 from schedc.lang.parse import parse  # noqa: E402
+from schedc.lang.read import source_from_text
 from schedc.lang.resolve import resolve  # noqa: E402
 from schedc.lang.syntax import to_ast  # noqa: E402
 from schedc.passes.check import check_graphs, check_plans  # noqa: E402
@@ -85,7 +85,7 @@ def compile_timed(text: str, path: str, gc_on: bool = False) -> tuple[dict[str, 
 def _stages(text: str, path: str) -> tuple[dict[str, float], int]:
     t: dict[str, float] = {}
     t0 = time.process_time()
-    source = Source.from_string(text, path)
+    source = source_from_text(text, path)
     ast = to_ast(parse(source), source)
     t1 = time.process_time()
     spec, _warnings = resolve(ast)

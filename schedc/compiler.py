@@ -17,6 +17,7 @@ from schedc.ir.source import Source
 from schedc.ir.spec import Spec
 from schedc.lang.diagnostics import Diagnostic, Diagnostics
 from schedc.lang.parse import parse
+from schedc.lang.read import read_source, source_from_text
 from schedc.lang.resolve import Overrides, resolve
 from schedc.lang.syntax import Schedule, to_ast
 from schedc.passes.check import check_graphs, check_plans
@@ -90,8 +91,8 @@ def no_cyclic_gc():
 
 
 def compile_file(path: str | Path, overrides: Overrides = Overrides()) -> Compiled:
-    return compile_source(Source.read(path), overrides)
+    return compile_source(read_source(path), overrides)
 
 
 def compile_text(text: str, path: str = "<input>", overrides: Overrides = Overrides()) -> Compiled:
-    return compile_source(Source.from_string(text, path), overrides)
+    return compile_source(source_from_text(text, path), overrides)

@@ -85,7 +85,7 @@ def test_the_op_table_parses():
 
 # -- docs/diagnostics.md --------------------------------------------------------------------------
 
-STAGES = {"ir/source.py": "read", "lang/parse.py": "parse", "lang/resolve.py": "resolve",
+STAGES = {"lang/read.py": "read", "lang/parse.py": "parse", "lang/resolve.py": "resolve",
           "passes/check.py": "check", "passes/agree.py": "compare"}
 BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.goldens import REPO
 
-LAYERS = ["cli", "exec", "viz", "compiler", "passes", "lang", "ir", "model"]
+LAYERS = ["cli", "exec", "viz", "compiler", "passes", "lang", "ir", "model", "files"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from schedc.cli.common import add_override_args, overrides
 from schedc.compiler import Compiled, compile_file
 from schedc.ir.plan import Action
 from schedc.ir.spec import Strategy
-from schedc.lang.diagnostics import CompileError, UserError
+from schedc.lang.diagnostics import CompileError, UserError, render_all
 from schedc.lang.params import describe_params
 from schedc.lang.resources import bundled_schedules
 from schedc.passes.memory import fmt_bytes
@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
                 path=flag_place("rank", args.rank),
                 hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
                 f"{c.spec.world - 1}")])
-        for w in c.warnings:
-            print(w.render(c.source), file=sys.stderr)
+        if c.warnings:  # bounded like errors: the first MAX_SHOWN, then a count
+            print(render_all(list(c.warnings), c.source), file=sys.stderr)
         if args.dump:
             text = c.dump(args.dump, args.rank)
             print(text if len(files) == 1 else f"## {f}\n{text}")

@@ -31,8 +31,8 @@ def _color(stream) -> bool:
 
 def _report(e: CompileError) -> int:
     print(e.render(color=_color(sys.stderr)), file=sys.stderr)
-    n = sum(1 for d in e.diagnostics if d.is_error)
-    print(f"{n} error{'s' if n != 1 else ''}", file=sys.stderr)
+    n = e.error_count  # with those past the kept ones, which were only counted
+    print(f"{n:,} error{'s' if n != 1 else ''}", file=sys.stderr)
     return EXIT_USER
 
 

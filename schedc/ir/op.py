@@ -112,7 +112,7 @@ class Op(NamedTuple):
 
 _OP_RE = re.compile(
     r"(?P<kind>[A-Za-z_][A-Za-z0-9_.]*)\[(?P<target>[^\]\s]*)\]"
-    r"(?:@mb(?P<mb>\d+))?(?::(?P<phase>[A-Za-z]+))?"
+    r"(?:@mb(?P<mb>[0-9]+))?(?::(?P<phase>[A-Za-z]+))?"
 )
 
 STEP = Op(Kind.STEP)

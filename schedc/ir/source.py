@@ -1,4 +1,4 @@
-"""Source text and the spans that point into it.
+"""Source text and the spans that point into it (lang/read.py makes Sources from files).
 
 Every diagnostic carries a Span, so the first thing the compiler does is hold the text in
 a form that can answer "what is on line 12" and "where is byte 340".
@@ -9,9 +9,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
-
-MAX_SOURCE_BYTES = 1 << 20  # a schedule is a page of text; anything larger is a mistake
 
 
 @dataclass(frozen=True, order=True)
@@ -39,88 +36,11 @@ class Source:
     _line_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        starts = [0]
-        for i, ch in enumerate(self.text):
-            if ch == "\n":
-                starts.append(i + 1)
+        starts, text, i = [0], self.text, self.text.find("\n")
+        while i >= 0:
+            starts.append(i + 1)
+            i = text.find("\n", i + 1)
         object.__setattr__(self, "_line_starts", tuple(starts))
-
-    @classmethod
-    def read(cls, path: str | Path) -> Source:
-        """Read a file; raises CompileError for unreadable, binary or oversized input."""
-        from schedc.lang.diagnostics import CompileError, Diagnostic
-
-        p = Path(path)
-        try:
-            size = p.stat().st_size
-            if size > MAX_SOURCE_BYTES:
-                raise CompileError(
-                    [
-                        Diagnostic(
-                            "file-too-large",
-                            f"file is {size:,} bytes; a schedule is at most {MAX_SOURCE_BYTES:,}",
-                            hint="a .sched file describes one training step in a page of text",
-                            path=str(path),
-                        )
-                    ]
-                )
-            data = p.read_bytes()
-        except OSError as e:
-            raise CompileError(
-                [Diagnostic("io", f"cannot read file: {e.strerror or e}", path=str(path))]
-            ) from None
-        return cls.from_bytes(data, str(path))
-
-    @classmethod
-    def from_bytes(cls, data: bytes, path: str = "<input>") -> Source:
-        from schedc.lang.diagnostics import CompileError, Diagnostic
-
-        if len(data) > MAX_SOURCE_BYTES:
-            raise CompileError(
-                [
-                    Diagnostic(
-                        "file-too-large",
-                        f"input is {len(data):,} bytes; a schedule is at most {MAX_SOURCE_BYTES:,}",
-                        path=path,
-                    )
-                ]
-            )
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            src = cls(path, data[: e.start].decode("utf-8", errors="replace"))
-            raise CompileError(
-                [
-                    Diagnostic(
-                        "encoding",
-                        f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8 text",
-                        span=src.span_at(e.start),
-                        hint="a .sched file is UTF-8 text; is this a binary file?",
-                        path=path,
-                    )
-                ],
-                src,
-            ) from None
-        nul = text.find("\x00")
-        if nul >= 0:
-            src = cls(path, text)
-            raise CompileError(
-                [
-                    Diagnostic(
-                        "encoding",
-                        "NUL byte in source",
-                        span=src.span_at(nul),
-                        hint="a .sched file is UTF-8 text; is this a binary file?",
-                        path=path,
-                    )
-                ],
-                src,
-            ) from None
-        return cls(path, text)
-
-    @classmethod
-    def from_string(cls, text: str, path: str = "<input>") -> Source:
-        return cls.from_bytes(text.encode("utf-8"), path)
 
     # -- positions -----------------------------------------------------------------------
 
@@ -129,8 +49,19 @@ class Source:
         return self.text.split("\n")
 
     def line_text(self, line: int) -> str:
-        lines = self.lines
-        return lines[line - 1] if 1 <= line <= len(lines) else ""
+        start, end = self.line_bounds(line)
+        return self.text[start:end]
+
+    def line_bounds(self, line: int) -> tuple[int, int]:
+        """Offsets [start, end) of line `line` without its newline ((0, 0) past the end).
+
+        An excerpt slices just the columns it shows from these, so a diagnostic on a line a
+        megabyte long copies a hundred characters of it, not the line."""
+        starts = self._line_starts
+        if not 1 <= line <= len(starts):
+            return 0, 0
+        end = starts[line] - 1 if line < len(starts) else len(self.text)
+        return starts[line - 1], end
 
     def line_col(self, pos: int) -> tuple[int, int]:
         """1-based (line, column) of byte offset `pos` (offsets are str indexes)."""

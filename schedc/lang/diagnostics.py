@@ -8,16 +8,30 @@
 Every user error is a Diagnostic with a code from CODES. Stages collect all they find and
 raise one CompileError; the CLI prints them sorted by position and exits 1. Anything else
 that escapes is an internal error (exit 2, with traceback).
+
+A file under the size limit can still hold the same mistake a hundred thousand times, on
+one line a megabyte long, so every part of a report is bounded: a stage keeps the first
+MAX_KEPT errors (and warnings) it finds and only counts the rest; a report prints the
+first MAX_SHOWN by position, then "... and N more errors"; an excerpt shows at most
+EXCERPT_COLUMNS columns of its line around the caret; a message is cut at MAX_MESSAGE
+characters. A diagnostic holds a Span (offsets), never a copy of its line, and nothing is
+rendered until it is printed.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from schedc.ir.source import Source, Span
+
+MAX_KEPT = 1000  # diagnostics of each severity a stage keeps; the rest are counted
+MAX_SHOWN = 50  # diagnostics a report prints, the first by position
+EXCERPT_COLUMNS = 160  # columns of a source line an excerpt shows; longer ones are cut
+MAX_MESSAGE = 400  # characters of a message, hint or note (a name can be a megabyte long)
 
 
 class Severity(str, Enum):
@@ -30,8 +44,8 @@ class Severity(str, Enum):
 # this table, and tests/lang/test_diagnostics.py holds at least one failing case for each code.
 CODES: dict[str, str] = {
     # input
-    "io": "the file cannot be read",
-    "file-too-large": "the file is larger than a schedule can be (1 MiB)",
+    "io": "the file cannot be read, or is no regular file (a directory, FIFO, device)",
+    "file-too-large": "the file is larger than a schedule can be (1 MiB, 50,000 tokens)",
     "encoding": "the file is not UTF-8 text",
     "syntax": "the text does not follow the grammar",
     "unclosed": "a '{' block is never closed",
@@ -112,17 +126,17 @@ class Diagnostic:
         path = self.path or (source.path if source else "<input>")
         where = f"{path}:{self.span.line}:{self.span.col}" if self.span else path
         sev = _paint(self.severity.value, _SEV_COLOR[self.severity], color)
-        out = [f"{where}: {sev}: {self.message}  [{self.code}]"]
+        out = [f"{where}: {sev}: {_clip(self.message)}  [{self.code}]"]
         if self.span and source is not None and source.path == path:
             out += _excerpt(source, self.span)
         for note in self.notes:
             npath = note.path or path
             nwhere = f"{npath}:{note.span.line}:{note.span.col}" if note.span else npath
-            out.append(f"{nwhere}: note: {note.message}")
+            out.append(f"{nwhere}: note: {_clip(note.message)}")
             if note.span and source is not None and source.path == npath:
                 out += _excerpt(source, note.span)
         if self.hint:
-            out.append(f"  hint: {self.hint}")
+            out.append(f"  hint: {_clip(self.hint)}")
         return "\n".join(out)
 
 
@@ -133,18 +147,56 @@ def _paint(text: str, code: str, color: bool) -> str:
     return f"\x1b[1;{code}m{text}\x1b[0m" if color else text
 
 
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE else f"{text[: MAX_MESSAGE - 3]}..."
+
+
+# What an excerpt prints for characters that would not show as one column of text: a tab is
+# a space; control characters (a terminal would obey an escape sequence), line and paragraph
+# separators and bidirectional overrides (which reorder what the reader sees) are U+FFFD.
+_SHOWN = {9: " "} | {c: "\ufffd" for c in [*range(32), *range(0x7F, 0xA0), 0x2028, 0x2029,
+                                          *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+                    if c != 9}
+
+
 def _excerpt(source: Source, span: Span) -> list[str]:
-    """The numbered source line and a caret underline of the span (first line only)."""
-    text = source.line_text(span.line).replace("\t", " ")
-    gutter = str(span.line)
-    end = span.end_col if span.end_line == span.line else len(text) + 1
-    width = max(1, end - span.col)
+    """The numbered source line and a caret underline of the span (first line only).
+
+    A line longer than EXCERPT_COLUMNS shows a window of that many columns, the span's start
+    a third of the way in, with "..." where the line goes on; only the window is copied.
+    """
+    lo, hi = source.line_bounds(span.line)
+    n, c0 = hi - lo, span.col - 1  # line length; 0-based column where the span starts
+    end = span.end_col - 1 if span.end_line == span.line else n
+    a, b = 0, n  # the columns shown
+    if n > EXCERPT_COLUMNS:
+        a = max(0, min(c0 - EXCERPT_COLUMNS // 3, n - EXCERPT_COLUMNS))
+        b = a + EXCERPT_COLUMNS
+    left, right = ("..." if a > 0 else ""), ("..." if b < n else "")
+    text = source.text[lo + a : lo + b].translate(_SHOWN)
+    width = max(1, min(end, b if right else end) - c0)
     underline = "^" + "~" * (width - 1)
+    gutter = str(span.line)
     pad = " " * len(gutter)
     return [
-        f"  {gutter} | {text}",
-        f"  {pad} | {' ' * (span.col - 1)}{underline}",
+        f"  {gutter} | {left}{text}{right}",
+        f"  {pad} | {' ' * (len(left) + c0 - a)}{underline}",
     ]
+
+
+def render_all(diagnostics: list[Diagnostic], source: Source | None = None, *,
+               color: bool = False, unkept_errors: int = 0, unkept_warnings: int = 0,
+               limit: int = MAX_SHOWN) -> str:
+    """The first `limit` diagnostics, rendered, then a line counting the rest (with those a
+    stage counted without keeping)."""
+    out = [d.render(source, color=color) for d in diagnostics[:limit]]
+    rest = diagnostics[limit:]
+    more = len(rest) + unkept_errors + unkept_warnings
+    if more:
+        errors = not unkept_warnings and all(d.is_error for d in rest)
+        what = ("error" if errors else "diagnostic") + ("s" if more != 1 else "")
+        out.append(f"... and {more:,} more {what} (the first {limit} by position are shown)")
+    return "\n".join(out)
 
 
 class UserError(Exception):
@@ -152,23 +204,38 @@ class UserError(Exception):
 
 
 class CompileError(Exception):
-    """One or more user errors; `diagnostics` holds them all, sorted by position."""
+    """One or more user errors; `diagnostics` holds them all, sorted by position.
 
-    def __init__(self, diagnostics: Iterable[Diagnostic], source: Source | None = None):
+    `unkept_errors` and `unkept_warnings` count those a stage found past MAX_KEPT and did
+    not keep. The message is rendered when asked for (str, render), not when raised.
+    """
+
+    def __init__(self, diagnostics: Iterable[Diagnostic], source: Source | None = None, *,
+                 unkept_errors: int = 0, unkept_warnings: int = 0):
         self.source = source
         path = source.path if source else None
         self.diagnostics = sorted(
             (d if d.path or not path else _with_path(d, path) for d in diagnostics),
             key=Diagnostic.sort_key,
         )
-        super().__init__(self.render())
+        self.unkept_errors, self.unkept_warnings = unkept_errors, unkept_warnings
+        super().__init__()
+
+    def __str__(self) -> str:
+        return self.render()
 
     @property
     def codes(self) -> list[str]:
         return [d.code for d in self.diagnostics]
 
+    @property
+    def error_count(self) -> int:
+        """Every error found, kept or only counted."""
+        return sum(1 for d in self.diagnostics if d.is_error) + self.unkept_errors
+
     def render(self, color: bool = False) -> str:
-        return "\n".join(d.render(self.source, color=color) for d in self.diagnostics)
+        return render_all(self.diagnostics, self.source, color=color,
+                          unkept_errors=self.unkept_errors, unkept_warnings=self.unkept_warnings)
 
 
 def _with_path(d: Diagnostic, path: str) -> Diagnostic:
@@ -179,21 +246,43 @@ def _with_path(d: Diagnostic, path: str) -> Diagnostic:
 
 @dataclass
 class Diagnostics:
-    """Collects the diagnostics of one stage; `raise_if_any` ends the stage if any is an error."""
+    """Collects the diagnostics of one stage; `raise_if_any` ends the stage if any is an error.
+
+    It keeps the first MAX_KEPT errors and the first MAX_KEPT warnings and counts the rest,
+    so a mistake repeated a hundred thousand times costs a counter, not a list.
+    """
 
     source: Source | None = None
     items: list[Diagnostic] = field(default_factory=list)
+    unkept_errors: int = 0
+    unkept_warnings: int = 0
+    _kept: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0}, repr=False)
 
     def error(self, code: str, message: str, span: Span | None = None, hint: str | None = None,
               notes: tuple[Note, ...] = ()) -> None:
-        self.items.append(Diagnostic(code, message, span, hint, Severity.ERROR, notes=notes))
+        self._add(Diagnostic(code, message, span, hint, Severity.ERROR, notes=notes))
 
     def warning(self, code: str, message: str, span: Span | None = None,
                 hint: str | None = None) -> None:
-        self.items.append(Diagnostic(code, message, span, hint, Severity.WARNING))
+        self._add(Diagnostic(code, message, span, hint, Severity.WARNING))
 
     def extend(self, items: Iterable[Diagnostic]) -> None:
-        self.items.extend(items)
+        for d in items:
+            self._add(d)
+
+    def _add(self, d: Diagnostic) -> None:
+        if self._kept[d.is_error] < MAX_KEPT:
+            self._kept[d.is_error] += 1
+            self.items.append(d)
+        elif d.is_error:
+            self.unkept_errors += 1
+        else:
+            self.unkept_warnings += 1
+
+    @property
+    def full(self) -> bool:
+        """Whether a further error would only be counted (so its hint need not be worked out)."""
+        return self._kept[True] >= MAX_KEPT
 
     @property
     def errors(self) -> list[Diagnostic]:
@@ -205,12 +294,17 @@ class Diagnostics:
 
     def raise_if_any(self) -> None:
         if self.errors:
-            raise CompileError(self.items, self.source)
+            raise CompileError(self.items, self.source, unkept_errors=self.unkept_errors,
+                               unkept_warnings=self.unkept_warnings)
 
 
 def did_you_mean(word: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:
     """'did you mean X?' for the closest candidate, or None."""
-    cands = sorted(set(candidates))
+    return _closest(word, tuple(sorted(set(candidates))), cutoff)
+
+
+@functools.lru_cache(maxsize=256)  # a mistake repeated 50,000 times is looked up once
+def _closest(word: str, cands: tuple[str, ...], cutoff: float) -> str | None:
     best = difflib.get_close_matches(word, cands, n=1, cutoff=cutoff)
     if not best:
         low = {c.lower(): c for c in cands}

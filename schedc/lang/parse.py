@@ -6,6 +6,7 @@ it is built once per process.
 
 from __future__ import annotations
 
+import unicodedata
 from functools import lru_cache
 
 from lark import Lark, Token, Tree
@@ -14,6 +15,29 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from schedc.ir.source import Source, Span
 from schedc.lang.diagnostics import CompileError, Diagnostic, did_you_mean
 from schedc.lang.resources import grammar_path
+
+# A schedule is a page of text: the bundled ones hold under 200 tokens, and a program written
+# out for a hundred micro-steps a few thousand. The limit bounds the parse tree a file under
+# MAX_SOURCE_BYTES can make: a megabyte of `x, ` is 350,000 names, whose tree, AST and
+# diagnostics took 8 s and 600 MB before anything could say they were all the same mistake.
+MAX_TOKENS = 50_000
+
+
+class _TooManyTokens(Exception):
+    def __init__(self, token: Token):
+        self.token = token
+
+
+class _TokenLimit:
+    """A Lark post-lexer that passes tokens through and stops the parse past MAX_TOKENS."""
+
+    always_accept = ()
+
+    def process(self, stream):
+        for n, tok in enumerate(stream, 1):
+            if n > MAX_TOKENS:
+                raise _TooManyTokens(tok)
+            yield tok
 
 
 @lru_cache(maxsize=1)
@@ -24,15 +48,25 @@ def parser() -> Lark:
         lexer="contextual",
         propagate_positions=True,
         maybe_placeholders=False,
+        postlex=_TokenLimit(),
     )
 
 
 def parse(source: Source) -> Tree:
-    """Parse a whole file; raises CompileError with one [syntax]/[unclosed] diagnostic."""
+    """Parse a whole file; raises CompileError with one [syntax]/[unclosed]/[file-too-large]
+    diagnostic."""
     try:
         return parser().parse(source.text)
     except UnexpectedInput as e:
         raise CompileError([_diagnose(e, source)], source) from None
+    except _TooManyTokens as e:
+        raise CompileError([Diagnostic(
+            "file-too-large",
+            f"the schedule has more than {MAX_TOKENS:,} tokens (names, numbers, ops, signs); "
+            "this is the first past the limit",
+            span=_token_span(e.token, source),
+            hint="a .sched file describes one training step in a page of text",
+        )], source) from None
 
 
 # -- error mapping ----------------------------------------------------------------------------
@@ -116,7 +150,7 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
             hint = did_you_mean(str(tok.value), keywords)
         if hint is None:
             hint = f"expected {_expected_list(expected)}"
-        what = "end of file" if tok.type == "$END" else f"'{tok.value}'"
+        what = "end of file" if tok.type == "$END" else f"'{_clip(tok.value)}'"
         return Diagnostic("syntax", f"unexpected {what}", span=span, hint=hint)
     if isinstance(e, UnexpectedCharacters):
         pos = e.pos_in_stream
@@ -127,10 +161,20 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
         hint = did_you_mean(word, keywords) if word else None
         if hint is None and allowed:
             hint = f"expected {_expected_list(allowed)}"
-        shown = word if word else repr(ch)[1:-1]
         span = source.span(pos, pos + max(1, len(word)))
+        if ch.isdecimal() and not ch.isascii():  # '２', '٣': a digit, but not one of 0-9
+            name = unicodedata.name(ch, f"U+{ord(ch):04X}").lower()
+            return Diagnostic("syntax", f"'{ch}' ({name}) is not a digit schedc reads",
+                              span=source.span(pos, pos + 1),
+                              hint="write numbers with the ASCII digits 0-9")
+        shown = _clip(word) if word else repr(ch)[1:-1]
         return Diagnostic("syntax", f"unexpected '{shown}'", span=span, hint=hint)
     return Diagnostic("syntax", str(e).splitlines()[0], span=source.span_at(0))
+
+
+def _clip(word: str) -> str:
+    """A word as a message quotes it: a name can be a megabyte long."""
+    return word if len(word) <= 60 else f"{word[:40]}...({len(word):,} characters)"
 
 
 def _token_span(tok: Token, source: Source) -> Span:

@@ -534,7 +534,7 @@ class _Resolver:
         names = list(cfg.layers) + ([p.name for p in cfg.params] if params else [])
         what = "layer or parameter" if params else "layer"
         self.err("unknown-name", f"unknown {what} '{text}'", n.span,
-                 hint=did_you_mean(text, names)
+                 hint=(None if self.diag.full else did_you_mean(text, names))  # full: unkept
                  or f"layers are embed, h.0 .. h.{cfg.n_layer - 1}, head")
 
     def groups(self, decls, cfg: GPTConfig, what: str) -> tuple[list, list]:
@@ -784,7 +784,8 @@ class _Resolver:
             return None
         if op.target not in targets:
             self.err("unknown-name", f"unknown {what} '{op.target}' in {op}", span,
-                     hint=did_you_mean(op.target, targets) or f"{what}s: {', '.join(targets)}")
+                     hint=(None if self.diag.full else did_you_mean(op.target, targets))
+                     or f"{what}s: {', '.join(targets)}")
             return None
         if accum is not None and op.mb >= accum:
             self.err("value-range", f"{op} names micro-step {op.mb}, but this schedule has "

@@ -20,6 +20,7 @@ import functools
 import gzip
 import hashlib
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
+from schedc.files import NotRegularFile, file_kind, read_limited
 from schedc.model.arch import GPT2_VOCAB
 from schedc.model.batching import sequence_ids
 from schedc.model.config import TOKEN_SUFFIXES, DataConfig
@@ -43,6 +45,11 @@ GPT2_PATTERN = (
 _BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # llm.c's token files: 256 int32 header (magic, version, token count, ...), then uint16 ids.
 _LLMC_MAGIC, _LLMC_HEADER_BYTES = 20240520, 1024
+
+# A text source is read whole and tokenized in memory (the ids as Python ints on the way:
+# about 36 bytes per token, 9 bytes per byte of text), so its size is bounded; a token file
+# is memory-mapped and has no limit.
+MAX_TEXT_BYTES = 64 << 20
 
 CORPUS = "corpus"
 KINDS = ("auto", "text", "tokens")
@@ -108,24 +115,36 @@ def load_tokens(source: str | os.PathLike[str] = CORPUS, kind: str = "auto") -> 
 def _file_size(path: Path) -> int:
     """Size in bytes of a readable, non-empty regular file, else a DataError."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror})") from None
-    if not path.is_file():
-        raise DataError(f"{path}: not a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path}: it is {file_kind(st.st_mode)}, not a regular file")
+    size = st.st_size
     if size == 0:
         raise DataError(f"{path}: the file is empty")
     return size
 
 
 def _read_text(path: Path) -> np.ndarray:
+    # Read through read_limited, not read_bytes: a FIFO or a device is refused before a byte
+    # is read (/dev/zero has st_size 0 and would fill memory), and the limit holds on the
+    # bytes actually read.
     _file_size(path)
     try:
-        data = path.read_bytes()
+        data = read_limited(path, MAX_TEXT_BYTES)
+    except NotRegularFile as e:
+        raise DataError(f"{path}: {e.strerror}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_TEXT_BYTES:
+        raise DataError(
+            f"{path}: a text file is tokenized in memory, so it may be at most "
+            f"{MAX_TEXT_BYTES >> 20} MiB; for a larger corpus write its GPT-2 ids to a .bin "
+            "file of uint16 (memory-mapped, any size)"
+        )
     hint = "; token files need a .bin or .npy suffix, or kind='tokens'"
     if b"\0" in data:  # valid UTF-8, but no text file holds NUL bytes: a binary file
         raise DataError(f"{path}: looks like a binary file (it holds NUL bytes), not text{hint}")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from schedc.compiler import compile_text
-from schedc.ir.source import MAX_SOURCE_BYTES, Source
+from schedc.ir.source import Source
 from schedc.lang.diagnostics import CODES, CompileError, Diagnostic, Severity
+from schedc.lang.read import MAX_SOURCE_BYTES, read_source, source_from_bytes
 from schedc.passes.agree import compare
 
 # -- schedules the cases edit -------------------------------------------------------------------
@@ -378,7 +379,7 @@ def test_warning(snippet, code, message, underlined, hint):
 
 def test_io(tmp_path):
     with pytest.raises(CompileError) as info:
-        Source.read(tmp_path / "missing.sched")
+        read_source(tmp_path / "missing.sched")
     [d] = info.value.diagnostics
     assert d.code == "io" and "cannot read file: No such file or directory" in d.message
     assert d.path == str(tmp_path / "missing.sched") and d.span is None
@@ -389,7 +390,7 @@ def test_file_too_large(tmp_path):
     big = tmp_path / "big.sched"
     big.write_text("# padding\n" * (MAX_SOURCE_BYTES // 10 + 1))
     with pytest.raises(CompileError) as info:
-        Source.read(big)
+        read_source(big)
     [d] = info.value.diagnostics
     assert d.code == "file-too-large"
     assert f"file is {big.stat().st_size:,} bytes; a schedule is at most 1,048,576" in d.message
@@ -402,7 +403,7 @@ def test_file_too_large(tmp_path):
 ], ids=["not-utf8", "nul"])
 def test_encoding(data, message, col):
     with pytest.raises(CompileError) as info:
-        Source.from_bytes(data, "t.sched")
+        source_from_bytes(data, "t.sched")
     [d] = info.value.diagnostics
     assert d.code == "encoding" and d.message == message
     assert (d.span.line, d.span.col) == (1 if col == 11 else 2, col)

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schedc.compiler import compile_source, compile_text
-from schedc.ir.source import Source
 from schedc.lang.diagnostics import CODES, CompileError
 from schedc.lang.parse import parser
+from schedc.lang.read import read_source, source_from_bytes
 from schedc.lang.resources import bundled_schedules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_a_number_of_thousands_of_digits_is_out_of_range():
 def test_binary_bytes_are_an_encoding_error():
     for data in (b"\x89PNG\r\n\x1a\n\x00\x00", bytes(range(256)), b"model nano\xc3"):
         with pytest.raises(CompileError) as info:
-            compile_source(Source.from_bytes(data, "bin.sched"))
+            compile_source(source_from_bytes(data, "bin.sched"))
         assert info.value.codes == ["encoding"]
 
 
@@ -125,7 +125,7 @@ def test_a_10_mb_file_is_refused_before_it_is_read(tmp_path):
         f.truncate(10 * 1024 * 1024)  # sparse: nothing to read, and reading is not attempted
     start = time.perf_counter()
     with pytest.raises(CompileError) as info:
-        Source.read(big)
+        read_source(big)
     assert info.value.codes == ["file-too-large"]
     assert "10,485,760 bytes" in info.value.diagnostics[0].message
     assert time.perf_counter() - start < LIMIT_S  # refused by size, not after reading 10 MB
@@ -133,7 +133,7 @@ def test_a_10_mb_file_is_refused_before_it_is_read(tmp_path):
 
 def test_a_directory_is_an_io_error(tmp_path):
     with pytest.raises(CompileError) as info:
-        Source.read(tmp_path)
+        read_source(tmp_path)
     assert info.value.codes == ["io"]
 
 
@@ -165,7 +165,7 @@ def test_random_text(text):
 @given(st.binary(max_size=200))
 def test_random_bytes(data):
     try:
-        source = Source.from_bytes(data, "fuzz.sched")
+        source = source_from_bytes(data, "fuzz.sched")
     except CompileError as e:
         assert e.codes == ["encoding"]
         return
