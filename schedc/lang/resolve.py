@@ -35,7 +35,7 @@ from schedc.lang.syntax import (
     DDP,
     FSDP,
     Batch,
-    Bucket,
+    BucketDecl,
     BucketCap,
     Data,
     Field,
@@ -53,7 +53,7 @@ from schedc.lang.syntax import (
     Size,
     StreamDecl,
     Toggle,
-    Unit,
+    UnitDecl,
 )
 from schedc.model.arch import SIZES, GPTConfig
 from schedc.model.config import DataConfig, OptimConfig
@@ -587,7 +587,7 @@ class _Resolver:
     # -- DDP --------------------------------------------------------------------------------------
 
     def ddp(self, block: DDP, cfg: GPTConfig) -> DDPSpec:
-        buckets = [s for s in block.stmts if isinstance(s, Bucket)]
+        buckets = [s for s in block.stmts if isinstance(s, BucketDecl)]
         caps = [s for s in block.stmts if isinstance(s, BucketCap)]
         toggles = self.toggles(block.stmts, {"overlap", "no_sync"}, "ddp")
         head_span = self.src.span(block.span.start, block.span.start + 3)
@@ -656,7 +656,7 @@ class _Resolver:
     # -- FSDP -------------------------------------------------------------------------------------
 
     def fsdp(self, block: FSDP, cfg: GPTConfig) -> FSDPSpec:
-        units = [s for s in block.stmts if isinstance(s, Unit)]
+        units = [s for s in block.stmts if isinstance(s, UnitDecl)]
         toggles = self.toggles(block.stmts, {"reshard_after_forward", "no_sync"}, "fsdp")
         head_span = self.src.span(block.span.start, block.span.start + 4)
         depth = {"forward": 1, "backward": 1}

@@ -130,7 +130,7 @@ class Ref:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class BucketDecl:
     name: Name
     refs: tuple[Ref, ...]
     span: Span
@@ -153,7 +153,7 @@ class Toggle:
 
 
 @dataclass(frozen=True)
-class Unit:
+class UnitDecl:
     name: Name
     refs: tuple[Ref, ...]
     keep: bool
@@ -169,13 +169,13 @@ class Prefetch:
 
 @dataclass(frozen=True)
 class DDP:
-    stmts: tuple[Bucket | BucketCap | Toggle, ...]
+    stmts: tuple[BucketDecl | BucketCap | Toggle, ...]
     span: Span
 
 
 @dataclass(frozen=True)
 class FSDP:
-    stmts: tuple[Unit | Prefetch | Toggle, ...]
+    stmts: tuple[UnitDecl | Prefetch | Toggle, ...]
     span: Span
 
 
@@ -195,7 +195,7 @@ class OpText:
 
 
 @dataclass(frozen=True)
-class Instr:
+class ProgramLine:
     op: OpText
     after: tuple[OpText, ...]
     span: Span
@@ -207,7 +207,7 @@ class Program:
 
     stream: Name
     rank: Num | None
-    instrs: tuple[Instr, ...]
+    instrs: tuple[ProgramLine, ...]
     span: Span
 
 
@@ -341,7 +341,7 @@ class _ToAST(Transformer):
         return tuple(c)
 
     def bucket(self, meta, c):
-        return Bucket(c[0], c[1], self._span(meta))
+        return BucketDecl(c[0], c[1], self._span(meta))
 
     def bucket_cap(self, meta, c):
         return BucketCap(c[0], c[1] if len(c) > 1 else None, self._span(meta))
@@ -366,7 +366,7 @@ class _ToAST(Transformer):
         return True
 
     def unit(self, meta, c):
-        return Unit(c[0], c[1], len(c) > 2, self._span(meta))
+        return UnitDecl(c[0], c[1], len(c) > 2, self._span(meta))
 
     def forward(self, meta, c):
         return "forward"
@@ -391,9 +391,9 @@ class _ToAST(Transformer):
         return tuple(c)
 
     def instr(self, meta, c):
-        return Instr(c[0], c[1] if len(c) > 1 else (), self._span(meta))
+        return ProgramLine(c[0], c[1] if len(c) > 1 else (), self._span(meta))
 
     def program(self, meta, c):
         rank = next((x for x in c[1:] if isinstance(x, Num)), None)
-        instrs = tuple(x for x in c[1:] if isinstance(x, Instr))
+        instrs = tuple(x for x in c[1:] if isinstance(x, ProgramLine))
         return Program(c[0], rank, instrs, self._span(meta))
