@@ -54,6 +54,18 @@ def test_a_legal_schedule_exits_0_with_a_summary(capsys):
     ]
 
 
+@pytest.mark.parametrize("file,dtypes", [
+    (FSDP, "compute bf16, gather bf16, reduce fp32"),
+    (TINY, "compute bf16, reduce fp32"),  # DDP gathers nothing
+    ("schedules/tiny_1gpu.sched", "compute bf16"),  # one process reduces nothing
+])
+def test_the_summary_claims_only_the_dtypes_a_strategy_uses(capsys, file, dtypes):
+    code, out, _ = check(capsys, file, "--precision", "bf16", "--compile", "on")
+    assert code == 0
+    assert f"  numerics  {dtypes}; master weights and AdamW fp32; tf32 auto (on CUDA), " \
+           "compile on\n" in out
+
+
 def test_no_files_checks_every_bundled_schedule(capsys):
     code, out, _ = check(capsys)
     assert code == 0
