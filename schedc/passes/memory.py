@@ -20,7 +20,9 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
     all-gather      gather not fp32: the shard cast to the gather dtype, S x g (FSDP2's
                     copy-in of `_sharded_param_data` into a param_dtype buffer)
     reduce-scatter  reduce != gather: the unsharded gradient cast to the reduce dtype,
-                    P x r (FSDP2's `reduce_scatter_input`, allocated in reduce_dtype);
+                    P x r (FSDP2's `reduce_scatter_input`, allocated in reduce_dtype; FSDP2
+                    copies into it even when the dtypes agree, schedc's flat gradient
+                    already is that buffer then);
                     the output, S x r, unless it is the unit's first of the step and the
                     reduce dtype is fp32 (then it lands in the new fp32 gradient shard);
                     after any other first one, the output is cast back into the new fp32
