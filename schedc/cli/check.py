@@ -69,9 +69,15 @@ def run(args: argparse.Namespace) -> int:
         if not result.agree:
             raise CompileError(result.diagnostics, b.source)
         w = a.spec.loss_weight()
-        print(f"agree: same model, same {a.spec.seqs:,} sequences each read once, every token "
-              f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
-              "same optimizer: the same update")
+        same = (f"same model, same {a.spec.seqs:,} sequences each read once, every token "
+                f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
+                "same optimizer")
+        if result.numerics:  # the batch agrees; the rounding does not (passes/agree.py)
+            print(f"agree on the batch: {same}: the same update in exact arithmetic; "
+                  f"numerics differ: {', '.join(result.numerics)} "
+                  f"({a.source.path} vs {b.source.path}), so the updates differ by rounding")
+        else:
+            print(f"agree: {same}, same numerics: the same update")
     if errors:
         for e in errors[:-1]:
             print(e.render(), file=sys.stderr)
@@ -115,6 +121,7 @@ def summary(c: Compiled) -> str:
         lines.append("  strategy  one process: gradients added across micro-steps")
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
     lines.append(f"  streams   {comm} ops; {len(plan.producers)} events")
+    lines.append(f"  numerics  {s.numerics.describe(s.kind)}")
     m = c.memory
     mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.rows() if v)
     budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""

@@ -32,8 +32,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cost model (predicted timelines; flags > --cost file > defaults)")
     g.add_argument("--cost", metavar="PARAMS.json", help="parameters as `schedc calibrate -o` "
                    "writes them")
-    g.add_argument("--flops", metavar="RATE", help=f"compute throughput, FLOP/s: 300T, 3e14 "
-                   f"(default {d.flops:.3g})")
+    g.add_argument("--flops", metavar="RATE", help=f"compute throughput in the schedule's "
+                   f"compute dtype, FLOP/s: 300T, 3e14 (default bf16 {d.flops_bf16:.3g}, fp32 "
+                   f"on TF32 {d.flops_tf32:.3g}, fp32 with tf32 off {d.flops_fp32:.3g})")
     g.add_argument("--bandwidth", metavar="RATE", help=f"bus bandwidth per GPU, B/s: 100G "
                    f"(default {d.bandwidth:.3g})")
     g.add_argument("--latency", metavar="TIME", help=f"fixed cost per collective: 10us "

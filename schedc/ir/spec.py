@@ -81,11 +81,46 @@ class Numerics:
     tf32: bool | None = None
     compile: bool = False
 
-    def describe(self) -> str:
+    def describe(self, kind: Strategy = Strategy.FSDP) -> str:
+        """The policy in words; a dtype the strategy does not use is not claimed (DDP gathers
+        nothing, one process reduces nothing)."""
         tf32 = "auto (on CUDA)" if self.tf32 is None else ("on" if self.tf32 else "off")
-        return (f"compute {self.compute}, gather {self.gather}, reduce {self.reduce}; "
-                f"master weights and AdamW fp32; tf32 {tf32}, compile "
+        dtypes = [f"compute {self.compute}"]
+        if kind is Strategy.FSDP:
+            dtypes.append(f"gather {self.gather}")
+        if kind is not Strategy.SINGLE:
+            dtypes.append(f"reduce {self.reduce}")
+        return (f"{', '.join(dtypes)}; master weights and AdamW fp32; tf32 {tf32}, compile "
                 f"{'on' if self.compile else 'off'}")
+
+    def effective(self, kind: Strategy) -> Numerics:
+        """The arithmetic a step really does under a strategy, for comparing two schedules.
+
+        Without FSDP the layers compute with the fp32 master weights (gather fp32); one
+        process reduces nothing (reduce fp32: its micro-steps add into fp32 gradients).
+        tf32 unset is on: on CUDA that is what it means, and on a CPU tf32 does nothing.
+        tf32 acts on fp32 matmuls only, and under bf16 autocast GPT-2 has none; compile
+        changes where a value is rounded only below fp32 (a fused kernel keeps bf16
+        intermediates in fp32), while in fp32 it reorders sums as much as a different world
+        size does, which agreement already tolerates.
+        """
+        low = self.compute is not Dtype.FP32
+        return Numerics(
+            compute=self.compute,
+            gather=self.gather if kind is Strategy.FSDP else Dtype.FP32,
+            reduce=self.reduce if kind is not Strategy.SINGLE else Dtype.FP32,
+            tf32=True if low or self.tf32 is None else self.tf32,
+            compile=self.compile and low,
+        )
+
+    def differences(self, other: Numerics) -> list[str]:
+        """What differs between two (effective) policies, as `key mine vs other`."""
+        def word(v):
+            return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+        return [f"{k} {word(getattr(self, k))} vs {word(getattr(other, k))}"
+                for k in ("compute", "gather", "reduce", "tf32", "compile")
+                if getattr(self, k) != getattr(other, k)]
 
 
 # the named policies of `precision NAME`; fields after the name override them

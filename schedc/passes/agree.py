@@ -5,6 +5,15 @@ optimizer, and their step reads the same set of sequences, each exactly once, wi
 same weight in the loss: per token 1/(B T) inside a micro-batch mean, x 1/k for
 accumulation, x 1/D for averaging across ranks. The weights are computed exactly (as
 fractions) from the very slices each (rank, micro-step) reads, not assumed.
+
+Numerics are compared too, but do not decide agreement: two schedules that read the same
+batch with the same weights compute the same update in exact arithmetic whatever they
+round to, so `schedc check a b` still succeeds, and says which dtypes differ instead of
+"the same update" (`Agreement.numerics`). A bf16 schedule is meant to be compared with its
+fp32 twin: refusing would make that impossible, and the rounding it adds is what its
+policy declares, not a mistake in the batch. What counts is the arithmetic each really
+does (`Numerics.effective`): an unused gather dtype, or tf32 under bf16 autocast, is no
+difference.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from schedc.model.batching import sequence_ids
 class Agreement:
     tokens: tuple[int, int]  # tokens per update of each schedule
     diagnostics: tuple[Diagnostic, ...]
+    numerics: tuple[str, ...] = ()  # how the arithmetic differs: "compute fp32 vs bf16"
 
     @property
     def agree(self) -> bool:
@@ -75,7 +85,8 @@ def compare(a: Spec, b: Spec) -> Agreement:
     if a.steps != b.steps and not (a.optim.decay_steps and b.optim.decay_steps):
         differ("the run lengths differ, and with them the cosine LR schedule", a.steps, b.steps,
                "steps", hint="give both the same `steps`, or fix `decay_steps` in the optimizer")
-    return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(out))
+    numerics = a.numerics.effective(a.kind).differences(b.numerics.effective(b.kind))
+    return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(out), tuple(numerics))
 
 
 def _model(s: Spec) -> str:

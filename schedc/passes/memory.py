@@ -1,21 +1,49 @@
 """Per-rank memory predicted from the plan, by walking its issue order.
 
-What schedc itself allocates, in fp32 bytes:
+What schedc itself allocates, each buffer in its own dtype (`spec.numerics`; the issue-13
+executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 
-* model states: parameter, gradient, Adam m and v. DDP keeps all of them on every rank
-  (16 bytes/param); FSDP keeps each unit's shard (16 bytes/param / D, after padding the
-  unit to a multiple of D), its gradient shard only from the unit's first reduce-scatter
-  of the step to the update (as FSDP2 does).
-* gathered units (FSDP): a unit's full flat parameter, from its all-gather to its free.
-* unsharded gradients (FSDP): a unit's full flat gradient per micro-step (one for the
-  whole step under no_sync), from the first backward that writes it to the
-  reduce-scatter that consumes it.
-* communication buffers (FSDP): the shard-sized temporary of each reduce-scatter in
-  flight after a unit's first of the step (the first writes into the gradient shard).
+* model states, fp32 always: parameter, gradient, Adam m and v. DDP and one process keep
+  all of them on every rank (16 bytes/param; the DDP bucket is the gradient); FSDP keeps
+  each unit's shard (16 bytes/param / D, after padding the unit to a multiple of D), its
+  gradient shard only from the unit's first reduce-scatter of the step to the update (as
+  FSDP2 does). The compute dtype does not change them: autocast casts on the fly.
+* gathered units (FSDP): a unit's full flat parameter in the gather dtype (FSDP2's
+  param_dtype: bf16 halves it), from its all-gather to its free.
+* unsharded gradients (FSDP): a unit's full flat gradient in the gather dtype (autograd
+  writes a parameter's gradient in the parameter's dtype), per micro-step (one for the
+  whole step under no_sync), from the first backward that writes it to the reduce-scatter
+  that consumes it.
+* communication buffers: the temporaries of one collective, live at its op in the issue
+  order and released after it (a stream runs its collectives one at a time), in bytes:
 
-Activations are estimated separately (one micro-step's worth) and are not part of the
-budget: they depend on kernels schedc does not choose. The executor measures the same
-quantities from its own buffers, so the two can be compared.
+    all-gather      gather not fp32: the shard cast to the gather dtype, S x g (FSDP2's
+                    copy-in of `_sharded_param_data` into a param_dtype buffer)
+    reduce-scatter  reduce != gather: the unsharded gradient cast to the reduce dtype,
+                    P x r (FSDP2's `reduce_scatter_input`, allocated in reduce_dtype; FSDP2
+                    copies into it even when the dtypes agree, schedc's flat gradient
+                    already is that buffer then);
+                    the output, S x r, unless it is the unit's first of the step and the
+                    reduce dtype is fp32 (then it lands in the new fp32 gradient shard);
+                    after any other first one, the output is cast back into the new fp32
+                    gradient shard, S x 4 (FSDP2's `_to_dtype_if_needed(reduce_output,
+                    orig_dtype)`), which the states count from then on
+    all-reduce      reduce not fp32: the bucket cast to the reduce dtype, n x r, summed
+                    and copied back into the fp32 bucket (DDP's bf16_compress_hook:
+                    `buffer.to(bf16).div_(D)`, all-reduce, `buffer.copy_(result)`)
+
+  with P the unit's padded length, S = P / D its shard, n a bucket's length, g and r the
+  gather and reduce dtypes' bytes. The unsharded gradient is still live during its
+  reduce-scatter (the collective reads it), so the peak counts both.
+
+Communication volume (`op_bytes`) follows the same dtypes: an all-gather moves P x g
+bytes, a reduce-scatter P x r, an all-reduce n x r, per rank (the executor's
+`StepStats.comm_bytes` counts the same from its buffers).
+
+Activations are estimated separately (one micro-step's worth, in the compute dtype) and
+are not part of the budget: they depend on kernels schedc does not choose. The executor
+measures the states, gathered and unsharded-gradient peaks from its own buffers, so the
+two can be compared.
 """
 
 from __future__ import annotations
@@ -30,10 +58,10 @@ from schedc.model.arch import FP32
 
 @dataclass(frozen=True)
 class MemoryReport:
-    states: int  # parameters, gradients and optimizer state on this rank
-    gathered_peak: int  # the most full-size unit parameters live at once
-    grads_peak: int  # the most unsharded unit gradients live at once
-    comm_peak: int  # the most reduce-scatter outputs live at once
+    states: int  # parameters, gradients and optimizer state on this rank (fp32)
+    gathered_peak: int  # the most full-size unit parameters live at once (gather dtype)
+    grads_peak: int  # the most unsharded unit gradients live at once (gather dtype)
+    comm_peak: int  # the most collective temporaries live at once (casts, outputs)
     peak: int  # the peak of the total, along the issue order
     peak_at: str  # the op after which the peak is reached
     activations: int  # estimate for one micro-step, outside the budget
@@ -53,78 +81,102 @@ def unit_numel(spec: Spec, unit: UnitSpec) -> int:
     return sum(spec.model.param(p).numel for p in unit.params)
 
 
+def bucket_numel(spec: Spec, name: str) -> int:
+    b = next(b for b in spec.strategy.buckets if b.name == name)
+    return sum(spec.model.param(p).numel for p in b.params)
+
+
 def predict(spec: Spec, plan: Plan) -> MemoryReport:
     acts = activation_estimate(spec)
+    r = spec.numerics.reduce.nbytes
     if spec.kind is not Strategy.FSDP:
         states = 4 * FP32 * spec.model.numel
-        return MemoryReport(states, 0, 0, 0, states, "", acts)
+        peak, comm = (states, ""), 0
+        if spec.kind is Strategy.DDP and r != FP32:  # bf16_compress_hook's cast of a bucket
+            for op in plan.ops:
+                if op.kind is Kind.ALLREDUCE:
+                    temp = bucket_numel(spec, op.target) * r
+                    comm = max(comm, temp)
+                    if states + temp > peak[0]:
+                        peak = (states + temp, str(op))
+        return MemoryReport(states, 0, 0, comm, peak[0], peak[1], acts)
     fs, D = spec.strategy, spec.world
-    full = {u.name: padded(unit_numel(spec, u), D) * FP32 for u in fs.units}
-    states = sum(4 * (b // D) for b in full.values())
+    g = spec.numerics.gather.nbytes
+    numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P, per unit
+    states = sum(4 * FP32 * (n // D) for n in numel.values())
     # between steps a rank holds its parameter shard and Adam m, v; each gradient shard
     # exists from the unit's first reduce-scatter of the step until the update
-    held = sum(3 * (b // D) for b in full.values())
+    held = sum(3 * FP32 * (n // D) for n in numel.values())
     writers = {u.name: {w for p in u.params for w in spec.model.writers(p)} for u in fs.units}
 
-    gathered = grads = comm = 0
+    gathered = grads = 0
     peak = (held, "")
     peaks = [0, 0, 0]
     grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
     scattered: set[str] = set()  # units reduce-scattered so far in the step
     key = (lambda mb: 0) if fs.no_sync else (lambda mb: mb)
     for op in plan.ops:
+        comm = 0  # this op's temporaries (see the module's docstring)
         if op.kind is Kind.ALLGATHER:
-            gathered += full[op.target]
+            gathered += numel[op.target] * g
+            if g != FP32:
+                comm = numel[op.target] // D * g  # the shard, cast for the gather
         elif op.kind is Kind.FREE:
-            gathered -= full[op.target]
+            gathered -= numel[op.target] * g
         elif op.kind is Kind.BWD:
             for u in fs.units:
                 live = (u.name, key(op.mb))
                 if op.target in writers[u.name] and live not in grad_live:
                     grad_live.add(live)
-                    grads += full[u.name]
-        elif op.kind is Kind.REDUCESCATTER and op.target in scattered:
-            comm += full[op.target] // D  # a temporary; the first lands in the shard itself
+                    grads += numel[u.name] * g
         elif op.kind is Kind.REDUCESCATTER:
-            held += full[op.target] // D  # the gradient shard comes into being
+            n, first = numel[op.target], op.target not in scattered
+            if r != g:
+                comm += n * r  # the unsharded gradient, cast to the reduce dtype
+            if not (first and r == FP32):
+                comm += n // D * r  # the output shard, added (or cast back) into the fp32 one
+            if first:
+                held += n // D * FP32  # the gradient shard comes into being
         peaks = [max(peaks[0], gathered), max(peaks[1], grads), max(peaks[2], comm)]
         total = held + gathered + grads + comm
         if total > peak[0]:
             peak = (total, str(op))
         if op.kind is Kind.REDUCESCATTER:
-            # the unsharded gradient and the output are released once the reduction is done
-            if op.target in scattered:
-                comm -= full[op.target] // D
+            # the unsharded gradient and the temporaries are released once it is done
             scattered.add(op.target)
             live = (op.target, key(op.mb))
             if live in grad_live:
                 grad_live.discard(live)
-                grads -= full[op.target]
+                grads -= numel[op.target] * g
     return MemoryReport(states, peaks[0], peaks[1], peaks[2], peak[0], peak[1], acts)
 
 
 def activation_estimate(spec: Spec) -> int:
-    """Bytes saved for backward by one micro-step, fp32 (a rough, documented estimate).
+    """Bytes saved for backward by one micro-step (a rough, documented estimate).
 
     Per block and token: about 34 C values (inputs of the LayerNorms, the qkv projection,
     attention output, MLP input and GELU input, x4 for the 4C hidden) plus the attention
-    probabilities when the kernel materializes them (n_head x T); the head keeps the
-    logits and their gradient (2 V per token).
+    probabilities when the kernel materializes them (n_head x T), in the compute dtype
+    (autocast saves the bf16 copies its matmuls read); the head keeps the logits and their
+    gradient (2 V per token) in fp32, since autocast runs the cross-entropy in fp32.
     """
     cfg, tokens = spec.model, spec.micro * spec.seq_len
-    per_block = tokens * (34 * cfg.n_embd) * FP32
+    per_block = tokens * (34 * cfg.n_embd) * spec.numerics.compute.nbytes
     head = tokens * 2 * cfg.vocab_size * FP32
     return cfg.n_layer * per_block + head
 
 
 def op_bytes(spec: Spec, op: Op) -> int:
-    """Bytes one collective moves per rank (its input), for counting communication volume."""
+    """Bytes one collective moves per rank (its input), for counting communication volume:
+    an all-reduce its bucket in the reduce dtype, an all-gather the full unit in the gather
+    dtype, a reduce-scatter the full unit's gradient in the reduce dtype."""
+    num = spec.numerics
     if op.kind is Kind.ALLREDUCE:
-        b = next(b for b in spec.strategy.buckets if b.name == op.target)
-        return b.nbytes
+        return bucket_numel(spec, op.target) * num.reduce.nbytes
     if op.kind in (Kind.ALLGATHER, Kind.REDUCESCATTER):
         u = next(u for u in spec.strategy.units if u.name == op.target)
-        return padded(unit_numel(spec, u), spec.world) * FP32
+        dtype = num.gather if op.kind is Kind.ALLGATHER else num.reduce
+        return padded(unit_numel(spec, u), spec.world) * dtype.nbytes
     return 0
 
 

@@ -1,14 +1,19 @@
 """The cost model: how long each op of a plan takes (viz/simulate.py says when it runs).
 
-    duration   fwd         FLOPs of the layer for one micro-batch / flops
+    duration   fwd         FLOPs of the layer for one micro-batch / the compute rate
                bwd         2 x fwd
-               collective  latency + ring(kind, D) x bytes / bandwidth
+               collective  latency + ring(kind, D) x bytes / bandwidth, bytes in the
+                           collective's dtype (gather or reduce; passes/memory.op_bytes)
                            ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D
                free        free (a storage release, no kernel)
                optimizer   28 bytes x parameters on the rank / mem_bandwidth (fp32 AdamW)
 
-The defaults describe one node of current data-centre GPUs (see `CostModel`); every number
-can be set on the command line or fitted to a measured trace (`schedc calibrate`).
+The compute rate is the schedule's compute dtype's (`CostModel.rate`): bf16 autocast runs
+its matmuls on bf16 tensor cores, fp32 on TF32 tensor cores unless the schedule says
+`tf32 off` (unset, tf32 is on wherever there are tensor cores, and the cost model
+describes a GPU), and fp32 with tf32 off on the CUDA cores. The defaults describe one node
+of current data-centre GPUs (see `CostModel`); every number can be set on the command
+line or fitted to a measured trace (`schedc calibrate`).
 Times are seconds. Nothing here imports torch.
 """
 
@@ -19,11 +24,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from schedc.ir.op import Kind, Op
-from schedc.ir.spec import Spec, Strategy
+from schedc.ir.spec import Dtype, Numerics, Spec, Strategy
 from schedc.model.arch import FP32
 from schedc.passes.memory import op_bytes, padded, unit_numel
 from schedc.viz.units import fmt_rate, fmt_time
 
+FP32_POLICY = Numerics()
 ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v
 
 
@@ -31,9 +37,21 @@ ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m,
 class CostModel:
     """Throughputs and fixed costs of one GPU and its links (SI units)."""
 
-    flops: float = 300e12
-    """Effective compute throughput, FLOP/s. An H100-class GPU sustains 300-400 TFLOP/s on
-    GPT-2's matmuls in bf16/tf32 (40% of its dense peak); an A100 about half of that."""
+    flops_bf16: float = 600e12
+    """Effective compute throughput in bf16 (or fp16) autocast, FLOP/s: twice TF32's, as the
+    dense tensor-core peaks of an H100/H200 are (989 vs 495 TFLOP/s)."""
+    flops_tf32: float = 300e12
+    """Effective throughput of fp32 compute with TF32 matmuls (tf32 on, or unset), FLOP/s:
+    the rate schedc has always assumed, about 60% of an H100's dense TF32 peak."""
+    flops_fp32: float = 40e12
+    """Effective throughput of fp32 compute with `tf32 off`, FLOP/s: the CUDA cores, in the
+    same proportion to TF32 as the peaks (67 vs 495 TFLOP/s). Measured on an H200 (issue
+    13, GPT-2 124M): a compiled bf16 loop reached about 40% of the bf16 peak, eager TF32 and
+    plain fp32 loops far less of theirs, so fit these to your runs (`schedc calibrate`)."""
+    flops: float | None = None
+    """One compute rate whatever the dtype, FLOP/s: what `--flops` sets (the rate of the
+    schedule's compute dtype) and what a params.json from before per-dtype rates holds.
+    None: the rate of the compute dtype, above."""
     bandwidth: float = 100e9
     """Bus bandwidth per GPU, bytes/s, as nccl-tests reports it (busbw: the ring factor is
     applied separately). 100 GB/s is a conservative NVLink ring or a 4 x 200 Gb/s
@@ -45,12 +63,27 @@ class CostModel:
     free: float = 1e-6
     """Releasing a gathered unit's storage, seconds (host-side bookkeeping, no kernel)."""
 
-    def describe(self) -> str:
-        return (f"{fmt_rate(self.flops, 'FLOP/s')} compute, {fmt_rate(self.bandwidth, 'B/s')} "
-                f"bus bandwidth, {fmt_time(self.latency)} per collective")
+    def rate_key(self, numerics: Numerics) -> str:
+        """The field that holds the compute rate of a schedule's numerics."""
+        if numerics.compute is not Dtype.FP32:
+            return "flops_bf16"
+        return "flops_fp32" if numerics.tf32 is False else "flops_tf32"
+
+    def rate(self, numerics: Numerics) -> float:
+        """Compute throughput, FLOP/s, of a schedule computing under `numerics`."""
+        return self.flops if self.flops is not None else getattr(self, self.rate_key(numerics))
+
+    def describe(self, numerics: Numerics = FP32_POLICY) -> str:
+        key = self.rate_key(numerics)
+        what = {"flops_bf16": f" ({numerics.compute})", "flops_tf32": "",
+                "flops_fp32": " (fp32, tf32 off)"}[key]
+        return (f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
+                f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth, {fmt_time(self.latency)} "
+                "per collective")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None},
+                          indent=2) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -64,7 +97,7 @@ class CostModel:
         if unknown:
             raise ValueError(f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
-        values = {k: float(v) for k, v in data.items()}
+        values = {k: float(v) for k, v in data.items() if v is not None}
         bad = [k for k, v in values.items() if not v > 0 and k not in ("latency", "free")]
         if bad or any(v < 0 for v in values.values()):
             raise ValueError(f"{path}: cost parameters must be positive ({', '.join(bad)})")
@@ -109,7 +142,7 @@ def optimizer_bytes(spec: Spec) -> float:
 
 def duration(spec: Spec, op: Op, cost: CostModel) -> float:
     if op.kind in (Kind.FWD, Kind.BWD):
-        return op_flops(spec, op) / cost.flops
+        return op_flops(spec, op) / cost.rate(spec.numerics)
     if op.is_collective:
         return cost.latency + comm_volume(spec, op) / cost.bandwidth
     if op.kind is Kind.FREE:

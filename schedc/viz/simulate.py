@@ -116,7 +116,7 @@ def simulate(compiled: Compiled, cost: CostModel | None = None,
     streams = compiled.plan(shown[0] if distinct else None).streams
     return Timeline(spec, in_stream_order(intervals, streams), tuple(shown), streams,
                     "predicted", every_rank=not distinct and spec.world > 1,
-                    note=cost.describe())
+                    note=cost.describe(spec.numerics))
 
 
 def in_stream_order(intervals: list[Interval], streams) -> list[Interval]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from schedc.compiler import Compiled
@@ -139,6 +139,7 @@ class Fit:
     comm_rms: float  # seconds, residual of t = latency + volume / bandwidth
     comm_mean: float
     notes: tuple[str, ...]
+    compute_key: str = "flops_tf32"  # the rate fitted: the traced schedule's compute dtype's
 
     def report(self) -> str:
         c = self.cost
@@ -148,7 +149,8 @@ class Fit:
                 else "no spans"
 
         lines = [
-            (f"compute     {fmt_rate(c.flops, 'FLOP/s')}   from {self.compute_n} distinct "
+            (f"compute     {fmt_rate(getattr(c, self.compute_key), 'FLOP/s')} "
+             f"({self.compute_key})   from {self.compute_n} distinct "
              f"fwd/bwd ops, {err(self.compute_rms, self.compute_mean)}"),
             f"bandwidth   {fmt_rate(c.bandwidth, 'B/s')} (bus)",
             (f"latency     {fmt_time(c.latency)}   bandwidth and latency from {self.comm_n} "
@@ -165,7 +167,9 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) ->
     Each distinct op (`bwd[h.3]`, `allreduce[b1]`, ...) is one point: the median of its
     durations over micro-steps, steps and ranks, so that an op the OS preempted on a busy
     machine does not pull the fit.
-    compute:     t = flops(op) / F, through the origin (F = sum f^2 / sum f t)
+    compute:     t = flops(op) / F, through the origin (F = sum f^2 / sum f t); F is the
+                 rate of the schedule's compute dtype (flops_bf16, flops_tf32 or
+                 flops_fp32), the others keep `base`'s values
     collectives: t = latency + volume(op) / bandwidth, volume = ring factor x bytes, and
                  t from the last rank's arrival to the last rank's completion
     optimizer:   mem_bandwidth = bytes / t;   free: t
@@ -180,7 +184,8 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) ->
     notes = []
     comp = [(op_flops(spec, op), t) for op, t in _medians(
         (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD))]
-    flops, c_rms, c_mean = base.flops, 0.0, 0.0
+    key = base.rate_key(spec.numerics)
+    flops, c_rms, c_mean = base.rate(spec.numerics), 0.0, 0.0
     if comp:
         sff = sum(f * f for f, _ in comp)
         sft = sum(f * t for f, t in comp)
@@ -230,9 +235,9 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) ->
         mem = optimizer_bytes(spec) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
-    cost = CostModel(flops=flops, bandwidth=bandwidth, latency=latency, mem_bandwidth=mem,
-                     free=free)
-    return Fit(cost, len(comp), c_rms, c_mean, len(coll), m_rms, m_mean, tuple(notes))
+    cost = replace(base, flops=None, **{key: flops}, bandwidth=bandwidth, latency=latency,
+                   mem_bandwidth=mem, free=free)
+    return Fit(cost, len(comp), c_rms, c_mean, len(coll), m_rms, m_mean, tuple(notes), key)
 
 
 def _median(xs: list[float]) -> float:

@@ -47,9 +47,23 @@ def test_a_legal_schedule_exits_0_with_a_summary(capsys):
         "    b1        1.51 MiB  head .. h.2",
         "    b2        3.58 MiB  h.1 .. embed",
         "  streams   compute 49, comm 2 ops; 3 events",
+        "  numerics  compute fp32, reduce fp32; master weights and AdamW fp32; tf32 auto (on "
+        "CUDA), compile off",
         "  memory    per rank: model states 20.36 MiB, total (peak) 20.36 MiB, activations "
         "(estimate) 12.50 MiB",
     ]
+
+
+@pytest.mark.parametrize("file,dtypes", [
+    (FSDP, "compute bf16, gather bf16, reduce fp32"),
+    (TINY, "compute bf16, reduce fp32"),  # DDP gathers nothing
+    ("schedules/tiny_1gpu.sched", "compute bf16"),  # one process reduces nothing
+])
+def test_the_summary_claims_only_the_dtypes_a_strategy_uses(capsys, file, dtypes):
+    code, out, _ = check(capsys, file, "--precision", "bf16", "--compile", "on")
+    assert code == 0
+    assert f"  numerics  {dtypes}; master weights and AdamW fp32; tf32 auto (on CUDA), " \
+           "compile on\n" in out
 
 
 def test_no_files_checks_every_bundled_schedule(capsys):
@@ -194,7 +208,22 @@ def test_two_schedules_that_agree(capsys):
         "\nschedules/tiny_1gpu.sched: 1,024 tokens per update\n"
         "schedules/tiny_4gpu.sched: 1,024 tokens per update\n"
         "agree: same model, same 16 sequences each read once, every token weighted 1/1024 in "
-        "the loss (1/k x 1/D x micro mean), same optimizer: the same update\n")
+        "the loss (1/k x 1/D x micro mean), same optimizer, same numerics: the same update\n")
+
+
+def test_two_schedules_that_agree_on_the_batch_but_not_the_numerics(capsys, tmp_path):
+    """Exit 0 (the batch and its weights agree), but no claim of "the same update"."""
+    other = tmp_path / "bf16.sched"
+    other.write_text((REPO / "schedules/tiny_4gpu.sched").read_text() + "precision bf16\n")
+    code, out, err = check(capsys, "schedules/tiny_1gpu.sched", str(other))
+    assert code == 0 and err == ""
+    assert "  numerics  compute bf16, reduce fp32; master weights and AdamW fp32" in out
+    last = out.splitlines()[-1]
+    assert last.startswith("agree on the batch: same model, same 16 sequences each read once")
+    assert last.endswith(
+        "same optimizer: the same update in exact arithmetic; numerics differ: compute fp32 "
+        f"vs bf16 (schedules/tiny_1gpu.sched vs {other}), so the updates differ by rounding")
+    assert "the same update\n" not in out
 
 
 def test_two_schedules_that_disagree(capsys, tmp_path):

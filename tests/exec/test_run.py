@@ -155,6 +155,23 @@ def test_ddp_communicates_each_bucket_once_per_step_with_no_sync(pool):
         assert counted == {f"allreduce[{b.name}]": b.nbytes for b in spec.strategy.buckets}
 
 
+@pytest.mark.parametrize("text", [DDP_CASES["w2-two-buckets-k2"],
+                                  FSDP_CASES["w2-three-units-p1-k2"]])
+def test_measured_traffic_is_the_checkers_prediction(pool, text):
+    """passes/memory.op_bytes, summed over a rank's plan, is what the executor counts."""
+    from schedc.passes.memory import op_bytes
+
+    c = compile_text(text)
+    res = pool.run(text, c.spec.world, steps=1)
+    for rank, counted in enumerate(res.comm_bytes):
+        predicted: dict[str, int] = {}
+        for op in c.plan(rank).ops:
+            if op.is_collective:
+                key = f"{op.kind.value}[{op.target}]"
+                predicted[key] = predicted.get(key, 0) + op_bytes(c.spec, op)
+        assert counted == predicted, rank
+
+
 # -- faults are caught ------------------------------------------------------------------------------
 
 

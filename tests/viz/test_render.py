@@ -133,6 +133,23 @@ def test_cost_model_durations():
         10e-6 + 2 * 7 / 8 * b1.nbytes / 100e9)
 
 
+def test_cost_model_rates_and_bytes_follow_the_numerics():
+    """bf16 compute runs at the bf16 rate, fp32 at TF32's unless `tf32 off`; `--flops` is
+    the rate of whatever the schedule computes in; a bf16 all-reduce moves half the bytes."""
+    base = (REPO / "schedules" / "ddp_overlap.sched").read_text()
+    cost = CostModel()
+    for extra, rate in (("", 300e12), ("tf32 off\n", 40e12), ("precision bf16\n", 600e12)):
+        spec = compile_text(base + extra).spec
+        f = spec.model.layer_fwd_flops("h.1", spec.micro * spec.seq_len, spec.seq_len)
+        fwd = Op.parse("fwd[h.1]@mb0")
+        assert duration(spec, fwd, cost) == pytest.approx(f / rate), extra
+        assert duration(spec, fwd, cost.with_(flops=50e12)) == pytest.approx(f / 50e12), extra
+    fp32, bf16 = (compile_text(base + x).spec for x in ("", "precision bf16 { reduce = bf16 }\n"))
+    ar = Op.parse("allreduce[b1]@mb3")
+    assert duration(bf16, ar, cost) - 10e-6 == pytest.approx((duration(fp32, ar, cost) - 10e-6) / 2)
+    assert cost.describe(bf16.numerics).startswith("600 TFLOP/s compute (bf16), ")
+
+
 def test_ddp_overlap_bucket1_hidden_bucket2_exposed():
     """Seed 003 under the default cost model: b1 is all-reduced while bwd h.1 and h.0 compute
     (its interval lies inside theirs, so it is entirely hidden); b2 starts after the last
@@ -235,7 +252,10 @@ def test_calibrate_recovers_a_synthetic_trace(name):
     c = sched(name)
     true = CostModel(flops=42e12, bandwidth=17e9, latency=33e-6, mem_bandwidth=0.9e12, free=3e-6)
     fit = calibrate(c, chrome_trace(simulate(c, true)))
-    for field in ("flops", "bandwidth", "latency", "mem_bandwidth"):
+    assert fit.cost.flops is None  # the fitted rate is the schedule's compute dtype's
+    assert fit.compute_key == CostModel().rate_key(c.spec.numerics)
+    assert getattr(fit.cost, fit.compute_key) == pytest.approx(42e12, rel=1e-6)
+    for field in ("bandwidth", "latency", "mem_bandwidth"):
         assert getattr(fit.cost, field) == pytest.approx(getattr(true, field), rel=1e-6), field
     assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
 
@@ -249,7 +269,7 @@ def test_calibrate_cli_writes_params_that_render_reads(tmp_path, capsys):
     assert main(["calibrate", str(tmp_path / "t.json"), "-o", str(params)]) == 0
     out = capsys.readouterr().out
     assert "80 TFLOP/s" in out and "40 GB/s" in out and "20 us" in out
-    assert CostModel.load(params).flops == pytest.approx(80e12)
+    assert CostModel.load(params).flops_tf32 == pytest.approx(80e12)  # fsdp_prefetch: fp32
     # flags win over the file, the file over the defaults
     assert main(["render", str(REPO / "schedules" / "fsdp_prefetch.sched"), "--view", "timeline",
                  "--cost", str(params), "--bandwidth", "10G", "-o", str(tmp_path / "x.dot")]) == 0
