@@ -402,7 +402,7 @@ def calibrate_command(args) -> int:
             raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
                             "--schedule FILE")
         c = compile_file(path, overrides(args))
-        fit = calibrate(c, trace, name=Path(args.trace).name)
+        fit = calibrate(c, trace, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     print(f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least "

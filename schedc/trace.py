@@ -58,13 +58,16 @@ def load(path: str | Path) -> dict:
     schema (`validate`) before anything else looks at it; every failure is one TraceError."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO or /dev/zero never ends
-                raise TraceError(f"cannot read trace {path}: not a regular file")
-            raw = f.read(MAX_BYTES + 1)
+        # O_NONBLOCK: opening a FIFO would wait for a writer; reading it (or /dev/zero)
+        # would never end, so anything but a regular file is refused before the first read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}"
                          ) from None
+    if raw is None:
+        raise TraceError(f"cannot read trace {path}: not a regular file")
     if len(raw) > MAX_BYTES:
         raise TraceError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a trace schedc reads")
     try:
@@ -121,7 +124,7 @@ def _event(e, at: str) -> None:
         _time(e, "ts", at)
         _time(e, "dur", at)
         if e["ts"] + e["dur"] > MAX_US:
-            raise TraceError(f"{at}: ts + dur = {e['ts'] + e['dur']:g} us is past {MAX_US:g} us")
+            raise TraceError(f"{at}: ts + dur, the span's end, is past {MAX_US:g} us")
         args = e.get("args")
         if args is not None:
             _object(args, f"{at}.args")
@@ -174,8 +177,9 @@ def _thread(e, at: str, required: bool = False) -> None:
 
 def _time(e, key: str, at: str) -> None:
     v = e.get(key)
+    # the range first: math.isfinite(10**400) overflows converting the int to a float
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v) and 0 <= v <= MAX_US):
+            and 0 <= v <= MAX_US and math.isfinite(v)):
         raise TraceError(f"{at}.{key}: expected a finite number >= 0 (microseconds, at most "
                          f"{MAX_US:g}), got {_shown(v) if key in e else 'nothing'}")
 
@@ -202,7 +206,7 @@ def _shown(v) -> str:
     if v is None or isinstance(v, bool):
         return json.dumps(v)
     if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
     text = repr(v)
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
 
@@ -272,7 +276,7 @@ def measured(compiled: Compiled, trace: dict, step: int | None = None,
     shown = tuple(sorted({s.rank for s in chosen}))
     streams = compiled.plan(shown[0]).streams
     return Timeline(compiled.spec, in_stream_order(intervals, streams), shown, streams,
-                    "measured", note=f"{name}, step {step}")
+                    "measured", note=f"{Path(name).name}, step {step}")
 
 
 def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
@@ -402,8 +406,8 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
         mem = optimizer_bytes(spec) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
-    fitted = dict(flops=flops, bandwidth=bandwidth, latency=latency, mem_bandwidth=mem,
-                  free=free)
+    fitted = {"flops": flops, "bandwidth": bandwidth, "latency": latency,
+              "mem_bandwidth": mem, "free": free}
     for k, v in fitted.items():  # spans of 1e-300 us or 1e17 us fit, but to nothing usable
         if not (math.isfinite(v) and (v > 0 or k in ("latency", "free") and v == 0)):
             notes.append(f"the fitted {k} ({v:g}) is not a usable value: kept")
