@@ -195,6 +195,12 @@ def _path_text(v, at: str) -> None:
         raise TraceError(f"{at}: expected a file name, got {_shown(v)}")
 
 
+def _printable(text: str) -> str:
+    """Text from the trace, its lone surrogates (JSON allows "\\ud800") escaped: a message
+    must encode to UTF-8 wherever it is printed."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _shown(v) -> str:
     """A JSON value as the message shows it: scalars in JSON spelling (clipped), not contents."""
     if isinstance(v, dict):
@@ -245,9 +251,9 @@ def _against(compiled: Compiled, chosen: list[Span], name: str) -> None:
                              f"{compiled.source.path}'s ({', '.join(plan.streams)})")
         if s.op not in planned.setdefault(s.rank, set(plan.ops)):
             raise TraceError(
-                f"{where}[{s.index}]: rank {s.rank} ran {s.op}, which {compiled.source.path}'s "
-                "plan does not hold; was the trace recorded from another schedule or with "
-                "--model?")
+                f"{where}[{s.index}]: rank {s.rank} ran {_printable(str(s.op))}, which "
+                f"{compiled.source.path}'s plan does not hold; was the trace recorded from "
+                "another schedule or with --model?")
 
 
 def steps(trace: dict) -> list[int]:

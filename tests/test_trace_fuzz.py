@@ -125,6 +125,8 @@ CRAFTED = {
                         ".args.stream: expected a name"),
     "unknown stream": (lambda d: with_event(d, last_x, lambda e: e["args"].update(
         stream="nccl")), "stream 'nccl' is none of"),
+    "a lone surrogate in an op": (lambda d: with_event(d, last_x, setter(
+        "name", "fwd[\ud800]@mb0")), "rank 0 ran fwd[\\ud800]@mb0, which"),
     "missing ph": (lambda d: with_event(d, first_x, deleter("ph")), ".ph: expected a string"),
     "thread_name without args": (lambda d: with_event(d, lambda evs: 2, deleter("args")),
                                  "traceEvents[2].args: expected an object, got nothing"),
@@ -225,7 +227,7 @@ CASES = 2000
 ODD = [None, True, False, 0, -1, -1e-9, 1, 2**31, 10**30, 1e18, 1e19, 1e308, 5e-324,
        math.nan, math.inf, -math.inf, "", "abc", "12", "compute", "comm", "fwd[h.0]@mb0",
        "allreduce[b1]@mb1", "bwd[h.9]@mb0", "optimizer.step", "free[b1]@mb0:fwd", [], [1],
-       {}, {"step": 1}, {"name": 3}, [[[[[]]]]]]
+       {}, {"step": 1}, {"name": 3}, [[[[[]]]]], "fwd[\ud800\u202e]@mb0", "x" * 300]
 
 
 def mutate(rng: random.Random, data: dict) -> str:
@@ -261,6 +263,9 @@ def mutate(rng: random.Random, data: dict) -> str:
                         lambda: data.__setitem__("traceEvents", copy.deepcopy(rng.choice(ODD))),
                         lambda: data.__setitem__("otherData", copy.deepcopy(rng.choice(ODD))),
                         lambda: data.__setitem__("displayTimeUnit", rng.choice(ODD))])()
+    if isinstance(data, dict) and isinstance(data.get("traceEvents"), list) and \
+            rng.random() < 0.05:
+        data = data["traceEvents"]  # Chrome's JSON Array Format, which schedc also reads
     text = json.dumps(data)
     cut = rng.random()
     if cut < 0.08:  # truncated, as a run killed mid-write leaves it
