@@ -398,7 +398,7 @@ def calibrate_command(args) -> int:
         path = args.schedule or (trace.get("otherData") or {}).get("schedule")
         if not path:
             raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
-        if not Path(path).is_file():
+        if not Path(path).exists():
             raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
                             "--schedule FILE")
         c = compile_file(path, overrides(args))

@@ -164,7 +164,8 @@ def test_a_schedule_name_in_the_trace_is_checked(real, tmp_path, capsys):
     data = json.loads((real / "t.json").read_text())
     for bad, says in ((5, "otherData.schedule: expected a file name, got 5"),
                       ("a\0b", "otherData.schedule: expected a file name"),
-                      (str(tmp_path), "which is not here")):  # a directory is not a schedule
+                      (str(tmp_path), "[io]"),  # the compiler's error: a directory
+                      (str(tmp_path / "gone.sched"), "which is not here")):
         data["otherData"]["schedule"] = bad
         (tmp_path / "t.json").write_text(json.dumps(data))
         code, err = cli(capsys, "calibrate", tmp_path / "t.json")
