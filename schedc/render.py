@@ -239,6 +239,36 @@ def write(dot: str, out: Path, engine: str) -> None:
     out.write_bytes(data)
 
 
+def check_output(path: str, flag: str = "-o") -> Path:
+    """`path` as a file this process can write, checked before any work so that a typo does
+    not cost a compile, a simulation or a layout; a UserError says what is wrong. A missing
+    file is created and removed again: the one test that also holds on read-only file
+    systems, in /proc, and for root (whom os.access never refuses)."""
+    from schedc.commands import UserError
+
+    out = Path(path)
+    where = out.parent
+    if out.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; name a file in it")
+    if not where.is_dir():
+        what = "not a directory" if where.exists() else "no such directory"
+        raise UserError(f"{flag} {path}: {what}: {where}")
+    try:
+        if out.exists():
+            if not out.is_file():
+                raise UserError(f"{flag} {path}: not a regular file")
+            with open(out, "ab"):  # appends nothing; opening is the test
+                pass
+        else:
+            with open(out, "xb"):
+                pass
+            out.unlink()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise UserError(f"{flag} {path}: cannot write: {getattr(e, 'strerror', None) or e}"
+                        ) from None
+    return out
+
+
 # -- the CLI verbs ---------------------------------------------------------------------------------
 
 
@@ -304,6 +334,7 @@ def render_command(args) -> int:
     if fmt not in FORMATS:
         raise UserError(f"-o {args.output}: the extension says the format; use one of "
                         f"{', '.join('.' + f for f in FORMATS)}")
+    check_output(args.output)
     view = args.view or ("timeline" if args.trace else "graph")
     if args.trace and view == "graph":
         raise UserError("--trace draws a measured timeline; drop --view graph")
@@ -330,12 +361,16 @@ def render_command(args) -> int:
         try:
             dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
         except ValueError as e:
+            if not args.window:  # not the user's window: a bug, not a message blaming a flag
+                raise
             raise UserError(f"--window {args.window!r}: {e}") from None
         report = [line for p in panels for line in p.report()]
     try:
         write(dot, out, ENGINE[view])
     except GraphvizMissing as e:
         raise UserError(str(e)) from None
+    except OSError as e:  # checked at the start, but the disk can fill or the path change
+        raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} ({view})")
     for line in report:
         print(f"  {line}")
@@ -356,8 +391,10 @@ def calibrate_command(args) -> int:
     from schedc.commands import UserError, overrides
     from schedc.trace import TraceError, calibrate, load
 
+    if args.output:
+        check_output(args.output)
     try:
-        trace = load(args.trace)
+        trace = load(args.trace)  # validated: otherData.schedule is a file name if present
         path = args.schedule or (trace.get("otherData") or {}).get("schedule")
         if not path:
             raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
@@ -365,13 +402,16 @@ def calibrate_command(args) -> int:
             raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
                             "--schedule FILE")
         c = compile_file(path, overrides(args))
-        fit = calibrate(c, trace)
+        fit = calibrate(c, trace, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     print(f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least "
           "squares")
     print(fit.report())
     if args.output:
-        Path(args.output).write_text(fit.cost.to_json())
+        try:
+            Path(args.output).write_text(fit.cost.to_json())
+        except OSError as e:
+            raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
         print(f"schedc: wrote {args.output} (use: schedc render ... --cost {args.output})")
     return 0

@@ -71,7 +71,7 @@ def panels_for(compiled: list[Compiled], args, cost) -> list[Panel]:
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
     c = compiled[0]
     try:
-        tl = measured(c, load(args.trace), args.step, ranks, name=Path(args.trace).name)
+        tl = measured(c, load(args.trace), args.step, ranks, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     panels = [Panel.of(c, simulate(c, cost, ranks))] if args.compare else []
