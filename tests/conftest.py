@@ -51,8 +51,11 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.parent.name in TORCH_DIRS and path.name not in TORCH_FREE:
             item.add_marker(pytest.mark.torch)
-        if "pool" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "pool" in fixtures:
             item.add_marker(pytest.mark.ranks)
+        if fixtures & {"real", "real_trace"}:  # a trace that `schedc run` writes first
+            item.add_marker(pytest.mark.torch)
 
 
 @pytest.fixture(scope="session")

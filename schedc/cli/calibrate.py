@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from schedc.cli.common import overrides
+from schedc.cli.common import check_output, overrides
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.viz.trace import TraceError, calibrate, load
@@ -26,8 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output("-o", args.output)
     try:
-        trace = load(args.trace)
+        trace = load(args.trace)  # validated: otherData.schedule is a file name if present
         path = args.schedule or (trace.get("otherData") or {}).get("schedule")
         if not path:
             raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
@@ -35,13 +37,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
                             "--schedule FILE")
         c = compile_file(path, overrides(args))
-        fit = calibrate(c, trace)
+        fit = calibrate(c, trace, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     print(f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least "
           "squares")
     print(fit.report())
     if args.output:
-        Path(args.output).write_text(fit.cost.to_json())
+        try:
+            Path(args.output).write_text(fit.cost.to_json())
+        except OSError as e:
+            raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
         print(f"schedc: wrote {args.output} (use: schedc render ... --cost {args.output})")
     return 0

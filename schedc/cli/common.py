@@ -65,19 +65,37 @@ POSITIVE = _number(int, 1, what="whole number >= 1")
 COUNT = _number(int, 0, what="whole number >= 0")
 
 
-def check_output(flag: str, path: str | None, *, directory: bool = False) -> None:
-    """Refuse, before any work, an output path that cannot be written: a file (--trace,
-    --log-json) whose directory is missing, or that is a directory; a checkpoint directory
-    (--save) that is a file, or whose parent is missing. The OS still has the last word."""
+def check_output(flag: str, path: str | None, *, directory: bool = False) -> Path | None:
+    """Refuse, before any work, an output that cannot be written, so a typo costs no compile,
+    training or layout: a file (-o, --trace, --log-json) that is a directory or whose
+    directory is missing, or a checkpoint directory (--save) that is a file or whose parent
+    is missing. A file is tried for real: opened to append if it exists, else created and
+    removed again, the one test that also holds in /proc, on read-only file systems and for
+    root, whom os.access never refuses. The OS still has the last word when it is written."""
     if not path:
-        return
+        return None
     p = Path(path)
     if p.exists() and p.is_dir() != directory:
         raise UserError(f"{flag} {path}: " + ("not a directory" if directory else
                                               "is a directory, not a file"))
-    parent = p.parent if not p.exists() else p if directory else p.parent
+    parent = p if directory and p.exists() else p.parent
     if not parent.is_dir():
-        raise UserError(f"{flag} {path}: " + (f"no such directory {parent}" if not
-                                              parent.exists() else f"{parent} is not a directory"))
-    if not os.access(p if p.exists() else parent, os.W_OK):
-        raise UserError(f"{flag} {path}: not writable (permission denied)")
+        raise UserError(f"{flag} {path}: " + ("no such directory" if not parent.exists()
+                                              else "not a directory") + f": {parent}")
+    try:
+        if directory:
+            if not os.access(parent, os.W_OK):
+                raise PermissionError(13, "permission denied")
+        elif p.exists():
+            if not p.is_file():
+                raise UserError(f"{flag} {path}: not a regular file")
+            with open(p, "ab"):  # appends nothing; opening is the test
+                pass
+        else:
+            with open(p, "xb"):
+                pass
+            p.unlink()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise UserError(f"{flag} {path}: cannot write: {getattr(e, 'strerror', None) or e}"
+                        ) from None
+    return p

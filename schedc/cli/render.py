@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from schedc.cli.common import overrides
+from schedc.cli.common import check_output, overrides
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.viz.cost import CostModel
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt not in FORMATS:
         raise UserError(f"-o {args.output}: the extension says the format; use one of "
                         f"{', '.join('.' + f for f in FORMATS)}")
+    check_output("-o", args.output)
     view = args.view or ("timeline" if args.trace else "graph")
     if args.trace and view == "graph":
         raise UserError("--trace draws a measured timeline; drop --view graph")
@@ -108,12 +109,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
         except ValueError as e:
+            if not args.window:  # not the user's window: a bug, not a message blaming a flag
+                raise
             raise UserError(f"--window {args.window!r}: {e}") from None
         report = [line for p in panels for line in p.report()]
     try:
         write(dot, out, ENGINE[view])
     except GraphvizMissing as e:
         raise UserError(str(e)) from None
+    except OSError as e:  # checked at the start, but the disk can fill or the path change
+        raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} ({view})")
     for line in report:
         print(f"  {line}")

@@ -79,7 +79,7 @@ def panels_for(compiled: list[Compiled], cost: CostModel, *, rank: int | None = 
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
     c = compiled[0]
     try:
-        tl = measured(c, load(trace), step, ranks, name=Path(trace).name)
+        tl = measured(c, load(trace), step, ranks, name=trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     panels = [Panel.of(c, simulate(c, cost, ranks))] if compare else []

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,40 +37,215 @@ class Span:
     op: Op
     start: float  # seconds, the trace's clock
     end: float
+    index: int = -1  # the event's position in traceEvents, for messages
+
+
+MAX_BYTES = 256 << 20  # the largest trace file schedc reads (~1.7M events of ~155 bytes)
+MAX_US = 1e18  # ts and dur bound, microseconds (31,700 years; epoch-based clocks fit)
+MAX_RANK = 2**31 - 1
 
 
 def load(path: str | Path) -> dict:
+    """The trace at `path`, read (a regular file, at most MAX_BYTES) and checked against the
+    schema (`validate`) before anything else looks at it; every failure is one TraceError."""
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TraceError(f"cannot read trace {path}: {e}") from None
-    if isinstance(data, list):
+        # O_NONBLOCK: opening a FIFO would wait for a writer; reading it (or /dev/zero)
+        # would never end, so anything but a regular file is refused before the first read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}"
+                         ) from None
+    if raw is None:
+        raise TraceError(f"cannot read trace {path}: not a regular file")
+    if len(raw) > MAX_BYTES:
+        raise TraceError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a trace schedc reads")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply to read (a trace is 4 levels deep)"
+                         ) from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of thousands of digits
+        raise TraceError(f"{path}: not JSON: {e}") from None
+    return validate(data, str(path))
+
+
+# -- the schema: what schedc reads from a trace (docs/trace.md) ---------------------------------
+#
+# The envelope of every event (an object; `ph` a string; `name`, if present, a string) is
+# checked, since it decides whether schedc uses the event. Only the events schedc uses are
+# checked further, field by field: "X" events whose name is an op (`bwd[h.3]@mb1`) and "M"
+# "thread_name" events. Every other event, and every field not named here, is ignored.
+
+
+def validate(data, path: str) -> dict:
+    """`data` (parsed JSON) as a trace dict, or TraceError naming the first bad field."""
+    if isinstance(data, list):  # Chrome's JSON Array Format: the events alone
+        events, where = data, ""
         data = {"traceEvents": data}
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise TraceError(f"{path} is not a Chrome trace (no traceEvents list)")
+    else:
+        if not isinstance(data, dict):
+            raise TraceError(f"{path}: expected a JSON object with a traceEvents list (or a "
+                             f"list of events), got {_shown(data)}")
+        events, where = data.get("traceEvents"), "traceEvents"
+        if not isinstance(events, list):
+            raise TraceError(f"{path}: traceEvents: expected a list of events, got "
+                             f"{_shown(events) if 'traceEvents' in data else 'nothing'}")
+        other = data.get("otherData")
+        if other is not None:
+            _object(other, f"{path}: otherData")
+            if "schedule" in other:
+                _path_text(other["schedule"], f"{path}: otherData.schedule")
+    for i, e in enumerate(events):
+        _event(e, f"{path}: {where}[{i}]")
     return data
 
 
+def _event(e, at: str) -> None:
+    _object(e, at)
+    if not isinstance(e.get("ph"), str):
+        raise TraceError(f"{at}.ph: expected a string (the event type, \"X\" or \"M\"), got "
+                         f"{_shown(e['ph']) if 'ph' in e else 'nothing'}")
+    if "name" in e and not isinstance(e["name"], str):
+        raise TraceError(f"{at}.name: expected a string, got {_shown(e['name'])}")
+    if e["ph"] == "X" and _op(e) is not None:
+        _rank(e, "pid", at)
+        _thread(e, at)
+        _time(e, "ts", at)
+        _time(e, "dur", at)
+        if e["ts"] + e["dur"] > MAX_US:
+            raise TraceError(f"{at}: ts + dur, the span's end, is past {MAX_US:g} us")
+        args = e.get("args")
+        if args is not None:
+            _object(args, f"{at}.args")
+            step = args.get("step")
+            if step is not None and not (_is_int(step) and 0 <= step <= MAX_RANK):
+                raise TraceError(f"{at}.args.step: expected an integer >= 0, got "
+                                 f"{_shown(step)}")
+            if args.get("stream") is not None:
+                _name(args["stream"], f"{at}.args.stream")
+    elif e["ph"] == "M" and e.get("name") == "thread_name":
+        _rank(e, "pid", at)
+        _thread(e, at, required=True)
+        args = e.get("args")
+        _object(args, f"{at}.args", present="args" in e)
+        _name(args.get("name"), f"{at}.args.name", present="name" in args)
+
+
+def _op(e) -> Op | None:
+    try:
+        return Op.parse(e.get("name", ""))
+    except OpSyntaxError:
+        return None
+
+
+def _object(v, at: str, present: bool = True) -> None:
+    if not isinstance(v, dict):
+        raise TraceError(f"{at}: expected an object, got {_shown(v) if present else 'nothing'}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _rank(e, key: str, at: str) -> None:
+    v = e.get(key)
+    if not (_is_int(v) and 0 <= v <= MAX_RANK):
+        raise TraceError(f"{at}.{key}: expected a rank, an integer >= 0, got "
+                         f"{_shown(v) if key in e else 'nothing'}")
+
+
+def _thread(e, at: str, required: bool = False) -> None:
+    """`tid`: schedc writes the stream's index; a string names a thread too (Chrome allows)."""
+    v = e.get("tid")
+    if v is None and not required and "tid" not in e:
+        return
+    if not ((_is_int(v) and 0 <= v <= MAX_RANK) or (isinstance(v, str) and len(v) <= 200)):
+        raise TraceError(f"{at}.tid: expected an integer >= 0 or a string, got "
+                         f"{_shown(v) if 'tid' in e else 'nothing'}")
+
+
+def _time(e, key: str, at: str) -> None:
+    v = e.get(key)
+    # the range first: math.isfinite(10**400) overflows converting the int to a float
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and 0 <= v <= MAX_US and math.isfinite(v)):
+        raise TraceError(f"{at}.{key}: expected a finite number >= 0 (microseconds, at most "
+                         f"{MAX_US:g}), got {_shown(v) if key in e else 'nothing'}")
+
+
+def _name(v, at: str, present: bool = True) -> None:
+    if not (isinstance(v, str) and 0 < len(v) <= 200):
+        raise TraceError(f"{at}: expected a name, a string of 1 to 200 characters, got "
+                         f"{_shown(v) if present else 'nothing'}")
+
+
+def _path_text(v, at: str) -> None:
+    if not (isinstance(v, str) and 0 < len(v) <= 4096 and "\0" not in v):
+        raise TraceError(f"{at}: expected a file name, got {_shown(v)}")
+
+
+def _printable(text: str) -> str:
+    """Text from the trace, its lone surrogates (JSON allows "\\ud800") escaped: a message
+    must encode to UTF-8 wherever it is printed."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shown(v) -> str:
+    """A JSON value as the message shows it: scalars in JSON spelling (clipped), not contents."""
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, str):
+        return json.dumps(v[:40] + ("..." if len(v) > 40 else ""))
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+
+
 def spans(trace: dict) -> list[Span]:
-    """Every op span in the trace (events whose name is not an op are skipped)."""
-    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name")
+    """Every op span in the trace (events whose name is not an op are skipped); `trace` is
+    one `load` or `validate` accepted, so every field read here has its schema's type."""
+    threads = {(e["pid"], e["tid"]): e["args"]["name"]
                for e in trace["traceEvents"]
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+               if e["ph"] == "M" and e.get("name") == "thread_name"}
     out = []
-    for e in trace["traceEvents"]:
-        if e.get("ph") != "X":
-            continue
-        try:
-            op = Op.parse(str(e.get("name", "")))
-        except OpSyntaxError:
+    for n, e in enumerate(trace["traceEvents"]):
+        if e["ph"] != "X" or (op := _op(e)) is None:
             continue
         args = e.get("args") or {}
-        stream = (args.get("stream") or threads.get((e.get("pid"), e.get("tid")))
+        stream = (args.get("stream") or threads.get((e["pid"], e.get("tid")))
                   or str(e.get("tid")))
         ts = float(e["ts"]) / 1e6
-        out.append(Span(int(e.get("pid", 0)), int(args.get("step", 0)), stream, op, ts,
-                        ts + float(e.get("dur", 0.0)) / 1e6))
+        out.append(Span(e["pid"], args.get("step") or 0, stream, op, ts,
+                        ts + float(e["dur"]) / 1e6, n))
     return out
+
+
+def _against(compiled: Compiled, chosen: list[Span], name: str) -> None:
+    """Every span's rank, stream and op must be the schedule's: a trace of another schedule,
+    or one edited by hand, is refused here, naming the event, not deep in the drawing."""
+    world, where = compiled.spec.world, f"{name}: traceEvents"
+    planned: dict[int, set] = {}
+    for s in chosen:
+        if s.rank >= world:
+            raise TraceError(f"{where}[{s.index}].pid: rank {s.rank}, but "
+                             f"{compiled.source.path} has ranks 0..{world - 1}")
+        plan = compiled.plan(s.rank)
+        if s.stream not in plan.streams:
+            raise TraceError(f"{where}[{s.index}]: stream {s.stream!r} is none of "
+                             f"{compiled.source.path}'s ({', '.join(plan.streams)})")
+        if s.op not in planned.setdefault(s.rank, set(plan.ops)):
+            raise TraceError(
+                f"{where}[{s.index}]: rank {s.rank} ran {_printable(str(s.op))}, which "
+                f"{compiled.source.path}'s plan does not hold; was the trace recorded from "
+                "another schedule or with --model?")
 
 
 def steps(trace: dict) -> list[int]:
@@ -91,18 +268,13 @@ def measured(compiled: Compiled, trace: dict, step: int | None = None,
         have_ranks = sorted({s.rank for s in every})
         raise TraceError(f"{name} has no rank {', '.join(map(str, ranks or []))}; "
                          f"it has ranks {', '.join(map(str, have_ranks))}")
-    planned = {r: set(compiled.plan(r).ops) for r in {s.rank for s in chosen}}
-    for s in chosen:
-        if s.op not in planned[s.rank]:
-            raise TraceError(
-                f"{name}: rank {s.rank} ran {s.op}, which {compiled.source.path}'s plan does "
-                "not hold; was the trace recorded from another schedule or with --model?")
+    _against(compiled, chosen, name)
     t0 = min(s.start for s in chosen)
     intervals = [Interval(s.rank, s.stream, s.op, s.start - t0, s.end - t0) for s in chosen]
     shown = tuple(sorted({s.rank for s in chosen}))
     streams = compiled.plan(shown[0]).streams
     return Timeline(compiled.spec, in_stream_order(intervals, streams), shown, streams,
-                    "measured", note=f"{name}, step {step}")
+                    "measured", note=f"{Path(name).name}, step {step}")
 
 
 def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
@@ -161,7 +333,8 @@ class Fit:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) -> Fit:
+def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
+              name: str = "trace") -> Fit:
     """Least squares over the ops of the trace, skipping step 0 (warm-up) if there are more.
 
     Each distinct op (`bwd[h.3]`, `allreduce[b1]`, ...) is one point: the median of its
@@ -180,7 +353,8 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) ->
     have = sorted({s.step for s in every})
     used = [s for s in every if s.step != have[0]] if len(have) > 1 else every
     if not used:
-        raise TraceError("the trace holds no op spans")
+        raise TraceError(f"{name} holds no op spans; was it written by `schedc run --trace`?")
+    _against(compiled, used, name)
     notes = []
     comp = [(op_flops(spec, op), t) for op, t in _medians(
         (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD))]
@@ -235,8 +409,13 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None) ->
         mem = optimizer_bytes(spec) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
-    cost = replace(base, flops=None, **{key: flops}, bandwidth=bandwidth, latency=latency,
-                   mem_bandwidth=mem, free=free)
+    fitted = {key: flops, "bandwidth": bandwidth, "latency": latency, "mem_bandwidth": mem,
+              "free": free}
+    for k, v in fitted.items():  # spans of 1e-300 us or 1e17 us fit, but to nothing usable
+        if not (math.isfinite(v) and (v > 0 or k in ("latency", "free") and v == 0)):
+            notes.append(f"the fitted {k} ({v:g}) is not a usable value: kept")
+            fitted[k] = getattr(base, k)
+    cost = replace(base, flops=None, **fitted)
     return Fit(cost, len(comp), c_rms, c_mean, len(coll), m_rms, m_mean, tuple(notes), key)
 
 

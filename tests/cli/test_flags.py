@@ -107,13 +107,13 @@ def test_usage_errors_exit_1_not_argparses_2(capsys):
 
 
 @pytest.mark.parametrize("flag,value,want", [
-    ("--trace", "/missing/dir/t.json", "no such directory /missing/dir"),
+    ("--trace", "/missing/dir/t.json", "no such directory: /missing/dir"),
     ("--trace", "{tmp}", "is a directory, not a file"),
-    ("--log-json", "/missing/dir/log.jsonl", "no such directory /missing/dir"),
+    ("--log-json", "/missing/dir/log.jsonl", "no such directory: /missing/dir"),
     ("--log-json", "{tmp}", "is a directory, not a file"),
-    ("--save", "/missing/dir/ck", "no such directory /missing/dir"),
+    ("--save", "/missing/dir/ck", "no such directory: /missing/dir"),
     ("--save", "{tmp}/file", "not a directory"),
-    ("--save", "{tmp}/file/ck", "is not a directory"),
+    ("--save", "{tmp}/file/ck", "not a directory: "),
 ])
 def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value, want):
     (tmp_path / "file").write_text("x")
