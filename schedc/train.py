@@ -16,7 +16,6 @@ complete or absent.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -173,17 +172,18 @@ def fail(comm: Comm, what: str, where: str) -> None:
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"schedc/failed/{comm.rank}", f"{where}: {what.splitlines()[0][:300]}")
+        # polled in short checks, not one long store.wait: the store client serves one
+        # call at a time, and the SIGTERM report (`terminated`) must get a word in
         deadline = time.monotonic() + FAILURE_GRACE_S
-        for r in range(comm.world):
-            if r == comm.rank:
-                continue
-            key = f"schedc/failed/{r}"
-            left = max(0.05, deadline - time.monotonic())
-            try:
-                store.wait([key], datetime.timedelta(seconds=left))
-                heard[r] = store.get(key).decode()
-            except Exception:  # noqa: BLE001 - a rank that never wrote is the answer
-                silent.append(r)
+        silent = [r for r in range(comm.world) if r != comm.rank]
+        while silent:
+            for r in list(silent):
+                if store.check([f"schedc/failed/{r}"]):
+                    heard[r] = store.get(f"schedc/failed/{r}").decode()
+                    silent.remove(r)
+            if not silent or time.monotonic() > deadline:
+                break  # a rank that never wrote is the answer
+            time.sleep(0.05)
         woken = wake_stopped(store, silent)
     except Exception:  # noqa: BLE001 - the store is gone too (its host died)
         silent = [r for r in range(comm.world) if r != comm.rank]
