@@ -128,7 +128,7 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
     except (checkpoint.CheckpointError, RunError) as e:
         if isinstance(e, PlanError) or world_env > 1 and not isinstance(
                 e, checkpoint.CheckpointError):
-            fail(comm, str(e), where)
+            fail(comm, str(e), where, getattr(e, "cause", None))
         raise RunError(str(e)) from None
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
@@ -157,7 +157,7 @@ def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
     return per_token * tokens_per_s / (peak * spec.world)
 
 
-def fail(comm: Comm, what: str, where: str) -> None:
+def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) -> None:
     """Tell the others where this rank stopped, name those that say nothing, and exit 1.
 
     Exits with os._exit: after a collective failed, gloo and NCCL threads may be blocked
@@ -165,7 +165,9 @@ def fail(comm: Comm, what: str, where: str) -> None:
     torchrun the SIGTERM that ends the job may arrive during the grace below: then
     `terminated` reports instead, in one line, with this failure in it.
     """
-    _now["failing"] = what.splitlines()[0][:200]
+    # the SIGTERM line names the instruction already: of a PlanError it needs the cause only
+    _now["failing"] = (f"{type(cause).__name__}: {cause}" if cause else what).strip().split(
+        "\n")[0][:200]
     silent: list[int] = []
     heard: dict[int, str] = {}
     woken: list[int] = []
