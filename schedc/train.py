@@ -234,6 +234,8 @@ def _here(where: str) -> str:
 def watch_sigterm(comm: Comm) -> None:
     """Answer SIGTERM with `terminated()`; publish this rank's host and pid for `fail()`."""
     _now["comm"] = comm
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers belong to the main thread (schedc's CLI is the main thread)
     try:
         dist.distributed_c10d._get_default_store().set(
             f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -305,8 +307,8 @@ def terminated() -> None:
     if woken:
         told += "; sent SIGCONT to stopped rank " + ", ".join(map(str, woken))
     failing = f", while failing: {_now['failing']}" if _now["failing"] else ""
-    line = (f"schedc: rank {comm.rank} terminated by SIGTERM at "
-            f"{where}{failing}; {told}\n")
+    told = f"; {told}" if others else ""  # world 1: no one to hear from
+    line = f"schedc: rank {comm.rank} terminated by SIGTERM at {where}{failing}{told}\n"
     with _report:
         os.write(2, line.encode(errors="replace"))  # unbuffered: no lock the main thread holds
         os._exit(TERM_EXIT)
