@@ -175,6 +175,7 @@ class Executor:
             self.optimizer = make_adamw(self.params.items(), spec.optim)
         self._fused: tuple[Plan, list] | None = None
         self.step_index = 0
+        self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Span]] = []
 
@@ -195,6 +196,7 @@ class Executor:
         self.result: StepStats | None = None
         self.execute()
         self.backend.synchronize()
+        self.at = None  # between steps
         dt = time.perf_counter() - t0
         stats = self.result
         stats.dt_ms = dt * 1e3
@@ -218,7 +220,7 @@ class Executor:
         """Issue the plan, item by item; on failure, show where in the plan."""
         backend, instrs = self.backend, self.plan.instrs
         for item in self.items:
-            k = item.first if isinstance(item, Segment) else item
+            k = self.at = item.first if isinstance(item, Segment) else item
             try:
                 with _range(item if isinstance(item, Segment) else instrs[item]):
                     if isinstance(item, Segment):

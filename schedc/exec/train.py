@@ -17,11 +17,13 @@ complete or absent.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -49,6 +51,8 @@ class TrainOptions:
 
 
 FAILURE_GRACE_S = 3.0  # how long a failing rank waits to hear from the others
+TERM_STORE_S = 1.0  # how long a rank terminated by torchrun asks the store who failed
+TERM_EXIT = 143  # 128 + SIGTERM: ended by the launcher (1: this rank failed by itself)
 
 
 def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str,
@@ -132,7 +136,8 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
-    where = "start-up"
+    where = _here("start-up")
+    watch_sigterm(comm)
     try:
         batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
         # agree first: building the executor creates a process group per stream, which would
@@ -142,9 +147,9 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
                          flags)
         if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
             raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
-        ex = Executor(compiled, comm, opts, batches)
+        ex = _now["ex"] = Executor(compiled, comm, opts, batches)
         if job.resume:
-            where = f"loading {job.resume}"
+            where = _here(f"loading {job.resume}")
             step = checkpoint.load(ex, job.resume)
             log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
         log(comm, f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
@@ -152,7 +157,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             f"on {device.type} ({torch.get_num_threads()} thread(s) per rank)")
         records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
         while ex.step_index < spec.steps:
-            where = f"step {ex.step_index}"
+            where = _here(f"step {ex.step_index}")
             st = ex.step()
             if st.skipped:
                 log(comm, f"step {st.step:4d} | skipped: {st.skipped}")
@@ -166,7 +171,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
                 records.flush()
             if job.save and (ex.step_index % job.save_every == 0
                               or ex.step_index == spec.steps):
-                where = f"saving step {ex.step_index}"
+                where = _here(f"saving step {ex.step_index}")
                 path = checkpoint.save(ex, job.save, keep=job.keep)
                 log(comm, f"schedc: checkpoint {path}")
         ex.close()
@@ -179,7 +184,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     except (checkpoint.CheckpointError, RunError) as e:
         if isinstance(e, PlanError) or world_env > 1 and not isinstance(
                 e, checkpoint.CheckpointError):
-            fail(comm, str(e), where)
+            fail(comm, str(e), where, getattr(e, "cause", None))
         raise RunError(str(e)) from None
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
@@ -208,28 +213,36 @@ def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
     return per_token * tokens_per_s / (peak * spec.world)
 
 
-def fail(comm: Comm, what: str, where: str) -> None:
+def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) -> None:
     """Tell the others where this rank stopped, name those that say nothing, and exit 1.
 
     Exits with os._exit: after a collective failed, gloo and NCCL threads may be blocked
-    for good, and a normal interpreter exit could wait on them. No hang, ever.
+    for good, and a normal interpreter exit could wait on them. No hang, ever. Under
+    torchrun the SIGTERM that ends the job may arrive during the grace below: then
+    `terminated` reports instead, in one line, with this failure in it.
     """
+    # the SIGTERM line names the instruction already: of a PlanError it needs the cause only
+    _now["failing"] = (f"{type(cause).__name__}: {cause}" if cause else what).strip().split(
+        "\n")[0][:200]
     silent: list[int] = []
     heard: dict[int, str] = {}
+    woken: list[int] = []
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"schedc/failed/{comm.rank}", f"{where}: {what.splitlines()[0][:300]}")
+        # polled in short checks, not one long store.wait: the store client serves one
+        # call at a time, and the SIGTERM report (`terminated`) must get a word in
         deadline = time.monotonic() + FAILURE_GRACE_S
-        for r in range(comm.world):
-            if r == comm.rank:
-                continue
-            key = f"schedc/failed/{r}"
-            left = max(0.05, deadline - time.monotonic())
-            try:
-                store.wait([key], datetime.timedelta(seconds=left))
-                heard[r] = store.get(key).decode()
-            except Exception:  # noqa: BLE001 - a rank that never wrote is the answer
-                silent.append(r)
+        silent = [r for r in range(comm.world) if r != comm.rank]
+        while silent:
+            for r in list(silent):
+                if store.check([f"schedc/failed/{r}"]):
+                    heard[r] = store.get(f"schedc/failed/{r}").decode()
+                    silent.remove(r)
+            if not silent or time.monotonic() > deadline:
+                break  # a rank that never wrote is the answer
+            time.sleep(0.05)
+        woken = wake_stopped(store, silent)
     except Exception:  # noqa: BLE001 - the store is gone too (its host died)
         silent = [r for r in range(comm.world) if r != comm.rank]
         heard = {}
@@ -240,11 +253,151 @@ def fail(comm: Comm, what: str, where: str) -> None:
                      f"stopped answering (dead, or stuck past --timeout "
                      f"{comm.timeout.total_seconds():.0f}s); nothing from "
                      f"{'them' if len(silent) > 1 else 'it'} in {FAILURE_GRACE_S:.0f}s")
+    if woken:
+        lines.append(f"schedc: rank {comm.rank}: rank{'s' if len(woken) > 1 else ''} "
+                     f"{', '.join(map(str, woken))} {'were' if len(woken) > 1 else 'was'} "
+                     "stopped (SIGSTOP); sent SIGCONT so that torchrun's SIGTERM can end "
+                     f"{'them' if len(woken) > 1 else 'it'} now")
     for r, text in sorted(heard.items()):
         lines.append(f"schedc: rank {comm.rank}: rank {r} failed too, at {text}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    with _report:  # the SIGTERM report, if it came first, exits the process in here
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+# -- a rank that torchrun terminates ------------------------------------------------------------
+#
+# When one rank dies, torchrun SIGTERMs the others within ~0.1 s, before their own failure
+# report (above) is out; Python's default would end them silently. `schedc run` instead
+# answers SIGTERM with one line: where this rank was in its plan, and which ranks it had
+# heard from, then exits 143. The Python-level handler would run only between bytecodes of
+# the main thread, which is usually blocked in C++ (a gloo/NCCL wait, the store), where it
+# cannot run; so the signal only writes a byte to a wakeup fd (signal.set_wakeup_fd) and a
+# daemon thread, which needs nothing but the GIL the blocked main thread released, reports
+# and exits. Every store call in it is bounded (TERM_STORE_S): the store's host may be gone.
+
+_now: dict = {"comm": None, "ex": None, "where": "start-up", "failing": ""}
+_report = threading.Lock()  # one report per rank: fail()'s or the SIGTERM one, never both
+
+
+def _here(where: str) -> str:
+    """Record the phase of the run for the SIGTERM report, and return it."""
+    _now["where"] = where
+    return where
+
+
+def watch_sigterm(comm: Comm) -> None:
+    """Answer SIGTERM with `terminated()`; publish this rank's host and pid for `fail()`."""
+    _now["comm"] = comm
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers belong to the main thread (schedc's CLI is the main thread)
+    try:
+        dist.distributed_c10d._get_default_store().set(
+            f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:  # noqa: BLE001, S110 - only wake_stopped needs it, and only as a courtesy
+        pass
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread below reports
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while os.read(r, 1) != bytes([signal.SIGTERM]):  # SIGINT writes its number too
+            pass
+        terminated()
+
+    threading.Thread(target=watch, name="schedc-sigterm", daemon=True).start()
+
+
+def plan_position(ex: Executor | None) -> str:
+    """`step 3, instruction 17 (allreduce[b1]@mb1 on stream comm)`: the plan instruction the
+    executor is at, in the plan's own text, or the phase of the run between instructions."""
+    if ex is None or ex.at is None:
+        return _now["where"]
+    k, ins, plan = ex.at, ex.plan.instrs[ex.at], ex.plan
+    if ins.kind == "run":
+        text = f"{ins.op} on stream {ins.stream}"
+    elif ins.kind == "wait":
+        text = f"wait on stream {ins.stream} for e{ins.event} = {plan.producers[ins.event]}"
+    else:
+        text = f"record e{ins.event} on stream {ins.stream} after {plan.producers[ins.event]}"
+    return f"step {ex.step_index}, instruction {k} ({text})"
+
+
+def terminated() -> None:
+    """SIGTERM (torchrun ending the job): one line naming where this rank was and which
+    ranks it had heard from, written to the store as well; then exit TERM_EXIT."""
+    comm = _now["comm"]
+    where = plan_position(_now["ex"])
+    mine = f"{where}: terminated by SIGTERM"
+    others = [r for r in range(comm.world) if r != comm.rank]
+    heard: dict[int, str] = {}
+    answered: list[bool] = []
+    woken: list[int] = []
+
+    def ask() -> None:  # in a thread of its own: a store whose host died blocks, not fails
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"schedc/failed/{comm.rank}", mine)  # a failing peer hears from us
+        for r in others:
+            if store.check([f"schedc/failed/{r}"]):
+                heard[r] = store.get(f"schedc/failed/{r}").decode()
+        answered.append(True)
+        woken.extend(wake_stopped(store, [r for r in others if r not in heard]))
+
+    asker = threading.Thread(target=ask, name="schedc-sigterm-store", daemon=True)
+    asker.start()
+    asker.join(TERM_STORE_S)
+    got = dict(heard)
+    if got:
+        news = "; ".join(f"rank {r} at {t[:120]}" for r, t in sorted(got.items()))
+        told = f"heard from {news}"
+    else:
+        told = "heard from no rank"
+    silent = [r for r in others if r not in got]
+    if silent and answered:
+        told += f"; nothing from rank{'s' if len(silent) > 1 else ''} " + ", ".join(
+            map(str, silent))
+    elif not answered:
+        told += f" (the rendezvous store did not answer within {TERM_STORE_S:.0f}s)"
+    if woken:
+        told += "; sent SIGCONT to stopped rank " + ", ".join(map(str, woken))
+    failing = f", while failing: {_now['failing']}" if _now["failing"] else ""
+    told = f"; {told}" if others else ""  # world 1: no one to hear from
+    line = f"schedc: rank {comm.rank} terminated by SIGTERM at {where}{failing}{told}\n"
+    with _report:
+        os.write(2, line.encode(errors="replace"))  # unbuffered: no lock the main thread holds
+        os._exit(TERM_EXIT)
+
+
+def wake_stopped(store, silent: list[int]) -> list[int]:
+    """SIGCONT the silent ranks that are stopped (SIGSTOP, ^Z) processes beside this one.
+
+    torchrun ends a job by SIGTERM, then waits 30 s (its --shutdown-timeout) before
+    SIGKILL; a stopped process cannot act on SIGTERM, so one stopped rank made every such
+    job take 30 s more. Continued, it takes the pending SIGTERM at once (and reports where
+    it was), or fails on its own on its dead peer. Only a process that is stopped ('T' in
+    /proc/PID/stat, not traced) and a sibling of this one (same parent: the same torchrun
+    agent, or the same launcher) on this host is signalled, so a reused pid is never touched;
+    SIGCONT does nothing to a running process anyway. Returns the ranks woken.
+    """
+    woken = []
+    for r in silent:
+        try:
+            key = f"schedc/pid/{r}"
+            if not store.check([key]):
+                continue
+            host, pid = store.get(key).decode().split()
+            if host != socket.gethostname():
+                continue
+            with open(f"/proc/{int(pid)}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if state == "T" and int(ppid) == os.getppid():
+                os.kill(int(pid), signal.SIGCONT)
+                woken.append(r)
+        except Exception:  # noqa: BLE001, S112 - best effort: torchrun's timeout is the fallback
+            continue
+    return woken
 
 
 def log(comm: Comm, text: str) -> None:
