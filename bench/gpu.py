@@ -6,16 +6,17 @@
 
 Cases, all on the same model (schedc.model.gpt2, the same seed) and the same batches:
 `nanogpt` is build-nanogpt's train_gpt2.py loop (TF32, bf16 autocast, fused AdamW,
-torch.compile of the whole model, clip_grad_norm_, grad accumulation over k micro-steps);
-`loop-fp32` is the same loop with none of those (fp32, TF32 off, no compile), `loop-bf16`
-with all but torch.compile; and schedc
-runs at world 1 as a single-process, a DDP-shaped and an FSDP-shaped schedule under each
-policy: `fp32` (TF32 on, as on CUDA by default), `bf16`, `bf16+compile`. Every case is
-built first; then round after round each runs `--steps` steps, in a rotated order, so drift
-in the machine (clocks, heat) favours no case. A case's first step (compilation) is not
-timed. Per case: median step time, tokens/s, MFU (against the device's bf16 peak, as
-nanoGPT reports it), its peak memory, the loss of step 0 (the cases compute the same
-step; bf16 and compiled ones to within rounding), and the ratio to `nanogpt`.
+torch.compile of the whole model, clipping, grad accumulation over k micro-steps);
+`loop-bf16` is that loop without torch.compile, `loop-fp32` without any of them (fp32,
+TF32 off; AdamW as schedc builds it, fused on CUDA). schedc runs at world 1 as a
+single-process, a DDP-shaped and an FSDP-shaped schedule under each policy: `fp32` (TF32
+on, as on CUDA by default), `bf16`, `bf16+compile`. Every case is built first; then round
+after round each runs `--steps` steps, in a rotated order, so drift in the machine
+(clocks, heat) favours no case. A case's first step (compilation) is not timed. Per case:
+median step time, tokens/s, MFU (against the device's bf16 peak, as nanoGPT reports it),
+its peak memory, the loss of step 0 (the cases compute the same step; bf16 and compiled
+ones to within rounding), and the ratio to `nanogpt`. `--profile` adds the ops each step
+dispatches and what dispatching them costs on this host.
 
 Peak memory of a case while others are resident: the bytes it holds between steps
 (measured when it was built, after its first step) plus the highest allocation above
@@ -268,29 +269,48 @@ def make_case(name: str, texts: dict[str, str], a, device: torch.device, i: int)
 
 
 def profile(cases, device: torch.device) -> str:
-    """Python and dispatcher cost: one step of each case under torch.profiler.
+    """Python and dispatcher cost: the ops one step of each case dispatches (torch.profiler),
+    times what one dispatch costs on this host.
 
-    `aten ops` counts the ops the step dispatched from Python or a compiled graph (aten
-    events whose parent is not an aten op: what runs inside one is not dispatched again),
-    forward, backward and optimizer alike. `host us/op` is the step's wall time over that
-    count: with kernels this small (the smoke and CPU sizes) it is the cost of getting an
-    op from Python to its kernel; on a GPU, ops x that cost is the host time a step needs,
-    hidden while it is below the device's time."""
+    `aten ops` counts the ops a step dispatched from Python or from a compiled graph's
+    wrapper (aten events whose parent is not an aten op: what runs inside one is not
+    dispatched again), forward, backward and optimizer alike. `dispatch us` is the host
+    time of one tiny op from Python to its kernel and back (the median of 2,000 additions
+    of one-element tensors on this device), so ops x that is the host time a step needs
+    at least. On a GPU that time is hidden while it stays below the device's time for the
+    step; what exceeds it is the step's dispatch bound.
+    """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof_
 
-    lines = ["| case | aten ops/step | step ms (profiled) | host us/op |", "|---|---|---|---|"]
+    us = dispatch_us(device)
+    lines = [f"dispatch: {us:.1f} us per op on this host ({device.type})", "",
+             "| case | aten ops/step | host ms/step at least (ops x dispatch) |",
+             "|---|---|---|"]
     for name, case in cases.items():
         set_tf32(device, case.tf32)
         _sync(device)
         with prof_(activities=[ProfilerActivity.CPU]) as p:
-            t0 = time.perf_counter()
             case.step()
-            dt = time.perf_counter() - t0
         ops = sum(1 for e in p.events() if e.name.startswith("aten::") and not (
             e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
-        lines.append(f"| {name} | {ops} | {1e3 * dt:.1f} | {1e6 * dt / max(ops, 1):.1f} |")
+        lines.append(f"| {name} | {ops} | {ops * us / 1e3:.2f} |")
     return "\n".join(lines)
+
+
+def dispatch_us(device: torch.device, n: int = 2000, repeats: int = 7) -> float:
+    """Median host microseconds of one dispatched op whose kernel does nothing to speak of."""
+    x = torch.zeros(1, device=device)
+    y = torch.ones(1, device=device)
+    runs = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.add(x, y, out=x)
+        runs.append((time.perf_counter() - t0) / n)  # launches only: no sync inside
+    _sync(device)
+    return 1e6 * statistics.median(runs)
 
 
 def summarize(a, device, cases, times, peaks, resident, first_loss, errors) -> str:
