@@ -29,6 +29,7 @@ from schedc.compiler import Compiled
 from schedc.exec.backends import CPUBackend, CUDABackend, Span
 from schedc.exec.flat import Bucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
+from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
 from schedc.ir.spec import BucketSpec, Strategy
@@ -136,8 +137,11 @@ class Executor:
                            f"{comm.world} rank{'s' if comm.world != 1 else ''}")
         self.plan: Plan = compiled.plan(comm.rank)
         self.device = pick_device(options.device)
+        self.tf32 = set_tf32(self.device, spec.numerics.tf32)  # CUDA only; CPU untouched
         self.layers = spec.model.layers
         self.model = init_model(spec.model, spec.seed, options.dtype).to(self.device)
+        # what each compute segment calls: eager, or compiled once per region (`compile on`)
+        self.regions = Regions(self.model, spec.numerics.compile)
         self.params = dict(self.model.named_parameters())
         self.batches = batches or load_batches(spec.data, spec.seq_len, spec.seqs,
                                                spec.model.vocab_size)
@@ -233,6 +237,8 @@ class Executor:
                         backend.record(ins.stream, ins.event)
                     else:
                         backend.wait(ins.stream, ins.event)
+            except CompileFailed as e:  # the compiler's failure, not the plan's
+                raise RunError(str(e)) from None
             except Exception as e:
                 raise PlanError(self.plan, k, self.comm.rank, self.step_index, e) from e
 
@@ -264,7 +270,7 @@ class Executor:
         else:
             # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        out = self.model.forward_range(first, last, inp, mb.y if last == "head" else None)
+        out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
             mb.loss = out.detach()

@@ -117,12 +117,23 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
             "device": device.type, "precision": str(opts.dtype).removeprefix("torch.")}
 
 
+def check_gpus(local_world: int, device_count: int) -> None:
+    """More ranks on this node than it has GPUs would put two ranks on one device, and NCCL
+    refuses that only later, with a stack of errors on every rank: say it first, in one line."""
+    if local_world > device_count:
+        raise RunError(f"this node runs {local_world} ranks but has {device_count} GPU"
+                       f"{'s' if device_count != 1 else ''} (torch.cuda.device_count()); "
+                       f"run at most {device_count} per node (torchrun --nproc_per_node), "
+                       "or --device cpu")
+
+
 def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     """Train for the schedule's steps under torchrun (or alone, at world 1)."""
     from schedc.exec import checkpoint
 
     device = pick_device(opts.device)
     if device.type == "cuda":
+        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
         torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # timeouts end the job
     spec = compiled.spec

@@ -77,7 +77,21 @@ def adamw_groups(decay: list, no_decay: list, opt: OptimConfig) -> torch.optim.A
         lr=opt.lr,
         betas=(opt.beta1, opt.beta2),
         eps=opt.eps,
+        **adamw_impl((decay + no_decay)[0].device if decay or no_decay else None),
     )
+
+
+def adamw_impl(device: torch.device | None) -> dict[str, bool]:
+    """Which AdamW kernels: fused on CUDA (one kernel for all parameters, as build-nanogpt
+    uses), foreach on a CPU (torch's default there is the per-parameter loop).
+
+    The executor and the reference both build their optimizer here, so on a CPU they run
+    the same foreach arithmetic and stay bitwise comparable; fused and foreach differ in
+    the last bits, which the CUDA test's tolerances cover.
+    """
+    if device is not None and device.type == "cuda":
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
