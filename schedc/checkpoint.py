@@ -55,9 +55,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 FORMAT = 1
 CRASH_ENV = "SCHEDC_CRASH_AT"  # test hook: die (SIGKILL) at a named point of a save
@@ -361,6 +366,9 @@ def verify(path: Path, key: bytes | None = None) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON: {e}") from None
     _check_meta(meta, where)
+    if _STEP.fullmatch(path.name) and path.name != f"step_{meta['step']:08d}":
+        raise CheckpointError(f"{where}: field 'step': {meta['step']}, but the directory is "
+                              f"{path.name} (renamed?)")
     sizes = {}
     for fname, want in meta["files"].items():
         got, sizes[fname] = _hash_file(path / fname)
@@ -427,7 +435,7 @@ def _check_meta(meta, where: Path) -> None:
         if not _FILE.fullmatch(fname):
             bad("files", f"{fname[:60]!r} is not a file DCP writes (.metadata, __R_N.distcp)")
         if type(h) is not str or not _HEX64.fullmatch(h):
-            bad(f"files.{fname}", "not a SHA-256 in hex")
+            bad(f"files[{fname!r}]", "not a SHA-256 in hex")
     if ".metadata" not in files:
         bad("files", "does not list .metadata")
 
@@ -455,7 +463,7 @@ def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
         dcp.load(state, storage_reader=SafeReader(str(path), meta), process_group=ex.comm.group)
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's are about this file
+    except (Exception, CheckpointException) as e:  # DCP's errors are about this checkpoint
         if isinstance(e, CheckpointException) and e.failures:  # a BaseException: unwrap
             e = next(iter(e.failures.values()))[0]
             if isinstance(e, CheckpointError):
@@ -561,15 +569,15 @@ class _MetadataUnpickler(pickle._Unpickler):
     their own fields; and refuses every other opcode that creates or calls. It is Python's
     own pure-Python unpickler with those dispatch entries replaced."""
 
-    ALLOWED = {
+    ALLOWED = frozenset({
         ("torch.distributed.checkpoint.metadata", n) for n in (
             "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
             "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
         *(("torch", str(d).removeprefix("torch.")) for d in (
-            torch.float32, torch.float16, torch.bfloat16, torch.float64))}
-    dispatch = dict(pickle._Unpickler.dispatch)
+            torch.float32, torch.float16, torch.bfloat16, torch.float64))})
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: RUF012 - pickle reads it off the class
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
