@@ -464,7 +464,6 @@ def test_an_attack_is_a_clear_error_and_runs_nothing(saved, tmp_path, bounded, n
     assert Metadata.__repr__ is not torch.serialization._get_layout  # no class was rebuilt
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch..._shard
 @pytest.mark.parametrize("name", GADGETS)
 def test_each_gadget_is_live(tmp_path, name):
     """The control: Python's own unpickler runs each gadget (so refusing it means something)."""
