@@ -192,6 +192,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=COUNT, default=2,
                    help="checkpoints to keep (default 2; 0 keeps every one)")
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
+    p.add_argument("--checkpoint-key", metavar="FILE", help="a secret (16-4096 bytes): --save "
+                   "signs meta.json with its HMAC-SHA256, --resume refuses a checkpoint whose "
+                   "HMAC is missing or wrong (README, Robustness)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="on a non-finite loss or gradient norm: stop the run (default), or "
                    "skip that update and say so")

@@ -135,7 +135,7 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
         ex = _now["ex"] = Executor(compiled, comm, opts, batches)
         if args.resume:
             where = _here(f"loading {args.resume}")
-            step = checkpoint.load(ex, args.resume)
+            step = checkpoint.load(ex, args.resume, key=args.key)
             log(comm, f"schedc: resumed from {checkpoint.find(args.resume)} at step {step}")
         log(comm, f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
             f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, {spec.steps} steps "
@@ -157,7 +157,7 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
             if args.save and (ex.step_index % args.save_every == 0
                               or ex.step_index == spec.steps):
                 where = _here(f"saving step {ex.step_index}")
-                path = checkpoint.save(ex, args.save, keep=args.keep)
+                path = checkpoint.save(ex, args.save, keep=args.keep, key=args.key)
                 log(comm, f"schedc: checkpoint {path}")
         ex.close()
         if args.trace:
@@ -170,6 +170,8 @@ def run_main(compiled: Compiled, opts: RunOptions, args) -> int:
         if isinstance(e, PlanError) or world_env > 1 and not isinstance(
                 e, checkpoint.CheckpointError):
             fail(comm, str(e), where, getattr(e, "cause", None))
+        if isinstance(e, checkpoint.CheckpointError):
+            raise  # a user error: run_command prints it as one line, exit 1
         raise RunError(str(e)) from None
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
@@ -430,6 +432,13 @@ def run_command(args) -> int:
     check_output("--trace", args.trace)
     check_output("--log-json", args.log_json)
     check_output("--save", args.save, directory=True)
+    from schedc import checkpoint
+    from schedc.commands import UserError
+
+    try:  # read before training, so a bad key file fails at once
+        args.key = checkpoint.read_key(args.checkpoint_key) if args.checkpoint_key else None
+    except checkpoint.CheckpointError as e:
+        raise UserError(f"--checkpoint-key {e}") from None
     path = args.file or str(default_schedule())
     compiled = compile_file(path, ov)
     opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
@@ -440,4 +449,6 @@ def run_command(args) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
+    except checkpoint.CheckpointError as e:
+        raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1
 
