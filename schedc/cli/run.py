@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=COUNT, default=2,
                    help="checkpoints to keep (default 2; 0 keeps every one)")
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
+    p.add_argument("--checkpoint-key", metavar="FILE", help="a secret (16-4096 bytes): --save "
+                   "signs meta.json with its HMAC-SHA256, --resume refuses a checkpoint whose "
+                   "HMAC is missing or wrong (README, Robustness)")
     p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
                    help="on a non-finite loss or gradient norm: stop the run (default), or "
                    "skip that update and say so")
@@ -58,16 +61,23 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UserError("`schedc run` trains with torch, which is not installed here; "
                         "scripts/install.sh installs it (check and render need no torch)") from None
+    from schedc.exec.checkpoint import CheckpointError, read_key
     from schedc.exec.executor import RunError, RunOptions
     from schedc.exec.train import TrainOptions, run_main
 
+    try:  # read before training, so a bad key file fails at once
+        key = read_key(args.checkpoint_key) if args.checkpoint_key else None
+    except CheckpointError as e:
+        raise UserError(f"--checkpoint-key {e}") from None
     opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
                       nonfinite=args.nonfinite)
     job = TrainOptions(save=args.save, save_every=args.save_every, keep=args.keep,
-                       resume=args.resume, log_json=args.log_json, trace=args.trace)
+                       resume=args.resume, log_json=args.log_json, trace=args.trace, key=key)
     try:
         return run_main(compiled, opts, job)
     except RunError as e:
         rank = os.environ.get("RANK", "0")
         print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
+    except CheckpointError as e:
+        raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1

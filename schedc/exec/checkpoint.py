@@ -1,6 +1,7 @@
 """Checkpoints that lose nothing: complete or absent, verified before use, safe to load.
 
     DIR/step_00000040/      one checkpoint: torch.distributed.checkpoint files + meta.json
+                            (+ meta.json.hmac when saved with --checkpoint-key)
     DIR/latest              the name of the newest complete checkpoint
 
 What is saved: every parameter and its AdamW state, the step (which fixes the learning
@@ -12,28 +13,56 @@ lets DCP reshard them. DDP state is replicated, and DCP writes it once.
 Complete or absent: a checkpoint is written into a hidden temporary directory, hashed
 (meta.json lists the SHA-256 of every file), fsynced, renamed into place, and only then
 named by `latest` (written by rename too). A crash at any point leaves the previous
-checkpoint untouched; a truncated or altered file fails the hash check with a clear
-error. Loading never runs code from the checkpoint: hashes are checked first, tensors are
-read with torch.load(weights_only=True), and DCP's pickled metadata is read by an
-unpickler that admits only DCP's own metadata classes.
-"""
+checkpoint untouched.
 
+What the hashes promise: the SHA-256 list detects corruption and truncation, not
+tampering. It lives in meta.json beside the files it covers, so whoever can write the
+directory can rewrite a tensor file and its hash, and without a key that is undetectable.
+Tamper evidence needs a secret: with `--checkpoint-key FILE` (16 to 4096 bytes, e.g.
+`head -c 32 /dev/urandom > FILE`), save writes meta.json.hmac, the HMAC-SHA256 of
+meta.json's exact bytes, and load checks it before reading anything else; since
+meta.json holds every file's hash, the HMAC covers every byte. A key proves that a
+holder of the key wrote that checkpoint, not that it is the newest one. A checkpoint
+that has meta.json.hmac is refused without a key (never loaded unchecked); a key and no
+meta.json.hmac is refused too.
+
+Loading never runs code from the checkpoint, keyed or not: every path stays inside the
+checkpoint directory and every file read is a regular file (no link, FIFO or device);
+meta.json is checked field by field; tensors are read with torch.load(weights_only=True);
+DCP's pickled metadata is read by an unpickler that admits an exact list of classes, and
+a metadata that declares anything but tensors is refused. Every failure is a
+CheckpointError naming the file.
+"""
 from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import hashlib
+import hmac
+import importlib
 import io
 import json
 import os
 import pickle
+import re
 import shutil
-from pathlib import Path
+import stat
+from pathlib import Path, PosixPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from schedc.ir.spec import Strategy
 
@@ -119,8 +148,9 @@ def _mesh(ex):
 # -- saving -------------------------------------------------------------------------------------
 
 
-def save(ex, root: str | os.PathLike, keep: int = 2) -> Path:
-    """Write the executor's state after `ex.step_index` steps; every rank calls this."""
+def save(ex, root: str | os.PathLike, keep: int = 2, key: bytes | None = None) -> Path:
+    """Write the executor's state after `ex.step_index` steps; every rank calls this. With a
+    key, meta.json.hmac authenticates meta.json (and through its hashes, every file)."""
     root = Path(root)
     step, rank, group = ex.step_index, ex.comm.rank, ex.comm.group
     name = f"step_{step:08d}"
@@ -146,7 +176,10 @@ def save(ex, root: str | os.PathLike, keep: int = 2) -> Path:
                 "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
                 "units": {u.name: u.numel for u in ex.units.values()},
                 "rng": rng, "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())}}
-        _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        text = json.dumps(meta, indent=1)
+        _write_atomic(tmp / "meta.json", text)
+        if key is not None:
+            _write_atomic(tmp / HMAC_FILE, _mac(key, text.encode()) + "\n")
         _fsync_dir(tmp)
         _crash_point("before-rename", rank)
         if final.exists():
@@ -201,63 +234,245 @@ def _barrier(ex) -> None:
 
 
 # -- loading ------------------------------------------------------------------------------------
+#
+# Nothing read from a checkpoint is trusted before it is checked, in this order: `latest`
+# (a bounded read; it must name a direct child step_NNNNNNNN), the HMAC over meta.json's
+# bytes when a key is given, meta.json's schema, every listed file's hash (regular files
+# only, opened without following links), then DCP's .metadata: its bytes against their
+# hash, unpickled with an exact allowlist, and its structure checked (tensors only, keys
+# schedc writes, storage in the checkpoint's own hashed files). Tensor data is read by DCP
+# itself; in torch 2.13 FileSystemReader.read_data reads a tensor item with
+# torch.load(..., weights_only=True), and only a bytes item (BytesStorageMetadata) goes to
+# DefaultLoadPlanner.load_bytes, which calls torch.load(weights_only=False): schedc never
+# writes bytes items (the RNG state lives in meta.json), so a metadata that declares one is
+# refused before DCP reads anything.
+
+HMAC_FILE = "meta.json.hmac"
+MAX_META_BYTES = 32 << 20  # meta.json: 7 KB at world 1 (6.7 KB of it a rank's RNG state)
+MAX_METADATA_BYTES = 64 << 20  # DCP's .metadata: 38 KB for the tiny model's 157 tensors
+MAX_FILES, MAX_WORLD, MAX_UNITS = 4096, 4096, 4096
+_STEP = re.compile(r"step_[0-9]{8,12}")
+_FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # what DCP writes
+_ITEM = re.compile(r"(param|optim|unit)\.[A-Za-z0-9_.]{1,200}")  # what executor_state writes
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_STRATEGIES = ("single", "ddp", "fsdp")
+
+
+def read_key(path: str | os.PathLike) -> bytes:
+    """The secret of --checkpoint-key FILE: the file's bytes (16 to 4096 of them)."""
+    key = _read(Path(path), 4096, "a checkpoint key")
+    if len(key) < 16:
+        raise CheckpointError(f"{path}: a checkpoint key needs at least 16 bytes, this has "
+                              f"{len(key)} (e.g. head -c 32 /dev/urandom > {path})")
+    return key
+
+
+def _mac(key: bytes, data: bytes) -> str:
+    return "hmac-sha256:" + hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def _open(path: Path) -> int:
+    """A descriptor of `path` if it is a regular file. O_NOFOLLOW refuses a symbolic link,
+    O_NONBLOCK keeps the open of a FIFO from waiting for a writer, fstat refuses the rest."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a symbolic link; a checkpoint holds regular files "
+                                  "only") from None
+        raise CheckpointError(f"{path}: cannot be opened: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file (a FIFO, device or directory)")
+    return fd
+
+
+def _read(path: Path, limit: int, what: str = "a checkpoint file") -> bytes:
+    fd = _open(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: over {limit} bytes, too large for {what}")
+    return data
+
+
+def _hash_file(path: Path) -> tuple[str, int]:
+    """SHA-256 and size of a regular file (never a link, FIFO or device)."""
+    fd = _open(path)
+    h, n = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+                n += len(block)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return h.hexdigest(), n
 
 
 def find(root: str | os.PathLike) -> Path:
-    """The checkpoint to resume from: `root` itself, or the one `root/latest` names."""
+    """The checkpoint to resume from: `root` itself, or the one `root/latest` names, which
+    must be a directory step_NNNNNNNN directly inside `root` (no path, no link out of it)."""
     root = Path(root)
     if (root / "meta.json").exists():
         return root
     latest = root / "latest"
-    if not latest.exists():
+    if not os.path.lexists(latest):
         if not root.exists():
             raise CheckpointError(f"{root}: no such checkpoint directory")
         raise CheckpointError(f"{root}: no complete checkpoint here (no 'latest' file)")
-    path = root / latest.read_text().strip()
+    try:
+        name = _read(latest, 64, "'latest'").decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = "?"
+    if not _STEP.fullmatch(name):
+        raise CheckpointError(f"{latest}: names {name[:40]!r}, not a checkpoint step_NNNNNNNN "
+                              "of this directory")
+    path = root / name
+    if path.is_symlink() or not path.is_dir() or path.resolve().parent != root.resolve():
+        raise CheckpointError(f"{latest}: names {path}, which is not a directory inside {root}"
+                              " (a symbolic link, or missing)")
     if not (path / "meta.json").exists():
         raise CheckpointError(f"{path}: named by {latest} but incomplete (no meta.json)")
     return path
 
 
-def verify(path: Path) -> dict:
-    """Read meta.json and check every file's hash; no checkpoint byte is trusted before."""
+def verify(path: Path, key: bytes | None = None) -> dict:
+    """Check the HMAC (with a key), meta.json's schema, and every file's hash; no byte of the
+    checkpoint is used before. Returns meta.json, with the files' sizes under "_sizes"."""
+    where = path / "meta.json"
+    raw = _read(where, MAX_META_BYTES, "meta.json")
+    mac = path / HMAC_FILE
+    if key is not None:
+        if not os.path.lexists(mac):
+            raise CheckpointError(f"{mac}: missing, so --checkpoint-key cannot check this "
+                                  "checkpoint (saved without a key, or the HMAC was removed)")
+        got = _read(mac, 256, "an HMAC").decode("ascii", "replace").strip()
+        if not hmac.compare_digest(got, _mac(key, raw)):
+            raise CheckpointError(f"{mac}: the HMAC of meta.json does not match this key "
+                                  "(another key, or meta.json was altered)")
+    elif os.path.lexists(mac):
+        raise CheckpointError(f"{mac}: this checkpoint was saved with --checkpoint-key; give "
+                              "the same key to load it")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}/meta.json is unreadable: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')}, expected {FORMAT}")
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not valid JSON: {e}") from None
+    _check_meta(meta, where)
+    if _STEP.fullmatch(path.name) and path.name != f"step_{meta['step']:08d}":
+        raise CheckpointError(f"{where}: field 'step': {meta['step']}, but the directory is "
+                              f"{path.name} (renamed?)")
+    sizes = {}
     for fname, want in meta["files"].items():
-        f = path / fname
-        if not f.exists():
-            raise CheckpointError(f"{f}: missing from the checkpoint")
-        if _sha256(f) != want:
-            raise CheckpointError(f"{f}: contents do not match the checkpoint's hash (truncated "
-                                  "or altered)")
+        got, sizes[fname] = _hash_file(path / fname)
+        if got != want:
+            raise CheckpointError(f"{path / fname}: contents do not match the checkpoint's hash "
+                                  "(truncated or altered)")
+    meta["_sizes"] = sizes
     return meta
 
 
-def load(ex, root: str | os.PathLike) -> int:
-    """Restore the executor from a checkpoint; returns the step to continue from."""
+def _check_meta(meta, where: Path) -> None:
+    """meta.json's schema, field by field: exactly the keys save() writes, each of its type
+    and in range; files are DCP's own names, directly in the directory."""
+    def bad(field: str, what: str):
+        raise CheckpointError(f"{where}: field '{field}': {what}")
+
+    def integer(field: str, v, lo: int, hi: int) -> None:
+        if type(v) is not int or not lo <= v <= hi:
+            bad(field, f"{str(v)[:40]!r} is not an integer in [{lo}, {hi}]")
+
+    if type(meta) is not dict:
+        raise CheckpointError(f"{where}: not a JSON object")
+    want = {"format", "step", "world", "strategy", "model", "model_config", "schedule_sha256",
+            "units", "rng", "files"}
+    for k in sorted(want - meta.keys()):
+        bad(k, "missing")
+    for k in sorted(meta.keys() - want):
+        bad(k[:40], "not a field of a schedc checkpoint")
+    if meta["format"] != FORMAT or type(meta["format"]) is not int:
+        bad("format", f"{str(meta['format'])[:20]}, expected {FORMAT}")
+    integer("step", meta["step"], 0, 10**12)
+    integer("world", meta["world"], 1, MAX_WORLD)
+    if meta["strategy"] not in _STRATEGIES:
+        bad("strategy", f"{str(meta['strategy'])[:40]!r} is not one of {', '.join(_STRATEGIES)}")
+    if type(meta["model"]) is not str or not 0 < len(meta["model"]) <= 100:
+        bad("model", "not a model name")
+    cfg = meta["model_config"]
+    if type(cfg) is not dict or len(cfg) > 64:
+        bad("model_config", "not an object of model sizes")
+    for k, v in cfg.items():
+        integer(f"model_config.{k[:40]}", v, 0, 2**40)
+    if type(meta["schedule_sha256"]) is not str or not _HEX64.fullmatch(meta["schedule_sha256"]):
+        bad("schedule_sha256", "not a SHA-256 in hex")
+    units = meta["units"]
+    if type(units) is not dict or len(units) > MAX_UNITS:
+        bad("units", f"not an object of at most {MAX_UNITS} unit sizes")
+    for k, v in units.items():
+        integer(f"units.{k[:40]}", v, 0, 2**48)
+    rng = meta["rng"]
+    if type(rng) is not list or len(rng) != meta["world"]:
+        bad("rng", f"not a list of {meta['world']} RNG states (one a rank)")
+    n = torch.get_rng_state().numel()
+    for r, state in enumerate(rng):
+        try:
+            ok = type(state) is str and len(base64.b64decode(state, validate=True)) == n
+        except ValueError:
+            ok = False
+        if not ok:
+            bad(f"rng[{r}]", f"not the base64 of a {n}-byte RNG state")
+    files = meta["files"]
+    if type(files) is not dict or not 0 < len(files) <= MAX_FILES:
+        bad("files", f"not an object of 1 to {MAX_FILES} file hashes")
+    for fname, h in files.items():
+        if not _FILE.fullmatch(fname):
+            bad("files", f"{fname[:60]!r} is not a file DCP writes (.metadata, __R_N.distcp)")
+        if type(h) is not str or not _HEX64.fullmatch(h):
+            bad(f"files[{fname!r}]", "not a SHA-256 in hex")
+    if ".metadata" not in files:
+        bad("files", "does not list .metadata")
+
+
+def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
+    """Restore the executor from a checkpoint; returns the step to continue from. Every
+    failure is a CheckpointError naming the file."""
     path = find(root)
-    meta = verify(path)
+    meta = verify(path, key)
     spec = ex.spec
     if meta["strategy"] != spec.kind or meta["model_config"] != dataclasses.asdict(spec.model):
         raise CheckpointError(
             f"{path}: saved by a {meta['strategy']} schedule of model {meta['model']}; this is a "
             f"{spec.kind} schedule of model {spec.model_name}")
-    if spec.kind is Strategy.FSDP and meta["units"] != {u.name: u.numel for u in ex.units.values()}:
-        raise CheckpointError(f"{path}: its FSDP units {sorted(meta['units'])} differ from this "
-                              f"schedule's {sorted(u.name for u in ex.units.values())}")
-    SafeReader(str(path)).read_metadata()  # refuse bad metadata before DCP touches it
+    ours = {u.name: u.numel for u in ex.units.values()}
+    if spec.kind is Strategy.FSDP and meta["units"] != ours:
+        diff = sorted(set(meta["units"]) ^ set(ours)) or sorted(
+            f"{u} ({meta['units'][u]} elements saved, {n} here)" for u, n in ours.items()
+            if meta["units"][u] != n)
+        raise CheckpointError(f"{path}: its FSDP units differ from this schedule's: "
+                              f"{', '.join(map(str, diff))}")
+    SafeReader(str(path), meta).read_metadata()  # refuse bad metadata before DCP touches it
     state = executor_state(ex)
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), process_group=ex.comm.group)
+        dcp.load(state, storage_reader=SafeReader(str(path), meta), process_group=ex.comm.group)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - anything DCP raises is about this checkpoint
-        raise CheckpointError(f"{path}: cannot be loaded: {e}") from None
-    step = int(meta["step"])
+    except (Exception, CheckpointException) as e:  # DCP's errors are about this checkpoint
+        if isinstance(e, CheckpointException) and e.failures:  # a BaseException: unwrap
+            e = next(iter(e.failures.values()))[0]
+            if isinstance(e, CheckpointError):
+                raise e from None
+        what = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        raise CheckpointError(f"{path}: cannot be loaded: {what}") from None
+    step = meta["step"]
     load_executor_state(ex, state, step)
     rng = meta["rng"]
     if len(rng) == ex.comm.world:
@@ -268,36 +483,157 @@ def load(ex, root: str | os.PathLike) -> int:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, but its pickled metadata may only name DCP's metadata classes."""
+    """DCP's file reader, reading only a checked .metadata: its bytes hashed as meta.json says,
+    unpickled with an exact allowlist, its structure what schedc writes (_check_metadata)."""
+
+    def __init__(self, path: str | os.PathLike, meta: dict | None = None):
+        super().__init__(path)
+        self.meta = meta if meta is not None else verify(Path(path))
 
     def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
+        path = Path(self.path) / ".metadata"  # never __R.metadata: schedc does not write those
+        data = _read(path, MAX_METADATA_BYTES, "DCP metadata")
+        if hashlib.sha256(data).hexdigest() != self.meta["files"][".metadata"]:
+            raise CheckpointError(f"{path}: contents do not match the checkpoint's hash "
+                                  "(changed while loading)")
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"{path}: refused: {e}") from None
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a malformed pickle: every kind of error
+            raise CheckpointError(f"{path}: refused: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+        _check_metadata(metadata, path, self.meta["_sizes"])
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
-    ALLOWED = {("torch", "Size"), ("torch", "float32"), ("torch", "float64"), ("torch", "float16"),
-               ("torch", "bfloat16"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
-               ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
-               ("torch", "preserve_format"), ("collections", "OrderedDict"),
-               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("pathlib", "Path")}
+def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
+    """The unpickled metadata has exactly the shape of what schedc saves: tensor items only
+    (a bytes item would reach torch.load(weights_only=False)), keys executor_state writes,
+    every stored chunk inside one of the checkpoint's hashed .distcp files, no transforms."""
+    def bad(what: str):
+        raise CheckpointError(f"{where}: refused: {what}")
+
+    def shape(v, n: int | None = None) -> bool:
+        return type(v) is torch.Size and (n is None or len(v) == n) and all(
+            type(x) is int and 0 <= x < 2**48 for x in v)
+
+    if type(md) is not Metadata:
+        bad(f"a {type(md).__name__}, not DCP Metadata")
+    items = md.state_dict_metadata
+    if type(items) is not dict or not items:
+        bad("no state_dict_metadata")
+    for k, v in items.items():
+        if type(k) is not str or not _ITEM.fullmatch(k):
+            bad(f"declares item {str(k)[:60]!r}, which schedc never writes")
+        if type(v) is not TensorStorageMetadata:
+            bad(f"item {k} is a {type(v).__name__}, not a tensor; schedc writes tensors only")
+        p = v.properties
+        if type(p) is not TensorProperties or p.dtype not in _DTYPES or (
+                p.layout is not torch.strided):
+            bad(f"item {k} has tensor properties schedc never writes")
+        if not shape(v.size) or type(v.chunks) is not list or not all(
+                type(c) is ChunkStorageMetadata and shape(c.offsets, len(v.size))
+                and shape(c.sizes, len(v.size)) for c in v.chunks):
+            bad(f"item {k} has a malformed shape or chunk list")
+    if md.planner_data is not None and (type(md.planner_data) is not dict or not all(
+            type(v) is tuple and all(type(x) is str for x in v) for v in md.planner_data.values())):
+        bad("malformed planner_data")
+    if md.version is not None and type(md.version) is not str:
+        bad("malformed version")
+    if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
+        bad("malformed storage_meta")
+    if type(md.storage_data) is not dict:
+        bad("no storage_data")
+    for idx, info in md.storage_data.items():
+        if type(idx) is not MetadataIndex or idx.fqn not in items:
+            bad(f"storage for an undeclared item {str(getattr(idx, 'fqn', idx))[:60]!r}")
+        if type(info) is not _StorageInfo:
+            bad(f"storage of {idx.fqn} is a {type(info).__name__}")
+        f = info.relative_path
+        if type(f) is not str or f == ".metadata" or f not in sizes:
+            bad(f"item {idx.fqn} is stored in {str(f)[:60]!r}, which is not one of this "
+                "checkpoint's hashed files (meta.json 'files')")
+        if type(info.offset) is not int or type(info.length) is not int or not (
+                0 <= info.offset and 0 <= info.length and info.offset + info.length <= sizes[f]):
+            bad(f"item {idx.fqn}: bytes {info.offset}+{info.length} lie outside {f}")
+        if info.transform_descriptors:
+            bad(f"item {idx.fqn} asks for stream transforms, which schedc never writes")
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that admits exactly the globals DCP's metadata of a schedc checkpoint
+    pickles (recorded from DDP, FSDP and single-process saves at worlds 1 and 2), by
+    (module, name), never by prefix or dotted path; calls (REDUCE) only the four factories
+    among them; builds (NEWOBJ, BUILD) only instances of the seven metadata dataclasses with
+    their own fields; and refuses every other opcode that creates or calls. It is Python's
+    own pure-Python unpickler with those dispatch entries replaced."""
+
+    ALLOWED = frozenset({
+        ("torch.distributed.checkpoint.metadata", n) for n in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+            "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+        *(("torch", str(d).removeprefix("torch.")) for d in (
+            torch.float32, torch.float16, torch.bfloat16, torch.float64))})
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: RUF012 - pickle reads it off the class
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED or module.startswith(self.ALLOWED_MODULES):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"metadata names {module}.{name}, which a DCP checkpoint "
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"metadata names {module}.{name}, which a DCP "
+                                         "checkpoint never does")
+        return getattr(importlib.import_module(module), name)  # name has no dot: exact
+
+    def _refuse(self, what: str):
+        raise pickle.UnpicklingError(f"metadata uses pickle's {what}, which a DCP checkpoint "
                                      "never does")
+
+    def _reduce(self):
+        if not any(self.stack[-2] is f for f in _factories()):
+            self._refuse(f"REDUCE on {_name(self.stack[-2])}")
+        pickle._Unpickler.load_reduce(self)
+
+    def _newobj(self):
+        if not any(self.stack[-2] is c for c in _classes()):
+            self._refuse(f"NEWOBJ of {_name(self.stack[-2])}")
+        pickle._Unpickler.load_newobj(self)
+
+    def _build(self):
+        inst, state = self.stack[-2], self.stack[-1]
+        cls = type(inst)
+        if not any(cls is c for c in _classes()):
+            self._refuse(f"BUILD on {_name(inst)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        ok = (type(state) is tuple and len(state) == 5 if cls is TensorProperties else
+              type(state) is dict and all(type(k) is str and k in fields for k in state))
+        if not ok:
+            self._refuse(f"BUILD of {cls.__name__} with a state it never has")
+        pickle._Unpickler.load_build(self)
+
+    for op, fn in ((pickle.REDUCE, _reduce), (pickle.NEWOBJ, _newobj), (pickle.BUILD, _build)):
+        dispatch[op[0]] = fn
+    for name in ("INST", "OBJ", "NEWOBJ_EX", "PERSID", "BINPERSID"):
+        dispatch[getattr(pickle, name)[0]] = lambda self, name=name: self._refuse(name)
+    del op, fn, name
+
+
+def _name(obj) -> str:
+    return getattr(obj, "__qualname__", None) or f"a {type(obj).__name__}"
+
+
+def _classes() -> tuple:
+    return (Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
+            ChunkStorageMetadata, _StorageInfo)
+
+
+def _factories() -> tuple:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.serialization import _get_layout
+
+    return (torch.Size, _MEM_FORMAT_ENCODING, _get_layout, PosixPath)
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -48,6 +48,7 @@ class TrainOptions:
     resume: str | None = None
     log_json: str | None = None
     trace: str | None = None
+    key: bytes | None = None  # --checkpoint-key: save signs meta.json, resume checks it
 
 
 FAILURE_GRACE_S = 3.0  # how long a failing rank waits to hear from the others
@@ -161,7 +162,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         ex = _now["ex"] = Executor(compiled, comm, opts, batches)
         if job.resume:
             where = _here(f"loading {job.resume}")
-            step = checkpoint.load(ex, job.resume)
+            step = checkpoint.load(ex, job.resume, key=job.key)
             log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
         log(comm, f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
             f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, {spec.steps} steps "
@@ -183,7 +184,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             if job.save and (ex.step_index % job.save_every == 0
                               or ex.step_index == spec.steps):
                 where = _here(f"saving step {ex.step_index}")
-                path = checkpoint.save(ex, job.save, keep=job.keep)
+                path = checkpoint.save(ex, job.save, keep=job.keep, key=job.key)
                 log(comm, f"schedc: checkpoint {path}")
         ex.close()
         if job.trace:
@@ -196,6 +197,8 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         if isinstance(e, PlanError) or world_env > 1 and not isinstance(
                 e, checkpoint.CheckpointError):
             fail(comm, str(e), where, getattr(e, "cause", None))
+        if isinstance(e, checkpoint.CheckpointError):
+            raise  # a user error: run_command prints it as one line, exit 1
         raise RunError(str(e)) from None
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)

@@ -103,7 +103,7 @@ def _data(s: Spec) -> str:
 def meaning(spec: Spec) -> dict[str, str]:
     """What a schedule computes, field by field, without its spelling: no path, text,
     comments or positions, and the data source resolved. Ranks prove at start-up that
-    theirs are equal (schedc/train.py), so two files that differ only in comments, or in
+    theirs are equal (schedc/exec/train.py), so two files that differ only in comments, or in
     `data corpus` written or left out, run together, and a difference is named by field."""
     st = spec.strategy
     if isinstance(st, DDPSpec):
