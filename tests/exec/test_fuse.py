@@ -1,4 +1,4 @@
-"""Which compute ops the executor runs as one call (schedc/fuse.py), without torch."""
+"""Which compute ops the executor runs as one call (schedc/exec/fuse.py), without torch."""
 
 from __future__ import annotations
 
