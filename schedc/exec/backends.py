@@ -36,7 +36,7 @@ Done = Callable[[], None]
 
 
 @dataclass
-class Span:
+class Timed:
     """One op's time on its stream, for the trace (ns, CLOCK_MONOTONIC)."""
 
     op: Op
@@ -68,7 +68,7 @@ class CPUBackend:
     def __init__(self, streams: tuple[str, ...], comm, trace: bool):
         self.streams = streams
         self.trace = trace
-        self.spans: list[Span] = []
+        self.spans: list[Timed] = []
         self.groups = {s: _gloo_group(comm, s) for s in streams}
         self.queues: dict[str, deque[_Pending]] = {s: deque() for s in streams}
         self.events: dict[int, tuple[str, _Pending | None]] = {}
@@ -82,7 +82,7 @@ class CPUBackend:
         t0 = now()
         fn()
         if self.trace:
-            self.spans.append(Span(op, stream, t0, now()))
+            self.spans.append(Timed(op, stream, t0, now()))
 
     # collectives ---------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ class CPUBackend:
                 end = p.finished[0]
                 start = max(p.issued, self.last_end[stream])
                 self.last_end[stream] = end
-                self.spans.append(Span(p.op, stream, start, end, p.issued))
+                self.spans.append(Timed(p.op, stream, start, end, p.issued))
 
     def synchronize(self) -> None:
         self.drain()
@@ -210,7 +210,7 @@ class CUDABackend:
         self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._base: torch.cuda.Event | None = None
         self._base_ns = 0
-        self.spans: list[Span] = []
+        self.spans: list[Timed] = []
 
     def _timed(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
         s = self.streams[stream]
@@ -260,7 +260,7 @@ class CUDABackend:
             for op, stream, a, b in self._timing:
                 start = self._base_ns + int(self._base.elapsed_time(a) * 1e6)
                 end = self._base_ns + int(self._base.elapsed_time(b) * 1e6)
-                self.spans.append(Span(op, stream, start, end, start))
+                self.spans.append(Timed(op, stream, start, end, start))
             self._timing.clear()
             self._base = None
 

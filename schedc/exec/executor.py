@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.exec.backends import CPUBackend, CUDABackend, Span
+from schedc.exec.backends import CPUBackend, CUDABackend, Timed
 from schedc.exec.flat import Bucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
@@ -181,7 +181,7 @@ class Executor:
         self.step_index = 0
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
-        self.trace_spans: list[tuple[int, Span]] = []
+        self.trace_spans: list[tuple[int, Timed]] = []
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -496,7 +496,7 @@ class PlanError(RunError):
 # -- traces ---------------------------------------------------------------------------------------
 
 
-def chrome_events(rank: int, streams, spans: list[tuple[int, Span]]) -> list[dict]:
+def chrome_events(rank: int, streams, spans: list[tuple[int, Timed]]) -> list[dict]:
     """Chrome/Perfetto trace events: one process per rank, one thread per stream."""
     tid = {s: i for i, s in enumerate(streams)}
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},

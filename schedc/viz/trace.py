@@ -30,7 +30,9 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True)
-class Span:
+class TracedOp:
+    """One op span of a trace: when a rank ran it, on which stream, in which step."""
+
     rank: int
     step: int
     stream: str
@@ -209,7 +211,7 @@ def _shown(v) -> str:
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
 
 
-def spans(trace: dict) -> list[Span]:
+def spans(trace: dict) -> list[TracedOp]:
     """Every op span in the trace (events whose name is not an op are skipped); `trace` is
     one `load` or `validate` accepted, so every field read here has its schema's type."""
     threads = {(e["pid"], e["tid"]): e["args"]["name"]
@@ -223,12 +225,12 @@ def spans(trace: dict) -> list[Span]:
         stream = (args.get("stream") or threads.get((e["pid"], e.get("tid")))
                   or str(e.get("tid")))
         ts = float(e["ts"]) / 1e6
-        out.append(Span(e["pid"], args.get("step") or 0, stream, op, ts,
+        out.append(TracedOp(e["pid"], args.get("step") or 0, stream, op, ts,
                         ts + float(e["dur"]) / 1e6, n))
     return out
 
 
-def _against(compiled: Compiled, chosen: list[Span], name: str) -> None:
+def _against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
     """Every span's rank, stream and op must be the schedule's: a trace of another schedule,
     or one edited by hand, is refused here, naming the event, not deep in the drawing."""
     world, where = compiled.spec.world, f"{name}: traceEvents"
@@ -371,7 +373,7 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
         notes.append("no fwd/bwd spans: compute throughput kept")
     # a collective moves data from the moment the last rank reaches it (the simulator's rule);
     # earlier ranks' spans also hold their wait for that rank, which is skew, not bandwidth
-    ranks_at: dict[tuple[int, Op], list[Span]] = {}
+    ranks_at: dict[tuple[int, Op], list[TracedOp]] = {}
     for s in used:
         if s.op.is_collective:
             ranks_at.setdefault((s.step, s.op), []).append(s)
