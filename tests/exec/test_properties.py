@@ -7,10 +7,11 @@ parameters must equal the single-process reference within tests/oracle.py's tole
 (fp32, and float64 with a far tighter one). Each DDP and FSDP schedule also draws a
 precision policy (issue #13: fp32, bf16 compute, bf16 gather, bf16 reduce); the reference
 runs the same policy, and the tolerance is that policy's (tests/oracle.py derives them).
-Schedules that `compare` says agree must make the same update as each other. Written programs rewritten in any way the checker accepts
-(waits added, collectives issued later, one rank's program alone) must run and compute
-the same. A wrong executor (tests/faults.py) injected into these same properties must be
-caught, and the pool must survive a dying or hung rank without hanging.
+Schedules that `compare` says agree must make the same update as each other. Written
+programs rewritten in any way the checker accepts (waits added, collectives issued later,
+one rank's program alone) must run and compute the same. A wrong executor
+(tests/faults.py) injected into these same properties must be caught, and the pool must
+survive a dying or hung rank without hanging.
 
     python -m pytest -q tests/exec/test_properties.py                      # ci profile (default)
     SCHEDC_PROFILE=long python -m pytest -q tests/exec/test_properties.py  # 10x the examples
