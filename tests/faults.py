@@ -6,6 +6,9 @@
     die-at OP                 the last rank's process exits at OP (the pool must not hang)
     hang-at OP                the last rank sleeps forever at OP (the pool must time out)
     nan-grad stepN [skip]     a NaN in one gradient on the last rank at step N
+    reduce-in-bf16            gradients reduced in bf16 though the schedule says fp32
+    no-cast-back              a bf16 all-reduce's result never copied back into the fp32
+                              bucket (the bucket keeps this rank's own gradient / D)
 
 Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
 """
@@ -71,5 +74,18 @@ def inject(ex, fault: str) -> None:
                 next(iter(ex.params.values())).grad.view(-1)[0] = float("nan")
 
         ex.compute = poisoned
+    elif fault == "reduce-in-bf16":
+        import torch
+
+        ex.reduce_dtype = torch.bfloat16
+    elif fault == "no-cast-back":
+        from schedc.ir.op import Kind
+
+        collective = ex.backend.collective
+
+        def uncast(stream, op, launch, done):  # the all-reduce's completion step dropped
+            collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done)
+
+        ex.backend.collective = uncast
     else:
         raise ValueError(f"unknown fault {fault!r}")

@@ -22,6 +22,8 @@ What they span (issue #6):
   some layers split into their parameters (`wte.weight` can be a bucket of its own), now
   and then the tied weight listed first (legal; it warns), or byte caps
   `bucket_cap N KiB [first M KiB]`; overlap and no_sync on or off.
+* a precision policy (issue #13): fp32, bf16 compute, bf16 gather (FSDP), or bf16 reduce
+  (with bf16 compute, and for FSDP bf16 gathers too).
 * FSDP: contiguous groups of layers as units, the tied `wte.weight` in a keep unit of its
   own, in a keep root with embed and head, or everything in one unit; now and then
   another unit kept gathered; prefetch 0-3 each way; reshard_after_forward and no_sync;
@@ -45,6 +47,15 @@ from schedc.model.arch import SIZES, GPTConfig
 
 TIED = "wte.weight"
 OPTIMIZER = "optimizer adamw {{ lr = 1e-3  warmup = 1  clip = {clip} }}"
+# the precision axis: policy -> its line, per strategy (None: the default, fp32)
+PRECISIONS = {
+    "fp32": {"ddp": None, "fsdp": None},
+    "bf16-compute": {"ddp": "precision { compute = bf16 }",
+                     "fsdp": "precision { compute = bf16 }"},
+    "bf16-gather": {"fsdp": "precision bf16"},  # compute and gathers bf16, reduce fp32
+    "bf16-reduce": {"ddp": "precision { compute = bf16  reduce = bf16 }",
+                    "fsdp": "precision bf16 { reduce = bf16 }"},
+}
 
 
 @cache
@@ -111,6 +122,7 @@ class Case:
     steps: int = 1
     stated: str = "micro"  # which of micro / accumulate the file states: micro|accumulate|both
     clip: float = 1.0
+    precision: str = "fp32"  # a PRECISIONS key
     extra: tuple[str, ...] = field(default=(), compare=False)  # lines appended (mutations)
 
     @property
@@ -133,6 +145,8 @@ class Case:
         if self.stated in ("accumulate", "both"):
             out.append(f"accumulate {self.k}")
         out += ["seed 7", OPTIMIZER.format(clip=_num(self.clip))]
+        if line := PRECISIONS[self.precision][self.kind]:
+            out.append(line)
         return out + self.layout.block(self.cfg) + list(self.extra)
 
     def text(self) -> str:
@@ -245,9 +259,11 @@ def fsdp_layouts(draw, cfg: GPTConfig):
 
 @st.composite
 def cases(draw, kinds=("ddp", "fsdp"), worlds=(1, 2, 3, 4), max_k: int = 8,
-          explicit: bool | None = None, no_sync: bool | None = None, min_k: int = 1):
+          explicit: bool | None = None, no_sync: bool | None = None, min_k: int = 1,
+          precisions=("fp32",)):
     """A valid schedule. `explicit`: DDP buckets written out (True) or a byte cap (False);
-    `no_sync`: force the strategy's no_sync."""
+    `no_sync`: force the strategy's no_sync; `precisions`: the policies drawn from (those
+    the strategy has; the first shrinks best)."""
     n_layer = draw(st.integers(1, 3))
     cfg = model(n_layer)
     world = draw(st.sampled_from(worlds))
@@ -258,10 +274,11 @@ def cases(draw, kinds=("ddp", "fsdp"), worlds=(1, 2, 3, 4), max_k: int = 8,
     layout = draw(ddp_layouts(cfg, explicit) if kind == "ddp" else fsdp_layouts(cfg))
     if no_sync is not None:
         layout = replace(layout, no_sync=no_sync)
+    precision = draw(st.sampled_from([p for p in precisions if kind in PRECISIONS[p]]))
     return Case(layout, n_layer, world, micro, k, seq_len,
                 steps=draw(st.integers(1, 2)),
                 stated=draw(st.sampled_from(["micro", "accumulate", "both"])),
-                clip=draw(st.sampled_from([1.0, 0.0])))
+                clip=draw(st.sampled_from([1.0, 0.0])), precision=precision)
 
 
 @st.composite
@@ -369,7 +386,7 @@ def summary() -> list[str]:
     if eq:
         by = ", ".join(f"{kind} w{w}: {n}" for (kind, w), n in sorted(eq.items()))
         lines.append(f"equivalence cases (fp32, vs the reference): {sum(eq.values())} [{by}]")
-    for family in ("float64", "pairs", "rewritten", "roundtrip", "fuzz"):
+    for family in ("precision", "float64", "pairs", "rewritten", "roundtrip", "fuzz"):
         sub = {k[1:]: n for k, n in TALLY.items() if k[0] == family}
         if sub:
             by = ", ".join(f"{'/'.join(map(str, key)) or '-'}: {n}"

@@ -10,6 +10,16 @@ their streams, events recorded and waited exactly where the plan says. Nothing h
 decides an order; the plan does. The only communication outside the plan is start-up
 agreement, the global gradient norm of FSDP (one scalar, inside the optimizer step) and
 the logged loss (one scalar, after the step).
+
+Numerics (`spec.numerics`, FSDP2's MixedPrecisionPolicy and DDP's bf16_compress_hook):
+each layer's forward runs under `torch.autocast` in the compute dtype (its backward runs
+in the dtypes autocast chose, as torch's AMP recipe has it; the loss is fp32). A DDP bucket
+stays fp32; its all-reduce casts it into a buffer of the reduce dtype on the comm stream and
+copies the average back. An FSDP unit is gathered in the gather dtype: the fp32 shard is cast
+on the comm stream and the gathered parameters the layers compute with are in that dtype, so
+are their unsharded gradients; the reduce-scatter casts them to the reduce dtype and adds the
+result into the fp32 gradient shard. Master weights, the gradients the optimizer reads and
+AdamW's moments stay in the run's dtype (fp32).
 """
 
 from __future__ import annotations
@@ -27,12 +37,12 @@ import torch.distributed as dist
 
 from schedc.compiler import Compiled
 from schedc.exec.backends import CPUBackend, CUDABackend, Timed
-from schedc.exec.flat import Bucket, FlatUnit
+from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
-from schedc.ir.spec import BucketSpec, Strategy
+from schedc.ir.spec import BucketSpec, Dtype, Strategy
 from schedc.model.data import load_batches
 from schedc.model.reference import (
     adamw_groups,
@@ -98,6 +108,9 @@ class StepStats:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+TORCH_DTYPES = {Dtype.FP32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.FP16: torch.float16}
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,6 +158,11 @@ class Executor:
         self.params = dict(self.model.named_parameters())
         self.batches = batches or load_batches(spec.data, spec.seq_len, spec.seqs,
                                                spec.model.vocab_size)
+        # the policy: None where a dtype is the run's own (no autocast, no cast)
+        num, master = spec.numerics, options.dtype
+        self.autocast = TORCH_DTYPES[num.compute] if num.compute is not Dtype.FP32 else None
+        self.reduce_dtype = TORCH_DTYPES[num.reduce] if num.reduce is not Dtype.FP32 else master
+        gather = TORCH_DTYPES[num.gather] if num.gather is not Dtype.FP32 else master
         # each micro-batch's mean loss x 1/k (accumulation); the 1/D of averaging is applied
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
@@ -154,18 +172,18 @@ class Executor:
             self.backend = CUDABackend(streams, comm, options.trace, self.device)
         else:
             self.backend = CPUBackend(streams, comm, options.trace)
-        self.buckets: dict[str, Bucket] = {}
+        self.buckets: dict[str, FlatBucket] = {}
         self.units: dict[str, FlatUnit] = {}
         if spec.kind is Strategy.FSDP:
-            self.units = {u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world)
-                          for u in spec.strategy.units}
+            self.units = {u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world,
+                                           gather) for u in spec.strategy.units}
             decay, plain = [], []
             for u in self.units.values():
                 d, p = u.optimizer_params()
                 decay += d
                 plain += p
             self.optimizer = adamw_groups(decay, plain, spec.optim)
-            writers = {u.name: {w for p in u.params for w in spec.model.writers(p)}
+            writers = {u.name: spec.writers(u.params)
                        for u in spec.strategy.units}
             # the units whose gradients each layer's backward writes into
             self.writes = {layer: [self.units[n] for n, ws in writers.items() if layer in ws]
@@ -175,7 +193,7 @@ class Executor:
                 specs = spec.strategy.buckets
             else:  # one process: a single flat gradient buffer, never communicated
                 specs = (BucketSpec("grads", tuple(self.params), None, 0),)
-            self.buckets = {b.name: Bucket(b, self.params) for b in specs}
+            self.buckets = {b.name: FlatBucket(b, self.params) for b in specs}
             self.optimizer = make_adamw(self.params.items(), spec.optim)
         self._fused: tuple[Plan, list] | None = None
         self.step_index = 0
@@ -270,10 +288,18 @@ class Executor:
         else:
             # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        out = self.regions(first, last)(inp, mb.y if last == "head" else None)
+        with self._autocast():
+            out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
             mb.loss = out.detach()
+
+    def _autocast(self):
+        """The compute dtype's autocast around a forward. Backward runs outside it: autograd
+        replays each op in the dtype its forward ran in (torch's AMP recipe)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _backward(self, seg: Segment) -> None:
         mb, top, bottom = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
@@ -301,60 +327,85 @@ class Executor:
     def _collective(self, stream: str, op: Op) -> None:
         b = self.backend
         D = self.comm.world
+        rd = self.reduce_dtype
         if op.kind is Kind.ALLREDUCE:
             flat = self.buckets[op.target].flat
-            self._count(op, flat)
-            reduce = b.all_reduce(flat)
+            self._count(op, flat.numel(), rd)
+            held: dict[str, torch.Tensor] = {}
 
-            def launch(pg, flat=flat, reduce=reduce):
+            def launch(pg, flat=flat, held=held):
                 if D > 1:
                     flat.div_(D)  # sum of x/D over ranks = the average
-                return reduce(pg)
+                if flat.dtype == rd:
+                    return b.all_reduce(flat)(pg)
+                # bf16_compress_hook: the bucket's values in the reduce dtype, on this stream
+                held["low"] = low = flat.to(rd)
+                return b.all_reduce(low)(pg)
 
-            b.collective(stream, op, launch, None)
+            def back(flat=flat, held=held):
+                flat.copy_(held.pop("low"))  # the summed average, back into the fp32 bucket
+
+            b.collective(stream, op, launch, None if flat.dtype == rd else back)
         elif op.kind is Kind.ALLGATHER:
             unit = self.units[op.target]
-            self._count(op, unit.shard, D)  # every rank's shard arrives: the full unit
-            gather = b.all_gather(unit.full, unit.shard)
+            # every rank's shard arrives, in the gather dtype: the full unit
+            self._count(op, unit.shard.numel() * D, unit.full.dtype)
 
-            def launch(pg, unit=unit, gather=gather):
-                unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
-                return gather(pg)
+            def launch(pg, unit=unit):
+                full = unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
+                shard = unit.shard
+                if shard.dtype != full.dtype:
+                    shard = shard.to(full.dtype)  # FSDP2's param_dtype cast, on this stream
+                return b.all_gather(full, shard)(pg)
 
             b.collective(stream, op, launch, None)
             self._measure()
         elif op.kind is Kind.REDUCESCATTER:
             unit = self.units[op.target]
             grad = unit.take_grad(self._grad_key(op.mb))
-            self._count(op, grad)
+            self._count(op, grad.numel(), rd)
             # the step's first reduce-scatter of a unit writes straight into a new gradient
-            # shard; later ones (no_sync off) land in a temporary and are added to it
+            # shard; later ones (no_sync off) land in a temporary and are added to it, as do
+            # all of them when the reduce dtype is not the shard's (the cast back, FSDP2's)
             first = unit.name not in self.scattered
             self.scattered.add(unit.name)
+            direct = first and rd == unit.shard.dtype
             held: dict[str, torch.Tensor] = {}
 
-            def launch(pg, unit=unit, grad=grad, held=held, first=first):
+            def launch(pg, unit=unit, grad=grad, held=held, direct=direct):
                 b.keep_alive(grad, stream)  # written on compute, read on this stream
-                if D > 1:
-                    grad.div_(D)
-                out = unit.new_shard_grad() if first else torch.empty_like(unit.shard)
+                # the 1/D is applied in the wider of the two dtypes, then the cast (FSDP2's
+                # reduce_dtype cast, on this stream); the sum runs in the reduce dtype
+                if grad.dtype == rd or grad.element_size() > rd.itemsize:
+                    send = grad.div_(D) if D > 1 else grad
+                    send = send.to(rd)  # a no-op when the dtypes agree
+                else:  # bf16 gradients (bf16 gather) reduced in fp32
+                    send = grad.to(rd)
+                    if D > 1:
+                        send.div_(D)
+                out = unit.new_shard_grad() if direct else torch.empty(
+                    unit.shard_len, dtype=rd, device=grad.device)
                 held["out"] = out  # allocated on this stream
-                return b.reduce_scatter(out, grad)(pg)
+                return b.reduce_scatter(out, send)(pg)
 
-            def done(unit=unit, grad=grad, held=held):
-                unit.shard_grad.add_(held.pop("out"))  # accumulate this micro-step's shard
+            def done(unit=unit, held=held, first=first):
+                out = held.pop("out")
+                if first:  # the first shard of the step, cast back into the fp32 gradient
+                    unit.new_shard_grad().copy_(out)
+                else:
+                    unit.shard_grad.add_(out)  # accumulate this micro-step's shard (upcast)
 
-            b.collective(stream, op, launch, None if first else done)
+            b.collective(stream, op, launch, None if direct else done)
 
     def _grad_key(self, mb: int) -> int:
         """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
         that accumulates the whole step and is reduce-scattered once."""
         return 0 if self.spec.no_sync else mb
 
-    def _count(self, op: Op, t: torch.Tensor, times: int = 1) -> None:
-        """Bytes a collective moves per rank, counted from its real buffer."""
+    def _count(self, op: Op, numel: int, dtype: torch.dtype) -> None:
+        """Bytes a collective moves per rank: its buffer's elements in the dtype it moves."""
         key = f"{op.kind.value}[{op.target}]"
-        self.comm_bytes[key] = self.comm_bytes.get(key, 0) + t.numel() * t.element_size() * times
+        self.comm_bytes[key] = self.comm_bytes.get(key, 0) + numel * dtype.itemsize
 
     # -- the update ----------------------------------------------------------------------------
 

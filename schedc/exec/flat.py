@@ -12,6 +12,13 @@ each free (FSDP2's technique). That matters: autograd saves views of weights (a 
 saves w.t()), so swapping `p.data` would neither free the memory nor let backward see a
 re-gathered buffer; resizing the shared storage does both, and a use after free fails
 loudly (the storage is empty) instead of reading stale memory.
+
+Under a bf16 gather (FSDP2's param_dtype) the full buffer, and so the parameters the layers
+compute with and the unsharded gradients autograd writes for them, are bf16; the shard, the
+gradient shard and the AdamW state stay fp32. Gradients a unit receives from several
+backward calls (the tied weight from head and embed; every micro-step of a step under
+no_sync) accumulate in that bf16 buffer before the reduce-scatter (FSDP2 upcasts the
+no_sync accumulation to reduce_dtype; here it stays in bf16).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from schedc.model.arch import GPTConfig
 from schedc.passes.memory import padded
 
 
-class Bucket:
+class FlatBucket:
     """A DDP bucket: the flat gradient buffer its parameters' .grad views live in."""
 
     def __init__(self, spec: BucketSpec, params: dict[str, nn.Parameter]):
@@ -52,7 +59,7 @@ class FlatUnit:
     """An FSDP unit: one padded flat parameter, sharded over the ranks."""
 
     def __init__(self, spec: UnitSpec, cfg: GPTConfig, params: dict[str, nn.Parameter],
-                 rank: int, world: int):
+                 rank: int, world: int, gather: torch.dtype | None = None):
         self.name = spec.name
         self.keep = spec.keep
         decay = [n for n in spec.params if cfg.param(n).decay]
@@ -74,6 +81,9 @@ class FlatUnit:
         lo = rank * self.shard_len
         full = self.flatten()
         self.shard = full[lo : lo + self.shard_len].clone()  # this rank's parameters
+        self.param_dtype = gather or self.dtype  # what is gathered and computed with
+        if self.param_dtype != self.dtype:
+            full = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
         # the gradient shard exists from the step's first reduce-scatter of this unit to the
         # update, as in FSDP2; between steps it holds no memory
         self.shard_grad: torch.Tensor | None = None
@@ -120,7 +130,9 @@ class FlatUnit:
         accumulate into it. One buffer per micro-step lets a reduce-scatter that a program
         delays past the next micro-step's backward still take exactly its own gradient."""
         if key not in self.grads:
-            self.grads[key] = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            # the parameters' dtype: autograd accumulates into a .grad of its parameter's
+            self.grads[key] = torch.zeros(self.padded, dtype=self.param_dtype,
+                                          device=self.device)
         grad = self.grads[key]
         for p, off, n, shape in self.layout:
             p.grad = grad[off : off + n].view(shape)

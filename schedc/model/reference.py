@@ -12,14 +12,24 @@ batch of S sequences (see `schedc.model.batching`):
 A schedule that splits the same S sequences over D ranks and k' waves must reproduce
 `StepResult.grads` and `StepResult.params` (to fp32 rounding; exactly in float64 up to
 summation order).
+
+A precision policy (schedc.ir.spec.Numerics, passed here as torch dtypes: this layer does
+not import the compiler's) runs the same way: `compute` is the autocast dtype of each
+micro-batch's forward (its backward follows it; the loss is fp32); `param_dtype` (FSDP's
+gather dtype) computes with the master weights cast to it, so each micro-batch's gradient is
+the one for those rounded weights, accumulated in fp32. The reduce dtype has no
+single-process counterpart (one process sums nothing across ranks); tests/oracle.py bounds
+what a bf16 reduction may change.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.func import functional_call
 
 from schedc.model.arch import GPTConfig
 from schedc.model.batching import micro_steps
@@ -122,6 +132,8 @@ class Reference:
         dtype: torch.dtype = torch.float32,
         *,
         device: str | torch.device = "cpu",
+        compute: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         if batches.seq_len > model_cfg.block_size:
             raise ValueError(
@@ -137,6 +149,20 @@ class Reference:
         self.named_params = list(self.model.named_parameters())
         self.optimizer = make_adamw(self.named_params, opt)
         self.step_index = 0
+        self.compute = None if compute in (None, dtype) else compute
+        self.param_dtype = None if param_dtype in (None, dtype) else param_dtype
+
+    def _forward(self, x: torch.Tensor, y: torch.Tensor):
+        """The model on one micro-batch under the policy: autocast in `compute`, and with
+        `param_dtype` the weights cast to it (a differentiable cast: their gradient comes
+        back to the fp32 parameters, where micro-batches accumulate)."""
+        ctx = (torch.autocast(self.device.type, dtype=self.compute) if self.compute
+               else contextlib.nullcontext())
+        with ctx:
+            if self.param_dtype is None:
+                return self.model(x, y)
+            cast = {n: p.to(self.param_dtype) for n, p in self.named_params}
+            return functional_call(self.model, cast, (x, y))  # ties lm_head to wte's cast
 
     def step(self, *, record: bool = True) -> StepResult:
         """Run the next optimizer step; `record=False` leaves grads and params empty."""
@@ -145,7 +171,7 @@ class Reference:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in range(k):
             x, y = self.batches.micro_batch(step, 0, micro, self.micro_seqs, 1)
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            _, loss = self._forward(x.to(self.device), y.to(self.device))
             (loss / k).backward()  # summed over the k micro-batches: the mean loss's gradient
             loss_sum += loss.detach()
 

@@ -107,7 +107,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     # between steps a rank holds its parameter shard and Adam m, v; each gradient shard
     # exists from the unit's first reduce-scatter of the step until the update
     held = sum(3 * FP32 * (n // D) for n in numel.values())
-    writers = {u.name: {w for p in u.params for w in spec.model.writers(p)} for u in fs.units}
+    writers = {u.name: spec.writers(u.params) for u in fs.units}
 
     gathered = grads = 0
     peak = (held, "")

@@ -1,0 +1,101 @@
+"""Precision policies run as the schedule says (issue #13): fixed cases on real gloo ranks.
+
+Each DDP and FSDP schedule below runs at worlds 1 and 2 under every policy its strategy has
+(bf16 compute; bf16 gather, FSDP; bf16 reduce) and must equal the single-process reference
+run under the same policy, within tests/oracle.py's tolerance for it. The collectives must
+move the dtype the policy names (a bf16 gather or reduction moves half the bytes of an fp32
+one), and the model states must stay fp32 whatever is computed or communicated in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.exec.test_equivalence import THREE_UNITS, TWO_BUCKETS, ddp, fsdp
+from tests.oracle import assert_matches
+
+POLICIES = {
+    "fp32": "",
+    "bf16-compute": "precision { compute = bf16 }",
+    "bf16-gather": "precision bf16",  # compute and gathers bf16, reductions fp32
+    "bf16-reduce-ddp": "precision { compute = bf16  reduce = bf16 }",
+    "bf16-reduce-fsdp": "precision bf16 { reduce = bf16 }",  # everything communicated bf16
+}
+
+
+def with_policy(text: str, policy: str) -> str:
+    return text + POLICIES[policy] + "\n"
+
+
+def DDP(world: int, policy: str) -> str:
+    return with_policy(ddp(world, 2, TWO_BUCKETS), policy)
+
+
+def FSDP(world: int, policy: str, **kw) -> str:
+    return with_policy(fsdp(world, 2, THREE_UNITS, **kw), policy)
+
+
+CASES = {
+    f"{kind}-w{w}-{p}": (DDP(w, p) if kind == "ddp" else FSDP(w, p), w)
+    for w in (1, 2)
+    for kind, policies in (("ddp", ("bf16-compute", "bf16-reduce-ddp")),
+                           ("fsdp", ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp")))
+    for p in policies
+}
+CASES["fsdp-w2-bf16-gather-no-sync"] = (FSDP(2, "bf16-gather", no_sync=True), 2)
+
+
+@pytest.mark.parametrize("text,world", CASES.values(), ids=CASES.keys())
+def test_each_policy_equals_the_reference_under_it(pool, reference, text, world):
+    result = pool.run(text, world, steps=2)
+    ref = reference(text, 2)
+    assert ref.policy != "float32"  # the reference ran the policy, and so is held to it
+    assert_matches(result, ref)
+    for step in result.steps:  # what the optimizer read and wrote: fp32 whatever the policy
+        assert {g.dtype for g in step.grads.values()} == {torch.float32}
+        assert {p.dtype for p in step.params.values()} == {torch.float32}
+
+
+def test_world_1_fsdp_under_bf16_is_bitwise_the_reference(pool, reference):
+    """One rank, the reference's micro-batch: the same bf16 kernels on the same bf16 weights
+    in the same order, and each micro-step's gradient added into fp32 as the reference adds
+    it, so the first step's gradients are equal to the bit (measured: also the second's)."""
+    text = FSDP(1, "bf16-gather")
+    got, want = pool.run(text, 1, steps=1).steps[0], reference(text, 1)[0]
+    for name, w in want.grads.items():
+        assert torch.equal(got.grads[name], w), name
+    assert got.loss == want.loss
+
+
+def _bytes(result, rank: int = 0) -> dict[str, int]:
+    return result.comm_bytes[rank]
+
+
+def test_bf16_gathers_and_reductions_move_half_the_bytes(pool):
+    fp32, gather, both = (pool.run(FSDP(2, p), 2) for p in
+                          ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp"))
+    a, g, b = _bytes(fp32), _bytes(gather), _bytes(both)
+    assert a.keys() == g.keys() == b.keys()
+    for key in a:
+        if key.startswith("allgather"):
+            assert g[key] * 2 == a[key] and b[key] * 2 == a[key], key
+        else:  # reduce-scatters: fp32 unless the policy reduces in bf16
+            assert key.startswith("reducescatter")
+            assert g[key] == a[key] and b[key] * 2 == a[key], key
+    d32, d16 = _bytes(pool.run(DDP(2, "bf16-compute"), 2)), _bytes(
+        pool.run(DDP(2, "bf16-reduce-ddp"), 2))
+    assert d32.keys() == d16.keys() and all(d16[k] * 2 == d32[k] for k in d32), (d32, d16)
+
+
+def test_master_weights_and_adamw_moments_stay_fp32(pool):
+    """The model states each rank holds at the update (shard, gradient shard, Adam m and v:
+    4 tensors of fp32 for every element of the shard) are the same bytes under a bf16
+    gather and reduction as under fp32, while the gathered units take half."""
+    fp32, low = pool.run(FSDP(2, "fp32"), 2), pool.run(FSDP(2, "bf16-reduce-fsdp"), 2)
+    for m32, m16 in zip(fp32.memory, low.memory):
+        assert m16["states"] == m32["states"] > 0
+        assert m16["gathered_peak"] * 2 == m32["gathered_peak"]
+        assert m16["grads_peak"] * 2 == m32["grads_peak"]  # unsharded gradients: bf16
+    shards = sum(p.numel() for p in fp32.steps[0].params.values())  # unpadded, whole model
+    assert sum(m["states"] for m in low.memory) >= 16 * shards  # 4 bytes x 4 per element
