@@ -3,6 +3,7 @@
     python bench/run.py                          # the small model (mini), world 2
     python bench/run.py --model gpt2 --seq 64 --micro 1 --accum 2 --steps 4 --rounds 2
     python bench/run.py --write docs/benchmarks.md   # also record the table there
+    python bench/run.py --precision both         # DDP and FSDP pairs in fp32 and in bf16
 
 Every case trains the same model from the same seed on the same global batch and micro
 split, on the same machine, with cores/world threads per rank. Cases run as separate
@@ -12,6 +13,12 @@ all rounds, tokens/s, the ratio to the matching torch baseline (or the plain loo
 peak live heap and RSS of each rank, the share of communication hidden behind compute (schedc: from
 its trace), and the largest gradient difference from the single-process reference at
 step 0 (a case that computes something else is void).
+
+`--precision bf16` runs the same pairs under bf16: schedc `precision bf16 { reduce = bf16 }`
+against torch DDP with bf16 autocast and its `bf16_compress_hook` (the same arithmetic), and
+schedc FSDP `precision bf16` (compute and gather bf16, reduce fp32) against FSDP2 with
+bf16 autocast and `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`; each is
+checked against the reference run under the same policy (bench/worker.py says how).
 """
 
 from __future__ import annotations
@@ -57,6 +64,11 @@ def schedules(a) -> dict[str, tuple[int, Path]]:
         + "  prefetch forward 1\n  prefetch backward 1\n  reshard_after_forward on\n"
           f"  no_sync {'on' if a.accum > 1 else 'off'}\n}}\n",
     }
+    # bf16: DDP reduces in bf16 as torch's bf16_compress_hook does; FSDP gathers in bf16 and
+    # reduces in fp32, as MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does
+    files["ddp-cap-bf16"] = files["ddp-cap"].replace(
+        "ddp {", "precision bf16 { reduce = bf16 }\nddp {", 1)
+    files["fsdp-bf16"] = files["fsdp"].replace("fsdp {", "precision bf16\nfsdp {", 1)
     out = {}
     for name, text in files.items():
         path = OUT / f"{name}.sched"
@@ -99,8 +111,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per case per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cases", default="loop,schedc-single,torch-ddp,schedc-ddp-torch-layout,"
-                    "schedc-ddp-cap,schedc-ddp-two,torch-fsdp2,schedc-fsdp")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
+                    help="fp32: every case in fp32 (the recorded table); bf16: the DDP and "
+                    "FSDP pairs under bf16; both: those pairs in fp32 and in bf16")
+    ap.add_argument("--cases", help="comma-separated cases (default: by --precision)")
     ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
     a = ap.parse_args()
     from schedc.model.arch import SIZES
@@ -116,7 +130,19 @@ def main() -> None:
         "schedc-ddp-two": ("schedc", a.world, files["ddp-two"], "torch-ddp"),
         "torch-fsdp2": ("torch-fsdp2", a.world, files["fsdp"], None),
         "schedc-fsdp": ("schedc", a.world, files["fsdp"], "torch-fsdp2"),
+        "torch-ddp-bf16": ("torch-ddp", a.world, files["ddp-cap-bf16"], None),
+        "schedc-ddp-bf16": ("schedc", a.world, files["ddp-cap-bf16"], "torch-ddp-bf16"),
+        "torch-fsdp2-bf16": ("torch-fsdp2", a.world, files["fsdp-bf16"], None),
+        "schedc-fsdp-bf16": ("schedc", a.world, files["fsdp-bf16"], "torch-fsdp2-bf16"),
     }
+    pairs = ["torch-ddp", "schedc-ddp-cap", "torch-fsdp2", "schedc-fsdp"]
+    a.cases = a.cases or ",".join({
+        "fp32": ["loop", "schedc-single", "torch-ddp", "schedc-ddp-torch-layout",
+                 "schedc-ddp-cap", "schedc-ddp-two", "torch-fsdp2", "schedc-fsdp"],
+        "bf16": [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")],
+        "both": pairs + [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2",
+                                                "schedc-fsdp")],
+    }[a.precision])
     cases = [c for c in a.cases.split(",") if c]
     if "schedc-ddp-torch-layout" in cases and "torch-ddp" in cases:
         cases.remove("torch-ddp")
@@ -133,9 +159,14 @@ def main() -> None:
                 plan[c] = (kind, world, sched, plan[c][3])
             res = run_case(kind, world, sched, a)
             results[c].append(res)
+            check = res["grad_check"]
             print(f"round {r} {c:<26} {res['median_ms']:8.1f} ms  grad diff "
-                  f"{res['grad_max_abs_diff']:.1e}", flush=True)
-    table = summarize(results, plan, a)
+                  f"{res['grad_max_abs_diff']:.1e}"
+                  + ("" if "l2_policy" not in check else
+                     f" (beyond rtol {check['beyond_rtol']:.1e}, L2 to policy ref "
+                     f"{check['l2_policy']:.2e} vs fp32 ref {check['l2_fp32']:.2e})")
+                  + ("" if check["ok"] else "  VOID: not the reference's step"), flush=True)
+    table = summarize(results, plan, a) + memory_lines(results)
     print(table)
     print(f"({time.time() - t0:.0f} s)")
     if a.write:
@@ -152,7 +183,8 @@ def summarize(results, plan, a) -> str:
                        rss=max(max(r["peak_rss_mb"]) for r in runs),
                        heap=max(max(r["peak_heap_mb"]) for r in runs),
                        hidden=runs[-1]["hidden_fraction"],
-                       diff=max(r["grad_max_abs_diff"] for r in runs), world=runs[0]["world"])
+                       diff=max(r["grad_max_abs_diff"] for r in runs), world=runs[0]["world"],
+                       void=not all(r["grad_check"]["ok"] for r in runs))
     lines = ["| case | world | step ms (median) | IQR ms | tokens/s | vs baseline "
              "| peak heap/rank MB | peak RSS/rank MB | comm hidden | grad diff vs ref |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -160,10 +192,26 @@ def summarize(results, plan, a) -> str:
         base = plan[c][3]
         ratio = f"{row['med'] / rows[base]['med']:.3f}x {base}" if base in rows else ""
         hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "n/a"
+        void = " VOID" if row["void"] else ""
         lines.append(f"| {c} | {row['world']} | {row['med']:.1f} | {row['q1']:.1f}-{row['q3']:.1f} "
                      f"| {row['tok']:.0f} | {ratio} | {row['heap']:.0f} | {row['rss']:.0f} | {hidden} "
-                     f"| {row['diff']:.1e} |")
+                     f"| {row['diff']:.1e}{void} |")
     return "\n".join(lines)
+
+
+def memory_lines(results) -> str:
+    """schedc's predicted and measured memory per rank (rank 0, last round), as `schedc
+    run` prints them: the checker's ledger against the executor's own buffers."""
+    out = []
+    for c, runs in results.items():
+        mem = runs[-1].get("memory")
+        if not mem or not any(p or m for p, m in mem.values()):
+            continue
+        parts = [f"{k} {p / 2**20:.1f} predicted, {m / 2**20:.1f} measured MiB"
+                 + (f" ({100 * (p - m) / m:+.1f}%)" if m else "")
+                 for k, (p, m) in mem.items() if p or m]
+        out.append(f"- {c}: " + "; ".join(parts))
+    return ("\n\nschedc memory per rank (rank 0):\n\n" + "\n".join(out)) if out else ""
 
 
 def record(path: Path, table: str, a) -> None:
@@ -171,6 +219,8 @@ def record(path: Path, table: str, a) -> None:
     cmd = " ".join(["python bench/run.py", *sys.argv[1:]])
     title = (f"### {a.model}, world {a.world}, batch {a.micro * a.accum * a.world} x {a.seq} "
              f"(micro {a.micro}, k={a.accum})")
+    if a.precision != "fp32":
+        title = f"### precision {a.precision}: " + title[4:]
     body = (f"{title}\n\n`{cmd}` on {platform.machine()}, {os.cpu_count()} cores, "
             f"{a.rounds} rounds x {a.steps} timed steps per case, {time.strftime('%Y-%m-%d')}\n\n"
             f"{table}\n")

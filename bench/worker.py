@@ -9,6 +9,12 @@ default bucketing and no_sync for the first k-1 micro-steps), `torch-fsdp2` (ful
 per block, then the root). Every case trains the same model from the same seed on the
 same global batch, and first proves it: step 0's gradients are compared with the
 single-process reference on rank 0 (a benchmark that computes something else is void).
+
+The schedule's `precision` is the policy of every case, torch's included: compute bf16 is
+bf16 autocast of each forward (torch.autocast, as the reference and schedc's executor do);
+DDP's reduce bf16 is torch's `bf16_compress_hook`; FSDP2 gets
+`MixedPrecisionPolicy(param_dtype=<gather>, reduce_dtype=<reduce>)`. The reference runs
+the same policy (compute dtype, and for FSDP the gather dtype as its parameter dtype).
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ def main() -> None:
             "median_ms": 1e3 * statistics.median(times),
             "tokens_per_step": spec.tokens_per_step, "peak_rss_mb": [p[0] for p in peaks],
             "peak_heap_mb": [p[1] for p in peaks],
-            "grad_max_abs_diff": check, "hidden_fraction": hidden,
+            "grad_max_abs_diff": check["max_abs"], "grad_check": check,
+            "hidden_fraction": hidden, "memory": getattr(case, "memory", None),
             "threads": torch.get_num_threads(),
             "layout": getattr(case, "layout", None),
         }), flush=True)
@@ -134,12 +141,61 @@ class RSSPeak:
         return False
 
 
-def check_grads(spec, grads: dict[str, torch.Tensor]) -> float:
-    """Max |grad - reference grad| at step 0 (before clipping)."""
+def dtype(d) -> torch.dtype | None:
+    """A policy Dtype as torch's, None for fp32 (nothing to cast or autocast)."""
+    return None if d.value == "fp32" else getattr(torch, {"bf16": "bfloat16"}[d.value])
+
+
+def autocast(spec):
+    """The forward's context under the schedule's compute dtype."""
+    low = dtype(spec.numerics.compute)
+    return torch.autocast("cpu", dtype=low) if low else contextlib.nullcontext()
+
+
+def low_precision(spec) -> bool:
+    return any(getattr(spec.numerics, f).value != "fp32" for f in ("compute", "gather", "reduce"))
+
+
+# tests/oracle.py's "bf16" tolerance at the first step (derived and measured there: a bf16
+# reduction or gather rounds each element to 2^-8 of a rank's share): every element within
+# 1e-2 + 2e-2 |ref|, 99% of them within 3e-4 + 2e-2 |ref|.
+BF16_RTOL, BF16_ATOL, BF16_BULK_ATOL, BF16_SHARE = 2e-2, 1e-2, 3e-4, 0.99
+
+
+def reference_grads(spec, policy: bool) -> dict[str, torch.Tensor]:
     batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
-    ref = Reference(spec.model, spec.optim, batches, spec.micro, spec.steps, spec.seed)
-    want = ref.step().grads
-    return max((grads[n].float() - g).abs().max().item() for n, g in want.items())
+    n, fsdp = spec.numerics, spec.kind.value == "fsdp"
+    kw = dict(compute=dtype(n.compute), param_dtype=dtype(n.gather) if fsdp else None) \
+        if policy else {}
+    ref = Reference(spec.model, spec.optim, batches, spec.micro, spec.steps, spec.seed, **kw)
+    return ref.step().grads
+
+
+def check_grads(spec, grads: dict[str, torch.Tensor]) -> dict:
+    """Step 0's gradients (before clipping) against the single-process reference under the
+    same policy: the max |grad - ref|, and under a bf16 policy whether they are within the
+    bf16 tolerance above and nearer (in L2) to that reference than to the fp32 one, which
+    tells a case that really rounds to bf16 from one that silently computes in fp32."""
+    want = reference_grads(spec, policy=True)
+    out = {"max_abs": max((grads[n].float() - g).abs().max().item() for n, g in want.items()),
+           "ok": True}
+    if not low_precision(spec):
+        return out
+
+    def l2(ref):
+        return sum(float((grads[n].float() - g).pow(2).sum()) for n, g in ref.items()) ** 0.5
+
+    worst, close, total = 0.0, 0, 0
+    for n, g in want.items():
+        err = (grads[n].float() - g).abs() - BF16_RTOL * g.abs()
+        worst = max(worst, err.max().item())
+        close += int((err <= BF16_BULK_ATOL).sum())
+        total += g.numel()
+    out.update(beyond_rtol=worst, share_bulk=close / total, l2_policy=l2(want),
+               l2_fp32=l2(reference_grads(spec, policy=False)))
+    out["ok"] = (worst <= BF16_ATOL and close >= BF16_SHARE * total
+                 and out["l2_policy"] < out["l2_fp32"])
+    return out
 
 
 # -- cases ----------------------------------------------------------------------------------------
@@ -151,7 +207,8 @@ class Loop:
     def __init__(self, compiled, world, rank):
         s = compiled.spec
         batches = load_batches(s.data, s.seq_len, s.seqs, s.model.vocab_size)
-        self.ref = Reference(s.model, s.optim, batches, s.micro, s.steps, s.seed)
+        self.ref = Reference(s.model, s.optim, batches, s.micro, s.steps, s.seed,
+                             compute=dtype(s.numerics.compute))
 
     def step(self, record: bool):
         r = self.ref.step(record=record)
@@ -173,6 +230,14 @@ class Schedc:
         self.ex.opts.record = record
         st = self.ex.step()
         return st.grads
+
+    @property
+    def memory(self) -> dict[str, list[int]]:
+        """Per-rank [predicted, measured] bytes, as `schedc run` reports them (this rank)."""
+        pred, meas = self.compiled.memory, self.ex.memory()
+        return {"states": [pred.states, meas["states"]],
+                "gathered_peak": [pred.gathered_peak, meas["gathered_peak"]],
+                "grads_peak": [pred.grads_peak, meas["grads_peak"]]}
 
     def hidden_fraction(self, steps: int) -> float | None:
         """Share of collective time overlapped by compute, from a traced run's spans."""
@@ -200,9 +265,13 @@ def hidden_share(events: list[dict], rank: int) -> float | None:
 
 
 class TorchDDP:
-    """torch's DistributedDataParallel: default buckets, no_sync for the first k-1."""
+    """torch's DistributedDataParallel: default buckets, no_sync for the first k-1; under
+    compute bf16 each forward in bf16 autocast, under reduce bf16 its bf16_compress_hook."""
 
     def __init__(self, compiled, world, rank):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            bf16_compress_hook,
+        )
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         s = self.spec = compiled.spec
@@ -221,15 +290,20 @@ class TorchDDP:
         def hook(state, bucket):  # record torch's bucket layout, then all-reduce as DDP does
             if len(self.buckets) <= bucket.index():
                 self.buckets.append([names[id(p)] for p in bucket.parameters()])
-            t = bucket.buffer().div_(world)
             span = [time.perf_counter(), 0.0]
             self.comm_spans.append(span)
 
             def done(f, span=span):
                 span[1] = time.perf_counter()
-                return f.value()[0]
+                v = f.value()
+                return v[0] if isinstance(v, list) else v
 
+            if compress:  # torch's own hook: cast to bf16, divide, all-reduce, cast back
+                return bf16_compress_hook(None, bucket).then(done)
+            t = bucket.buffer().div_(world)
             return dist.all_reduce(t, async_op=True).get_future().then(done)
+
+        compress = dtype(s.numerics.reduce) is not None
 
         self.ddp.register_comm_hook(None, hook)
 
@@ -241,7 +315,8 @@ class TorchDDP:
             x, y = self.batches.micro_batch(self.index, self.rank, j, s.micro, self.world)
             ctx = self.ddp.no_sync() if j < k - 1 else contextlib.nullcontext()
             with ctx:
-                _, loss = self.ddp(x, y)
+                with autocast(s):
+                    _, loss = self.ddp(x, y)
                 self.backward_start = time.perf_counter()
                 (loss / k).backward()
         grads = [p.grad for _, p in self.named]
@@ -279,19 +354,23 @@ class TorchDDP:
 
 
 class TorchFSDP2:
-    """torch's FSDP2: fully_shard per block, then the root (wte, wpe, ln_f)."""
+    """torch's FSDP2: fully_shard per block, then the root (wte, wpe, ln_f); the schedule's
+    gather and reduce dtypes as its MixedPrecisionPolicy, its compute dtype as autocast (as
+    schedc's `compute` is; FSDP2 alone would also run layer norms and the loss in bf16)."""
 
     def __init__(self, compiled, world, rank):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         s = self.spec = compiled.spec
         self.rank, self.world = rank, world
         mesh = init_device_mesh("cpu", (world,))
         self.model = init_model(s.model, s.seed)
+        mp = MixedPrecisionPolicy(param_dtype=dtype(s.numerics.gather),
+                                  reduce_dtype=dtype(s.numerics.reduce) or torch.float32)
         for block in self.model.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.named = list(self.model.named_parameters())
         self.opt = make_adamw(self.named, s.optim)
         self.batches = load_batches(s.data, s.seq_len, s.seqs, s.model.vocab_size)
@@ -303,7 +382,8 @@ class TorchFSDP2:
         for j in range(k):
             self.model.set_requires_gradient_sync(j == k - 1 or not s.no_sync)
             x, y = self.batches.micro_batch(self.index, self.rank, j, s.micro, self.world)
-            _, loss = self.model(x, y)
+            with autocast(s):
+                _, loss = self.model(x, y)
             (loss / k).backward()
         grads = [p.grad for _, p in self.named]
         norm = torch.nn.utils.get_total_norm(grads)
