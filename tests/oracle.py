@@ -150,10 +150,18 @@ def _reference(key) -> Steps:
     cfg, optim, data, T, S, B, seed, steps, dtype, numerics, fsdp, world = key
     batches = load_batches(data, T, S, cfg.vocab_size)
     low = {"fp32": None, "bf16": torch.bfloat16}
-    ref = Reference(cfg, optim, batches, B, steps, seed, getattr(torch, dtype),
-                    compute=low[numerics.compute.value],
-                    param_dtype=low[numerics.gather.value] if fsdp else None)
-    out = Steps(ref.step() for _ in range(steps))
+    # one thread, as every pool rank runs (tests/pool.py): a CPU matmul's summation order
+    # depends on the thread count, and under bf16 that changes results by a bf16 ulp. The
+    # suite's process may have more (an in-process `schedc run` sets cores / ranks).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = Reference(cfg, optim, batches, B, steps, seed, getattr(torch, dtype),
+                        compute=low[numerics.compute.value],
+                        param_dtype=low[numerics.gather.value] if fsdp else None)
+        out = Steps(ref.step() for _ in range(steps))
+    finally:
+        torch.set_num_threads(threads)
     out.policy = policy_key(numerics, world, dtype)
     return out
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from schedc.compiler import Compiled
 from schedc.exec.executor import Comm, Executor, PlanError, RunError, RunOptions, pick_device
-from schedc.ir.plan import Plan
+from schedc.ir.plan import Action, Plan
 from schedc.model.data import fingerprint, load_batches
 from schedc.model.reference import format_log
 
@@ -330,9 +330,9 @@ def plan_position(ex: Executor | None) -> str:
     if ex is None or ex.at is None:
         return _now["where"]
     k, ins, plan = ex.at, ex.plan.instrs[ex.at], ex.plan
-    if ins.kind == "run":
+    if ins.kind is Action.RUN:
         text = f"{ins.op} on stream {ins.stream}"
-    elif ins.kind == "wait":
+    elif ins.kind is Action.WAIT:
         text = f"wait on stream {ins.stream} for e{ins.event} = {plan.producers[ins.event]}"
     else:
         text = f"record e{ins.event} on stream {ins.stream} after {plan.producers[ins.event]}"
