@@ -24,9 +24,14 @@ class NotRegularFile(OSError):
 
 def file_kind(mode: int) -> str:
     """What a st_mode names, as a message says it."""
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")):
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a regular file"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"
@@ -35,8 +40,13 @@ def file_kind(mode: int) -> str:
 # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one (the
 # fstat below then refuses it); on a regular file the flag changes nothing. O_NOCTTY: a
 # terminal device named by mistake never becomes the controlling terminal.
-_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOCTTY", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
 
 
 def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:

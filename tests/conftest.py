@@ -18,10 +18,16 @@ if str(REPO) not in sys.path:  # `pytest` works from anywhere without installing
 # times the examples, freshly random each run (a failure prints its reproduction blob).
 # Selected by SCHEDC_PROFILE (ci when CI is set, and by default), or --hypothesis-profile.
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-settings.register_profile("ci", max_examples=100, derandomize=True, deadline=None,
-                          database=None, print_blob=True, suppress_health_check=_QUIET)
-settings.register_profile("long", settings.get_profile("ci"), max_examples=1000,
-                          derandomize=False)
+settings.register_profile(
+    "ci",
+    max_examples=100,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=_QUIET,
+)
+settings.register_profile("long", settings.get_profile("ci"), max_examples=1000, derandomize=False)
 settings.load_profile(os.environ.get("SCHEDC_PROFILE") or "ci")
 
 

@@ -31,8 +31,11 @@ def inject(ex, fault: str) -> None:
         instrs = list(ex.plan.instrs)
         moved = [i for i in instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE]
         if ex.spec.accum > 1 and moved:
-            last_bwd0 = max(k for k, i in enumerate(instrs) if i.kind is Action.RUN
-                            and i.op.kind is Kind.BWD and i.op.mb == 0)
+            last_bwd0 = max(
+                k
+                for k, i in enumerate(instrs)
+                if i.kind is Action.RUN and i.op.kind is Kind.BWD and i.op.mb == 0
+            )
             rest = [i for i in instrs if i not in moved and i.kind is not Action.WAIT]
             at = rest.index(instrs[last_bwd0]) + 1
             ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
@@ -69,8 +72,11 @@ def inject(ex, fault: str) -> None:
 
         def poisoned(seg):
             compute(seg)
-            if (ex.step_index == at and ex.comm.rank == ex.comm.world - 1
-                    and seg.kind.value == "bwd"):
+            if (
+                ex.step_index == at
+                and ex.comm.rank == ex.comm.world - 1
+                and seg.kind.value == "bwd"
+            ):
                 next(iter(ex.params.values())).grad.view(-1)[0] = float("nan")
 
         ex.compute = poisoned

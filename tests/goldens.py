@@ -26,7 +26,14 @@ def assert_golden(path: Path, text: str) -> None:
     assert path.exists(), f"{path} is missing; run with SCHEDC_REGEN=1 to write it"
     want = path.read_text()
     if text != want:
-        diff = "".join(list(difflib.unified_diff(
-            want.splitlines(True), text.splitlines(True), f"{path.name} (golden)",
-            f"{path.name} (now)"))[:200])
+        diff = "".join(
+            list(
+                difflib.unified_diff(
+                    want.splitlines(True),
+                    text.splitlines(True),
+                    f"{path.name} (golden)",
+                    f"{path.name} (now)",
+                )
+            )[:200]
+        )
         pytest.fail(f"{path.name} changed (SCHEDC_REGEN=1 accepts the change):\n{diff}")

@@ -123,8 +123,20 @@ TOL = {
     # bf16 compute at a power-of-two world: fp32's first step, bf16-rounded weights after it
     "bf16-compute": Tol(1e-5, 1e-5, 2e-4, 0.99, 1e-5, 1.0, 5e-2, 0.999, grad_atol_first=1e-6),
     # bf16 reductions, bf16 gathers, bf16 compute at world 3 (derived above)
-    "bf16": Tol(2e-2, 3e-4, 1e-2, 0.99, 2e-2, 5.0, 1e-1, 0.99, loss_rtol=1e-4, norm_rtol=5e-3,
-                grad_atol_first=1e-2, grad_share_first=0.99),
+    "bf16": Tol(
+        2e-2,
+        3e-4,
+        1e-2,
+        0.99,
+        2e-2,
+        5.0,
+        1e-1,
+        0.99,
+        loss_rtol=1e-4,
+        norm_rtol=5e-3,
+        grad_atol_first=1e-2,
+        grad_share_first=0.99,
+    ),
 }
 
 
@@ -156,9 +168,17 @@ def _reference(key) -> Steps:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = Reference(cfg, optim, batches, B, steps, seed, getattr(torch, dtype),
-                        compute=low[numerics.compute.value],
-                        param_dtype=low[numerics.gather.value] if fsdp else None)
+        ref = Reference(
+            cfg,
+            optim,
+            batches,
+            B,
+            steps,
+            seed,
+            getattr(torch, dtype),
+            compute=low[numerics.compute.value],
+            param_dtype=low[numerics.gather.value] if fsdp else None,
+        )
         out = Steps(ref.step() for _ in range(steps))
     finally:
         torch.set_num_threads(threads)
@@ -170,9 +190,22 @@ def reference_steps(text: str, steps: int, dtype: str = "float32") -> Steps:
     """What one process does with the schedule's global batch, micro-batch by micro-batch,
     under the schedule's precision policy (its reduce dtype has no counterpart here)."""
     spec = compile_text(text, "ref.sched", Overrides(steps=steps)).spec
-    return _reference((spec.model, spec.optim, spec.data, spec.seq_len, spec.seqs, spec.micro,
-                       spec.seed, steps, dtype, spec.numerics, spec.kind.value == "fsdp",
-                       spec.world))
+    return _reference(
+        (
+            spec.model,
+            spec.optim,
+            spec.data,
+            spec.seq_len,
+            spec.seqs,
+            spec.micro,
+            spec.seed,
+            steps,
+            dtype,
+            spec.numerics,
+            spec.kind.value == "fsdp",
+            spec.world,
+        )
+    )
 
 
 def assert_matches(result, ref: tuple[StepResult, ...], dtype: str = "float32") -> None:
@@ -196,28 +229,46 @@ def _assert_step(got, want, dtype: str, other: str, first: bool) -> None:
     t, step = TOL[dtype], got.step
     assert abs(got.lr - want.lr) <= 1e-9 * want.lr, (step, got.lr, want.lr)
     assert abs(got.loss - want.loss) <= t.loss_rtol * abs(want.loss), (
-        f"step {step}: loss {got.loss} vs {want.loss} ({other})")
+        f"step {step}: loss {got.loss} vs {want.loss} ({other})"
+    )
     assert abs(got.grad_norm - want.grad_norm) <= t.norm_rtol * want.grad_norm + 1e-6, (
-        f"step {step}: grad norm {got.grad_norm} vs {want.grad_norm} ({other})")
+        f"step {step}: grad norm {got.grad_norm} vs {want.grad_norm} ({other})"
+    )
     assert got.grads.keys() == want.grads.keys()
     if first:
         g_atol, share = t.grad_atol_first or t.grad_atol, t.grad_share_first
     else:
         g_atol, share = t.grad_atol_later, t.grad_share_later
-    _assert_tiers("grad", got.grads, want.grads, t.grad_rtol, g_atol, t.grad_atol, share,
-                  step, other)
-    _assert_tiers("param", got.params, want.params, t.param_rtol, t.param_atol * want.lr,
-                  t.param_bulk_atol * want.lr, t.param_share, step, other)
+    _assert_tiers(
+        "grad", got.grads, want.grads, t.grad_rtol, g_atol, t.grad_atol, share, step, other
+    )
+    _assert_tiers(
+        "param",
+        got.params,
+        want.params,
+        t.param_rtol,
+        t.param_atol * want.lr,
+        t.param_bulk_atol * want.lr,
+        t.param_share,
+        step,
+        other,
+    )
 
 
 def _assert_tiers(what, got, want, rtol, atol, bulk_atol, share, step, other) -> None:
     """Every element within (rtol, atol); at least `share` of them within (rtol, bulk_atol)."""
     close = total = 0
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{what} {n} step {step} vs {other}: {m}")
+        torch.testing.assert_close(
+            got[name],
+            w,
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, n=name: f"{what} {n} step {step} vs {other}: {m}",
+        )
         err = (got[name] - w).abs() - rtol * w.abs()
         close += int((err <= bulk_atol).sum())
         total += w.numel()
     assert close >= share * total, (
-        f"step {step}: only {close}/{total} {what} elements within {bulk_atol:.3g} of {other}")
+        f"step {step}: only {close}/{total} {what} elements within {bulk_atol:.3g} of {other}"
+    )

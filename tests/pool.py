@@ -60,8 +60,13 @@ def _worker(rank: int, size: int, store_dir: str, conn) -> None:
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S),
+    )
     groups = {d: dist.new_group(list(range(d))) for d in range(1, size + 1)}
     conn.send("ready")
     while True:
@@ -88,10 +93,16 @@ def _run_job(job: Job, rank: int, groups):
     from schedc.lang.resolve import Overrides
 
     compiled = compile_text(job.text, f"job{job.id}.sched", Overrides(steps=job.steps))
-    comm = Comm(rank, job.world, groups[job.world], datetime.timedelta(seconds=JOB_TIMEOUT_S),
-                tag=f"job{job.id}")
-    opts = RunOptions(device="cpu", dtype=getattr(torch, job.dtype), record=True,
-                      trace=job.trace, log=False)
+    comm = Comm(
+        rank,
+        job.world,
+        groups[job.world],
+        datetime.timedelta(seconds=JOB_TIMEOUT_S),
+        tag=f"job{job.id}",
+    )
+    opts = RunOptions(
+        device="cpu", dtype=getattr(torch, job.dtype), record=True, trace=job.trace, log=False
+    )
     ex = Executor(compiled, comm, opts)
     if job.fault:
         from tests.faults import inject
@@ -104,8 +115,12 @@ def _run_job(job: Job, rank: int, groups):
     if rank != 0:
         for s in stats:
             s.grads, s.params = {}, {}
-    return {"steps": stats, "memory": ex.memory(), "comm_bytes": stats[-1].comm_bytes,
-            "trace": ex.trace_events() if job.trace else []}
+    return {
+        "steps": stats,
+        "memory": ex.memory(),
+        "comm_bytes": stats[-1].comm_bytes,
+        "trace": ex.trace_events() if job.trace else [],
+    }
 
 
 class Pool:
@@ -128,8 +143,7 @@ class Pool:
         self.conns, self.procs = [], []
         for r in range(self.size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, self.size, self._dir.name, child),
-                            daemon=True)
+            p = ctx.Process(target=_worker, args=(r, self.size, self._dir.name, child), daemon=True)
             p.start()
             child.close()  # only the worker holds its end: its death reads as EOF here
             self.conns.append(parent)
@@ -143,8 +157,7 @@ class Pool:
             if not ok:
                 code = self.procs[r].exitcode
                 self._stop(graceful=False)
-                raise RuntimeError(f"test worker pool failed to start (rank {r}, exit code "
-                                   f"{code})")
+                raise RuntimeError(f"test worker pool failed to start (rank {r}, exit code {code})")
 
     def _stop(self, graceful: bool) -> None:
         if graceful:
@@ -183,9 +196,17 @@ class Pool:
 
     # -- jobs ---------------------------------------------------------------------------------
 
-    def run(self, text: str, world: int, steps: int = 1, *, dtype: str = "float32",
-            trace: bool = False, fault: str | None = None,
-            timeout: float = JOB_TIMEOUT_S) -> JobResult:
+    def run(
+        self,
+        text: str,
+        world: int,
+        steps: int = 1,
+        *,
+        dtype: str = "float32",
+        trace: bool = False,
+        fault: str | None = None,
+        timeout: float = JOB_TIMEOUT_S,
+    ) -> JobResult:
         """Run the schedule on ranks 0..world-1; JobFailed (with text and plan) if it cannot."""
         assert 1 <= world <= self.size, world
         if not self.alive:  # a worker died between jobs, or the last restart failed
@@ -204,9 +225,13 @@ class Pool:
             left = deadline - time.monotonic()
             if left <= 0:
                 r = min(pending)
-                self._fail(job, r, f"rank(s) {sorted(pending)} did not finish within "
-                           f"{timeout:.0f}s (hung: a wait that is never satisfied, or "
-                           "ranks issuing different collectives)")
+                self._fail(
+                    job,
+                    r,
+                    f"rank(s) {sorted(pending)} did not finish within "
+                    f"{timeout:.0f}s (hung: a wait that is never satisfied, or "
+                    "ranks issuing different collectives)",
+                )
             sentinels = {self.procs[r].sentinel: r for r in pending}
             ready = wait_any(list(pending.values()) + list(sentinels), timeout=left)
             # replies first: a worker that answered and then died still answered
@@ -225,9 +250,12 @@ class Pool:
                 if s in ready and r in pending:
                     self._fail(job, r, f"rank {r} died (exit code {self._exitcode(r)})")
         outs = [replies[r] for r in range(world)]
-        return JobResult(outs[0]["steps"], [o["memory"] for o in outs],
-                         [o["comm_bytes"] for o in outs],
-                         [e for o in outs for e in o["trace"]])
+        return JobResult(
+            outs[0]["steps"],
+            [o["memory"] for o in outs],
+            [o["comm_bytes"] for o in outs],
+            [e for o in outs for e in o["trace"]],
+        )
 
     def _dead(self, world: int) -> str:
         """'rank R died (exit code C); ' for each job rank that is gone: a failure on
@@ -266,8 +294,10 @@ def describe(job: Job, rank: int | None = None) -> str:
     except Exception as e:  # noqa: BLE001 - a failure report must not fail
         plan = f"(no plan: {type(e).__name__}: {e})"
     fault = f", fault {job.fault!r}" if job.fault else ""
-    return (f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
-            f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}")
+    return (
+        f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
+        f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}"
+    )
 
 
 _describe = describe  # the old name

@@ -50,11 +50,12 @@ OPTIMIZER = "optimizer adamw {{ lr = 1e-3  warmup = 1  clip = {clip} }}"
 # the precision axis: policy -> its line, per strategy (None: the default, fp32)
 PRECISIONS = {
     "fp32": {"ddp": None, "fsdp": None},
-    "bf16-compute": {"ddp": "precision { compute = bf16 }",
-                     "fsdp": "precision { compute = bf16 }"},
+    "bf16-compute": {"ddp": "precision { compute = bf16 }", "fsdp": "precision { compute = bf16 }"},
     "bf16-gather": {"fsdp": "precision bf16"},  # compute and gathers bf16, reduce fp32
-    "bf16-reduce": {"ddp": "precision { compute = bf16  reduce = bf16 }",
-                    "fsdp": "precision bf16 { reduce = bf16 }"},
+    "bf16-reduce": {
+        "ddp": "precision { compute = bf16  reduce = bf16 }",
+        "fsdp": "precision bf16 { reduce = bf16 }",
+    },
 }
 
 
@@ -101,12 +102,22 @@ class FSDP:
     kind = "fsdp"
 
     def block(self, cfg: GPTConfig) -> list[str]:
-        body = [f"unit {u.name} = {refs(u.items, cfg)}" + (" keep" if u.keep else "")
-                for u in self.units]
-        body += [f"prefetch forward {self.prefetch[0]}", f"prefetch backward {self.prefetch[1]}",
-                 f"reshard_after_forward {_on(self.reshard)}", f"no_sync {_on(self.no_sync)}"]
-        return ["fsdp {", *(f"  {x}" for x in body), "}",
-                *(f"stream {k} = {s}" for k, s in self.streams)]
+        body = [
+            f"unit {u.name} = {refs(u.items, cfg)}" + (" keep" if u.keep else "")
+            for u in self.units
+        ]
+        body += [
+            f"prefetch forward {self.prefetch[0]}",
+            f"prefetch backward {self.prefetch[1]}",
+            f"reshard_after_forward {_on(self.reshard)}",
+            f"no_sync {_on(self.no_sync)}",
+        ]
+        return [
+            "fsdp {",
+            *(f"  {x}" for x in body),
+            "}",
+            *(f"stream {k} = {s}" for k, s in self.streams),
+        ]
 
 
 @dataclass(frozen=True)
@@ -175,8 +186,12 @@ def refs(items, cfg: GPTConfig) -> str:
         run.clear()
 
     for it in items:
-        if it in index and run and abs(index[it] - index[run[-1]]) == 1 and (
-                len(run) < 2 or index[it] - index[run[-1]] == index[run[-1]] - index[run[-2]]):
+        if (
+            it in index
+            and run
+            and abs(index[it] - index[run[-1]]) == 1
+            and (len(run) < 2 or index[it] - index[run[-1]] == index[run[-1]] - index[run[-2]])
+        ):
             run.append(it)
             continue
         flush()
@@ -247,20 +262,40 @@ def fsdp_layouts(draw, cfg: GPTConfig):
     names = ["all"] if tied == "one" else [f"u{i + 1}" for i in range(len(groups))]
     units = fixed + [Unit(n, g, i in kept) for i, (n, g) in enumerate(zip(names, groups))]
     prefetch = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
-    streams = draw(st.sampled_from([
-        (),  # gathers and reduce-scatters share the comm stream
-        (("reducescatter", "rs"),),  # reduce-scatters on a comm stream of their own
-        (("allgather", "compute"),),  # no overlap for gathers
-        (("allgather", "compute"), ("reducescatter", "compute")),  # nothing overlaps
-    ])) if draw(st.integers(0, 3)) == 3 else ()
-    return FSDP(tuple(units), prefetch, reshard=not draw(st.booleans()),
-                no_sync=draw(st.booleans()), streams=streams)
+    streams = (
+        draw(
+            st.sampled_from(
+                [
+                    (),  # gathers and reduce-scatters share the comm stream
+                    (("reducescatter", "rs"),),  # reduce-scatters on a comm stream of their own
+                    (("allgather", "compute"),),  # no overlap for gathers
+                    (("allgather", "compute"), ("reducescatter", "compute")),  # nothing overlaps
+                ]
+            )
+        )
+        if draw(st.integers(0, 3)) == 3
+        else ()
+    )
+    return FSDP(
+        tuple(units),
+        prefetch,
+        reshard=not draw(st.booleans()),
+        no_sync=draw(st.booleans()),
+        streams=streams,
+    )
 
 
 @st.composite
-def cases(draw, kinds=("ddp", "fsdp"), worlds=(1, 2, 3, 4), max_k: int = 8,
-          explicit: bool | None = None, no_sync: bool | None = None, min_k: int = 1,
-          precisions=("fp32",)):
+def cases(
+    draw,
+    kinds=("ddp", "fsdp"),
+    worlds=(1, 2, 3, 4),
+    max_k: int = 8,
+    explicit: bool | None = None,
+    no_sync: bool | None = None,
+    min_k: int = 1,
+    precisions=("fp32",),
+):
     """A valid schedule. `explicit`: DDP buckets written out (True) or a byte cap (False);
     `no_sync`: force the strategy's no_sync; `precisions`: the policies drawn from (those
     the strategy has; the first shrinks best)."""
@@ -275,10 +310,18 @@ def cases(draw, kinds=("ddp", "fsdp"), worlds=(1, 2, 3, 4), max_k: int = 8,
     if no_sync is not None:
         layout = replace(layout, no_sync=no_sync)
     precision = draw(st.sampled_from([p for p in precisions if kind in PRECISIONS[p]]))
-    return Case(layout, n_layer, world, micro, k, seq_len,
-                steps=draw(st.integers(1, 2)),
-                stated=draw(st.sampled_from(["micro", "accumulate", "both"])),
-                clip=draw(st.sampled_from([1.0, 0.0])), precision=precision)
+    return Case(
+        layout,
+        n_layer,
+        world,
+        micro,
+        k,
+        seq_len,
+        steps=draw(st.integers(1, 2)),
+        stated=draw(st.sampled_from(["micro", "accumulate", "both"])),
+        clip=draw(st.sampled_from([1.0, 0.0])),
+        precision=precision,
+    )
 
 
 @st.composite
@@ -288,18 +331,29 @@ def agreeing_pairs(draw):
     n_layer = draw(st.integers(1, 3))
     cfg = model(n_layer)
     seqs = draw(st.sampled_from([2, 4, 6, 8, 12, 16]))
-    shared = {"n_layer": n_layer, "seq_len": draw(st.sampled_from([16, 32])),
-              "steps": draw(st.integers(1, 2)), "clip": draw(st.sampled_from([1.0, 0.0]))}
+    shared = {
+        "n_layer": n_layer,
+        "seq_len": draw(st.sampled_from([16, 32])),
+        "steps": draw(st.integers(1, 2)),
+        "clip": draw(st.sampled_from([1.0, 0.0])),
+    }
 
     def side() -> Case:
         world = draw(st.sampled_from([d for d in (1, 2, 3, 4) if seqs % d == 0]))
         per_rank = seqs // world
-        micro = draw(st.sampled_from([m for m in (1, 2, 3, 4)
-                                      if per_rank % m == 0 and per_rank // m <= 8]))
+        micro = draw(
+            st.sampled_from([m for m in (1, 2, 3, 4) if per_rank % m == 0 and per_rank // m <= 8])
+        )
         kind = draw(st.sampled_from(["ddp", "fsdp"]))
         layout = draw(ddp_layouts(cfg) if kind == "ddp" else fsdp_layouts(cfg))
-        return Case(layout, world=world, micro=micro, k=per_rank // micro,
-                    stated=draw(st.sampled_from(["micro", "accumulate", "both"])), **shared)
+        return Case(
+            layout,
+            world=world,
+            micro=micro,
+            k=per_rank // micro,
+            stated=draw(st.sampled_from(["micro", "accumulate", "both"])),
+            **shared,
+        )
 
     a, b = side(), side()
     assume((a.world, a.micro, a.layout) != (b.world, b.micro, b.layout))
@@ -389,14 +443,16 @@ def summary() -> list[str]:
     for family in ("precision", "float64", "pairs", "rewritten", "roundtrip", "fuzz"):
         sub = {k[1:]: n for k, n in TALLY.items() if k[0] == family}
         if sub:
-            by = ", ".join(f"{'/'.join(map(str, key)) or '-'}: {n}"
-                           for key, n in sorted(sub.items()))
+            by = ", ".join(
+                f"{'/'.join(map(str, key)) or '-'}: {n}" for key, n in sorted(sub.items())
+            )
             lines.append(f"{family} cases: {sum(sub.values())} [{by}]")
     mut = {k[1]: n for k, n in TALLY.items() if k[0] == "mutation"}
     if mut:
         by = ", ".join(f"{code}: {n}" for code, n in sorted(mut.items()))
-        lines.append(f"mutation cases (rejected with their rule's code): {sum(mut.values())} "
-                     f"[{by}]")
+        lines.append(
+            f"mutation cases (rejected with their rule's code): {sum(mut.values())} [{by}]"
+        )
     return [f"schedc property suite, hypothesis profile '{profile}':", *lines]
 
 

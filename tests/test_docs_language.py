@@ -24,19 +24,24 @@ REPO = Path(__file__).resolve().parents[1]
 LANGUAGE = REPO / "docs" / "language.md"
 DIAGNOSTICS = REPO / "docs" / "diagnostics.md"
 
-BLOCK = re.compile(r"^```(sched(?:-error|-warning)?)(?:[ \t]+([\w-]+))?[ \t]*\n(.*?)^```[ \t]*$",
-                   re.M | re.S)
+BLOCK = re.compile(
+    r"^```(sched(?:-error|-warning)?)(?:[ \t]+([\w-]+))?[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S
+)
 
 
 def blocks() -> list[tuple[str, str | None, str, int]]:
     """(kind, code, text, line) of every sched block in language.md."""
     doc = LANGUAGE.read_text()
-    return [(m.group(1), m.group(2), m.group(3), doc.count("\n", 0, m.start()) + 1)
-            for m in BLOCK.finditer(doc)]
+    return [
+        (m.group(1), m.group(2), m.group(3), doc.count("\n", 0, m.start()) + 1)
+        for m in BLOCK.finditer(doc)
+    ]
 
 
-BLOCKS = [pytest.param(kind, code, text, id=f"line{line}-{kind}{'-' + code if code else ''}")
-          for kind, code, text, line in blocks()]
+BLOCKS = [
+    pytest.param(kind, code, text, id=f"line{line}-{kind}{'-' + code if code else ''}")
+    for kind, code, text, line in blocks()
+]
 
 
 @pytest.mark.parametrize("kind, code, text", BLOCKS)
@@ -62,8 +67,11 @@ def test_no_fence_is_misspelled():
 
 
 def test_examples_use_every_keyword_of_the_grammar():
-    keywords = {t.pattern.value for t in parser().terminals
-                if t.pattern.type == "str" and t.pattern.value.isidentifier()}
+    keywords = {
+        t.pattern.value
+        for t in parser().terminals
+        if t.pattern.type == "str" and t.pattern.value.isidentifier()
+    }
     used = set()
     for kind, _code, text, _line in blocks():
         if kind != "sched-error":
@@ -85,15 +93,21 @@ def test_the_op_table_parses():
 
 # -- docs/diagnostics.md --------------------------------------------------------------------------
 
-STAGES = {"lang/read.py": "read", "lang/parse.py": "parse", "lang/resolve.py": "resolve",
-          "passes/check.py": "check", "passes/agree.py": "compare"}
+STAGES = {
+    "lang/read.py": "read",
+    "lang/parse.py": "parse",
+    "lang/resolve.py": "resolve",
+    "passes/check.py": "check",
+    "passes/agree.py": "compare",
+}
 BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
 
 
 def codes_table() -> str:
     sources = {stage: (REPO / "schedc" / f).read_text() for f, stage in STAGES.items()}
-    warnings = {c for text in sources.values()
-                for c in re.findall(r'\.warning\(\s*"([\w-]+)"', text)}
+    warnings = {
+        c for text in sources.values() for c in re.findall(r'\.warning\(\s*"([\w-]+)"', text)
+    }
     rows = ["| code | severity | reported by | meaning |", "|---|---|---|---|"]
     for code, meaning in CODES.items():
         stages = [stage for stage, text in sources.items() if f'"{code}"' in text]

@@ -37,16 +37,17 @@ def test_the_layer_contracts_hold():
     beside = Path(sys.executable).parent / "lint-imports"  # this interpreter's, in a venv
     exe = str(beside) if beside.exists() else shutil.which("lint-imports")
     assert exe, "import-linter is a test dependency (pip install -e '.[test]')"
-    r = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "BROKEN" not in r.stdout and "Contracts: 2 kept, 0 broken" in r.stdout
 
 
 def test_every_layer_is_a_package_named_in_the_contract():
-    top = sorted(p.stem if p.is_file() else p.name for p in (REPO / "schedc").iterdir()
-                 if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or
-                                                          (p / "__init__.py").exists()))
+    top = sorted(
+        p.stem if p.is_file() else p.name
+        for p in (REPO / "schedc").iterdir()
+        if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or (p / "__init__.py").exists())
+    )
     assert top == sorted(LAYERS)
     contract = (REPO / "pyproject.toml").read_text()
     for layer in LAYERS:
@@ -72,19 +73,27 @@ print("ok without torch")
 
 
 def test_the_compiler_and_the_pictures_work_without_torch(tmp_path):
-    r = subprocess.run([sys.executable, "-c", BLOCK_TORCH, str(tmp_path)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ok without torch" in r.stdout
     assert (tmp_path / "g.dot").read_text().startswith("digraph")
 
 
 def test_run_without_torch_is_a_clear_error_not_a_traceback(tmp_path):
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from schedc.cli.main import main\n"
-            "sys.exit(main(['run', 'schedules/tiny_1gpu.sched']))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from schedc.cli.main import main\n"
+        "sys.exit(main(['run', 'schedules/tiny_1gpu.sched']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert "torch" in r.stderr

@@ -1,6 +1,6 @@
 """`schedc calibrate`: fit the render cost model to a `schedc run --trace` file.
 
-    schedc calibrate t.json -o params.json      # then: schedc render ... --cost params.json
+schedc calibrate t.json -o params.json      # then: schedc render ... --cost params.json
 """
 
 from __future__ import annotations
@@ -18,11 +18,18 @@ HELP = "fit the render cost model to a `schedc run --trace` file"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="RUN.json", help="a trace from `schedc run --trace`")
-    p.add_argument("--schedule", metavar="FILE.sched",
-                   help="the schedule that was run (default: the one the trace names)")
+    p.add_argument(
+        "--schedule",
+        metavar="FILE.sched",
+        help="the schedule that was run (default: the one the trace names)",
+    )
     p.add_argument("--model", help="model size the run used (if it passed --model)")
-    p.add_argument("-o", "--output", metavar="PARAMS.json",
-                   help="write the fitted parameters (for render --cost)")
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="PARAMS.json",
+        help="write the fitted parameters (for render --cost)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,14 +41,16 @@ def run(args: argparse.Namespace) -> int:
         if not path:
             raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
         if not Path(path).exists():
-            raise UserError(f"{args.trace} was recorded from {path}, which is not here; pass "
-                            "--schedule FILE")
+            raise UserError(
+                f"{args.trace} was recorded from {path}, which is not here; pass --schedule FILE"
+            )
         c = compile_file(path, overrides(args))
         fit = calibrate(c, trace, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
-    print(f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least "
-          "squares")
+    print(
+        f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least squares"
+    )
     print(fit.report())
     if args.output:
         try:

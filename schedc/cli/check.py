@@ -19,11 +19,17 @@ HELP = "prove schedules legal; print a summary or a stage's text"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="*", metavar="FILE",
-                   help="one schedule, or two to prove they agree (default: every bundled "
-                   "schedule)")
-    p.add_argument("--dump", choices=["ast", "graph", "program", "plan"],
-                   help="print a stage's text form instead of the summary")
+    p.add_argument(
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help="one schedule, or two to prove they agree (default: every bundled schedule)",
+    )
+    p.add_argument(
+        "--dump",
+        choices=["ast", "graph", "program", "plan"],
+        help="print a stage's text form instead of the summary",
+    )
     p.add_argument("--rank", type=int, help="the rank whose graph/program/plan to dump")
     add_override_args(p)
 
@@ -46,11 +52,17 @@ def run(args: argparse.Namespace) -> int:
             from schedc.lang.diagnostics import Diagnostic
             from schedc.lang.resolve import flag_place, range_error
 
-            raise CompileError([Diagnostic(
-                "value-range", range_error("rank", args.rank, 0, c.spec.world - 1),
-                path=flag_place("rank", args.rank),
-                hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
-                f"{c.spec.world - 1}")])
+            raise CompileError(
+                [
+                    Diagnostic(
+                        "value-range",
+                        range_error("rank", args.rank, 0, c.spec.world - 1),
+                        path=flag_place("rank", args.rank),
+                        hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
+                        f"{c.spec.world - 1}",
+                    )
+                ]
+            )
         if c.warnings:  # bounded like errors: the first MAX_SHOWN, then a count
             print(render_all(list(c.warnings), c.source), file=sys.stderr)
         if args.dump:
@@ -69,13 +81,17 @@ def run(args: argparse.Namespace) -> int:
         if not result.agree:
             raise CompileError(result.diagnostics, b.source)
         w = a.spec.loss_weight()
-        same = (f"same model, same {a.spec.seqs:,} sequences each read once, every token "
-                f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
-                "same optimizer")
+        same = (
+            f"same model, same {a.spec.seqs:,} sequences each read once, every token "
+            f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
+            "same optimizer"
+        )
         if result.numerics:  # the batch agrees; the rounding does not (passes/agree.py)
-            print(f"agree on the batch: {same}: the same update in exact arithmetic; "
-                  f"numerics differ: {', '.join(result.numerics)} "
-                  f"({a.source.path} vs {b.source.path}), so the updates differ by rounding")
+            print(
+                f"agree on the batch: {same}: the same update in exact arithmetic; "
+                f"numerics differ: {', '.join(result.numerics)} "
+                f"({a.source.path} vs {b.source.path}), so the updates differ by rounding"
+            )
         else:
             print(f"agree: {same}, same numerics: the same update")
     if errors:
@@ -104,19 +120,25 @@ def summary(c: Compiled) -> str:
     st = s.strategy
     if s.kind is Strategy.DDP:
         how = f"bucket_cap {fmt_bytes(st.cap)}" if st.cap else "explicit buckets"
-        lines.append(f"  strategy  DDP, {len(st.buckets)} buckets ({how}), overlap "
-                     f"{'on' if st.overlap else 'off'}")
+        lines.append(
+            f"  strategy  DDP, {len(st.buckets)} buckets ({how}), overlap "
+            f"{'on' if st.overlap else 'off'}"
+        )
         for b in st.buckets:
-            lines.append(f"    {b.name:<6} {fmt_bytes(b.nbytes):>11}  "
-                         f"{describe_params(cfg, b.params)}")
+            lines.append(
+                f"    {b.name:<6} {fmt_bytes(b.nbytes):>11}  {describe_params(cfg, b.params)}"
+            )
     elif s.kind is Strategy.FSDP:
-        lines.append(f"  strategy  FSDP, {len(st.units)} units, prefetch forward "
-                     f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
-                     f"{'on' if st.reshard_after_forward else 'off'}")
+        lines.append(
+            f"  strategy  FSDP, {len(st.units)} units, prefetch forward "
+            f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
+            f"{'on' if st.reshard_after_forward else 'off'}"
+        )
         for u in st.units:
             keep = "  (kept gathered)" if u.keep else ""
-            lines.append(f"    {u.name:<6} {fmt_bytes(u.nbytes):>11}  "
-                         f"{describe_params(cfg, u.params)}{keep}")
+            lines.append(
+                f"    {u.name:<6} {fmt_bytes(u.nbytes):>11}  {describe_params(cfg, u.params)}{keep}"
+            )
     else:
         lines.append("  strategy  one process: gradients added across micro-steps")
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())

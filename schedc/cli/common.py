@@ -15,11 +15,14 @@ from schedc.lang.resolve import Overrides
 def overrides(args) -> Overrides:
     """The flags that override the file, judged by the file's rules before anything compiles
     (so a bad one is said once, not once per schedule): a CompileError, exit 1."""
-    ov = Overrides(model=getattr(args, "model", None), steps=getattr(args, "steps", None),
-                   seed=getattr(args, "seed", None),
-                   precision=getattr(args, "precision", None),
-                   tf32=_switch(getattr(args, "tf32", None)),
-                   compile=_switch(getattr(args, "compile", None)))
+    ov = Overrides(
+        model=getattr(args, "model", None),
+        steps=getattr(args, "steps", None),
+        seed=getattr(args, "seed", None),
+        precision=getattr(args, "precision", None),
+        tf32=_switch(getattr(args, "tf32", None)),
+        compile=_switch(getattr(args, "compile", None)),
+    )
     if diags := ov.diagnostics():
         raise CompileError(diags)
     return ov
@@ -33,12 +36,21 @@ def add_override_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model size (overrides the file)")
     p.add_argument("--steps", type=int, help="optimizer steps (overrides the file)")
     p.add_argument("--seed", type=int, help="seed (overrides the file)")
-    p.add_argument("--precision", metavar="POLICY", help="numerics policy: fp32 or bf16 "
-                   "(replaces the file's `precision`)")
-    p.add_argument("--tf32", choices=["on", "off"], help="TF32 for fp32 matmuls on CUDA "
-                   "(overrides the file; default on with CUDA)")
-    p.add_argument("--compile", choices=["on", "off"], help="torch.compile each layer or "
-                   "fused run of layers (overrides the file)")
+    p.add_argument(
+        "--precision",
+        metavar="POLICY",
+        help="numerics policy: fp32 or bf16 (replaces the file's `precision`)",
+    )
+    p.add_argument(
+        "--tf32",
+        choices=["on", "off"],
+        help="TF32 for fp32 matmuls on CUDA (overrides the file; default on with CUDA)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=["on", "off"],
+        help="torch.compile each layer or fused run of layers (overrides the file)",
+    )
 
 
 def _number(kind, lo, hi=None, *, what: str):
@@ -76,12 +88,16 @@ def check_output(flag: str, path: str | None, *, directory: bool = False) -> Pat
         return None
     p = Path(path)
     if p.exists() and p.is_dir() != directory:
-        raise UserError(f"{flag} {path}: " + ("not a directory" if directory else
-                                              "is a directory, not a file"))
+        raise UserError(
+            f"{flag} {path}: " + ("not a directory" if directory else "is a directory, not a file")
+        )
     parent = p if directory and p.exists() else p.parent
     if not parent.is_dir():
-        raise UserError(f"{flag} {path}: " + ("no such directory" if not parent.exists()
-                                              else "not a directory") + f": {parent}")
+        raise UserError(
+            f"{flag} {path}: "
+            + ("no such directory" if not parent.exists() else "not a directory")
+            + f": {parent}"
+        )
     try:
         if directory:
             if not os.access(parent, os.W_OK):
@@ -96,6 +112,7 @@ def check_output(flag: str, path: str | None, *, directory: bool = False) -> Pat
                 pass
             p.unlink()
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        raise UserError(f"{flag} {path}: cannot write: {getattr(e, 'strerror', None) or e}"
-                        ) from None
+        raise UserError(
+            f"{flag} {path}: cannot write: {getattr(e, 'strerror', None) or e}"
+        ) from None
     return p

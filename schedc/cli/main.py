@@ -25,8 +25,9 @@ VERBS = {"check": check, "run": run, "render": render, "calibrate": calibrate}
 
 
 def _color(stream) -> bool:
-    return stream.isatty() and os.environ.get("NO_COLOR") is None and os.environ.get(
-        "TERM") != "dumb"
+    return (
+        stream.isatty() and os.environ.get("NO_COLOR") is None and os.environ.get("TERM") != "dumb"
+    )
 
 
 def _report(e: CompileError) -> int:
@@ -71,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception:
-        print("schedc: internal error (a bug in schedc; please report it with the schedule):",
-              file=sys.stderr)
+        print(
+            "schedc: internal error (a bug in schedc; please report it with the schedule):",
+            file=sys.stderr,
+        )
         traceback.print_exc()
         return EXIT_INTERNAL
 

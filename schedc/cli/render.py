@@ -30,15 +30,26 @@ HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
 def add_cost_args(p: argparse.ArgumentParser) -> None:
     d = CostModel()
     g = p.add_argument_group("cost model (predicted timelines; flags > --cost file > defaults)")
-    g.add_argument("--cost", metavar="PARAMS.json", help="parameters as `schedc calibrate -o` "
-                   "writes them")
-    g.add_argument("--flops", metavar="RATE", help=f"compute throughput in the schedule's "
-                   f"compute dtype, FLOP/s: 300T, 3e14 (default bf16 {d.flops_bf16:.3g}, fp32 "
-                   f"on TF32 {d.flops_tf32:.3g}, fp32 with tf32 off {d.flops_fp32:.3g})")
-    g.add_argument("--bandwidth", metavar="RATE", help=f"bus bandwidth per GPU, B/s: 100G "
-                   f"(default {d.bandwidth:.3g})")
-    g.add_argument("--latency", metavar="TIME", help=f"fixed cost per collective: 10us "
-                   f"(default {d.latency:.3g} s)")
+    g.add_argument(
+        "--cost", metavar="PARAMS.json", help="parameters as `schedc calibrate -o` writes them"
+    )
+    g.add_argument(
+        "--flops",
+        metavar="RATE",
+        help=f"compute throughput in the schedule's "
+        f"compute dtype, FLOP/s: 300T, 3e14 (default bf16 {d.flops_bf16:.3g}, fp32 "
+        f"on TF32 {d.flops_tf32:.3g}, fp32 with tf32 off {d.flops_fp32:.3g})",
+    )
+    g.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help=f"bus bandwidth per GPU, B/s: 100G (default {d.bandwidth:.3g})",
+    )
+    g.add_argument(
+        "--latency",
+        metavar="TIME",
+        help=f"fixed cost per collective: 10us (default {d.latency:.3g} s)",
+    )
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
@@ -47,32 +58,58 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
         return base.with_(
             flops=parse_rate(args.flops) if args.flops else None,
             bandwidth=parse_rate(args.bandwidth) if args.bandwidth else None,
-            latency=parse_time(args.latency) if args.latency is not None else None)
+            latency=parse_time(args.latency) if args.latency is not None else None,
+        )
     except (OSError, ValueError) as e:
         raise UserError(f"cost model: {e}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="+", metavar="FILE.sched",
-                   help="a schedule; several draw side by side (graph) or stacked on one time "
-                   "scale (timeline)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT",
-                   help="the picture: .svg, .png, .pdf, or .dot (DOT text, no Graphviz needed)")
-    p.add_argument("--view", choices=["graph", "timeline"],
-                   help="graph (default) or timeline (default with --trace)")
-    p.add_argument("--trace", metavar="RUN.json",
-                   help="draw the measured timeline from `schedc run --trace`")
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE.sched",
+        help="a schedule; several draw side by side (graph) or stacked on one time "
+        "scale (timeline)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="the picture: .svg, .png, .pdf, or .dot (DOT text, no Graphviz needed)",
+    )
+    p.add_argument(
+        "--view",
+        choices=["graph", "timeline"],
+        help="graph (default) or timeline (default with --trace)",
+    )
+    p.add_argument(
+        "--trace", metavar="RUN.json", help="draw the measured timeline from `schedc run --trace`"
+    )
     p.add_argument("--step", type=int, help="the traced step to draw (default: the last)")
-    p.add_argument("--compare", action="store_true",
-                   help="with --trace: the predicted timeline above the measured one")
-    p.add_argument("--rank", type=int, help="one rank (default: the graph every rank runs; "
-                   "timelines: every rank of a trace, every rank whose plan differs, or rank 0 "
-                   "standing for all)")
-    p.add_argument("--window", metavar="FROM:TO",
-                   help="timeline: draw part of the step: mb3: (micro-step 3 to the end), "
-                   "mb1:mb2, 70ms:90ms")
-    p.add_argument("--unfold", action="store_true",
-                   help="every op: no folded micro-steps (graph), no grouped layers (timeline)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="with --trace: the predicted timeline above the measured one",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="one rank (default: the graph every rank runs; "
+        "timelines: every rank of a trace, every rank whose plan differs, or rank 0 "
+        "standing for all)",
+    )
+    p.add_argument(
+        "--window",
+        metavar="FROM:TO",
+        help="timeline: draw part of the step: mb3: (micro-step 3 to the end), mb1:mb2, 70ms:90ms",
+    )
+    p.add_argument(
+        "--unfold",
+        action="store_true",
+        help="every op: no folded micro-steps (graph), no grouped layers (timeline)",
+    )
     p.add_argument("--model", help="model size (overrides the file; use the run's --model)")
     add_cost_args(p)
 
@@ -81,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     fmt = out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
-        raise UserError(f"-o {args.output}: the extension says the format; use one of "
-                        f"{', '.join('.' + f for f in FORMATS)}")
+        raise UserError(
+            f"-o {args.output}: the extension says the format; use one of "
+            f"{', '.join('.' + f for f in FORMATS)}"
+        )
     check_output("-o", args.output)
     view = args.view or ("timeline" if args.trace else "graph")
     if args.trace and view == "graph":
@@ -94,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if args.step is not None and not args.trace:
         raise UserError("--step picks a step of a trace; add --trace RUN.json")
     if args.compare and not args.trace:
-        raise UserError("--compare sets the predicted timeline beside a measured one; add "
-                        "--trace RUN.json")
+        raise UserError(
+            "--compare sets the predicted timeline beside a measured one; add --trace RUN.json"
+        )
     compiled = [compile_file(f, overrides(args)) for f in args.files]
     for c in compiled:
         if args.rank is not None and not 0 <= args.rank < c.spec.world:
@@ -104,8 +144,14 @@ def run(args: argparse.Namespace) -> int:
         dot = graph_dot(compiled, args.rank, args.unfold)
         report = []
     else:
-        panels = panels_for(compiled, cost_from_args(args), rank=args.rank, trace=args.trace,
-                            step=args.step, compare=args.compare)
+        panels = panels_for(
+            compiled,
+            cost_from_args(args),
+            rank=args.rank,
+            trace=args.trace,
+            step=args.step,
+            compare=args.compare,
+        )
         try:
             dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
         except ValueError as e:

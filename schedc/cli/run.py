@@ -26,25 +26,45 @@ HELP = "train: run a schedule under torchrun (world 1: alone)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", nargs="?", help="the schedule (default: the bundled "
-                   "tiny_ddp_overlap.sched)")
+    p.add_argument(
+        "file", nargs="?", help="the schedule (default: the bundled tiny_ddp_overlap.sched)"
+    )
     add_override_args(p)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--timeout", type=TIMEOUT_S, default=300.0, metavar="S",
-                   help="seconds a rank waits for the others before failing (default 300)")
+    p.add_argument(
+        "--timeout",
+        type=TIMEOUT_S,
+        default=300.0,
+        metavar="S",
+        help="seconds a rank waits for the others before failing (default 300)",
+    )
     p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
-    p.add_argument("--save-every", type=POSITIVE, default=100, metavar="N",
-                   help="checkpoint every N steps, and after the last (default 100)")
-    p.add_argument("--keep", type=COUNT, default=2,
-                   help="checkpoints to keep (default 2; 0 keeps every one)")
+    p.add_argument(
+        "--save-every",
+        type=POSITIVE,
+        default=100,
+        metavar="N",
+        help="checkpoint every N steps, and after the last (default 100)",
+    )
+    p.add_argument(
+        "--keep", type=COUNT, default=2, help="checkpoints to keep (default 2; 0 keeps every one)"
+    )
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
-    p.add_argument("--checkpoint-key", metavar="FILE", help="a secret (16-4096 bytes): --save "
-                   "signs meta.json with its HMAC-SHA256, --resume refuses a checkpoint whose "
-                   "HMAC is missing or wrong (README, Robustness)")
-    p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
-                   help="on a non-finite loss or gradient norm: stop the run (default), or "
-                   "skip that update and say so")
+    p.add_argument(
+        "--checkpoint-key",
+        metavar="FILE",
+        help="a secret (16-4096 bytes): --save "
+        "signs meta.json with its HMAC-SHA256, --resume refuses a checkpoint whose "
+        "HMAC is missing or wrong (README, Robustness)",
+    )
+    p.add_argument(
+        "--nonfinite",
+        choices=["stop", "skip"],
+        default="stop",
+        help="on a non-finite loss or gradient norm: stop the run (default), or "
+        "skip that update and say so",
+    )
     p.add_argument("--log-json", metavar="FILE", help="also append each step as JSON to FILE")
 
 
@@ -59,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise UserError("`schedc run` trains with torch, which is not installed here; "
-                        "scripts/install.sh installs it (check and render need no torch)") from None
+        raise UserError(
+            "`schedc run` trains with torch, which is not installed here; "
+            "scripts/install.sh installs it (check and render need no torch)"
+        ) from None
     from schedc.exec.checkpoint import CheckpointError, read_key
     from schedc.exec.executor import RunError, RunOptions
     from schedc.exec.train import TrainOptions, run_main
@@ -69,10 +91,18 @@ def run(args: argparse.Namespace) -> int:
         key = read_key(args.checkpoint_key) if args.checkpoint_key else None
     except CheckpointError as e:
         raise UserError(f"--checkpoint-key {e}") from None
-    opts = RunOptions(device=args.device, timeout_s=args.timeout, trace=bool(args.trace),
-                      nonfinite=args.nonfinite)
-    job = TrainOptions(save=args.save, save_every=args.save_every, keep=args.keep,
-                       resume=args.resume, log_json=args.log_json, trace=args.trace, key=key)
+    opts = RunOptions(
+        device=args.device, timeout_s=args.timeout, trace=bool(args.trace), nonfinite=args.nonfinite
+    )
+    job = TrainOptions(
+        save=args.save,
+        save_every=args.save_every,
+        keep=args.keep,
+        resume=args.resume,
+        log_json=args.log_json,
+        trace=args.trace,
+        key=key,
+    )
     try:
         return run_main(compiled, opts, job)
     except RunError as e:

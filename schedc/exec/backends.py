@@ -185,8 +185,9 @@ class CPUBackend:
 
 def _gloo_group(comm, stream: str):
     """A gloo process group over the job's ranks with one worker thread: a FIFO comm stream."""
-    store = dist.PrefixStore(f"schedc/{comm.tag}/stream/{stream}",
-                             dist.distributed_c10d._get_default_store())
+    store = dist.PrefixStore(
+        f"schedc/{comm.tag}/stream/{stream}", dist.distributed_c10d._get_default_store()
+    )
     opts = dist.ProcessGroupGloo._Options()
     opts._threads = 1
     opts._timeout = comm.timeout
@@ -200,12 +201,18 @@ class CUDABackend:
     def __init__(self, streams: tuple[str, ...], comm, trace: bool, device: torch.device):
         self.device = device
         self.trace = trace
-        self.streams = {s: (torch.cuda.current_stream(device) if s == COMPUTE
-                            else torch.cuda.Stream(device)) for s in streams}
-        ranks = list(range(comm.world)) if comm.group is None else dist.get_process_group_ranks(
-            comm.group)
-        self.groups = {s: dist.new_group(ranks, timeout=comm.timeout, backend="nccl")
-                       for s in streams}
+        self.streams = {
+            s: (torch.cuda.current_stream(device) if s == COMPUTE else torch.cuda.Stream(device))
+            for s in streams
+        }
+        ranks = (
+            list(range(comm.world))
+            if comm.group is None
+            else dist.get_process_group_ranks(comm.group)
+        )
+        self.groups = {
+            s: dist.new_group(ranks, timeout=comm.timeout, backend="nccl") for s in streams
+        }
         self.events: dict[int, torch.cuda.Event] = {}
         self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._base: torch.cuda.Event | None = None

@@ -33,6 +33,7 @@ DCP's pickled metadata is read by an unpickler that admits an exact list of clas
 a metadata that declares anything but tensors is refused. Every failure is a
 CheckpointError naming the file.
 """
+
 from __future__ import annotations
 
 import base64
@@ -89,14 +90,25 @@ def executor_state(ex) -> dict[str, torch.Tensor]:
             local = u.shard[: _kept(u)]
             parts = [p for group in u.optimizer_params() for p in group]
             st = [opt.state.get(p, {}) for p in parts]
-            m = torch.cat([s.get("exp_avg", torch.zeros(p.numel())) for s, p in zip(st, parts)]
-                          ) if parts else local.new_zeros(0)
-            v = torch.cat([s.get("exp_avg_sq", torch.zeros(p.numel())) for s, p in zip(st, parts)]
-                          ) if parts else local.new_zeros(0)
+            m = (
+                torch.cat([s.get("exp_avg", torch.zeros(p.numel())) for s, p in zip(st, parts)])
+                if parts
+                else local.new_zeros(0)
+            )
+            v = (
+                torch.cat([s.get("exp_avg_sq", torch.zeros(p.numel())) for s, p in zip(st, parts)])
+                if parts
+                else local.new_zeros(0)
+            )
             for key, t in (("param", local), ("exp_avg", m), ("exp_avg_sq", v)):
                 state[f"unit.{u.name}.{key}"] = DTensor.from_local(
-                    t.contiguous(), mesh, [Shard(0)], run_check=False,
-                    shape=torch.Size([u.numel]), stride=(1,))
+                    t.contiguous(),
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size([u.numel]),
+                    stride=(1,),
+                )
         return state
     for name, p in ex.params.items():
         state[f"param.{name}"] = p.detach()
@@ -119,18 +131,22 @@ def load_executor_state(ex, state: dict[str, torch.Tensor], step: int) -> None:
             for p in (p for group in u.optimizer_params() for p in group):
                 k = p.numel()
                 if step > 0:
-                    opt.state[p] = {"step": step_t(),
-                                                "exp_avg": m[off : off + k].clone(),
-                                                "exp_avg_sq": v[off : off + k].clone()}
+                    opt.state[p] = {
+                        "step": step_t(),
+                        "exp_avg": m[off : off + k].clone(),
+                        "exp_avg_sq": v[off : off + k].clone(),
+                    }
                 off += k
         return
     with torch.no_grad():
         for name, p in ex.params.items():
             p.copy_(state[f"param.{name}"])
             if step > 0:
-                opt.state[p] = {"step": step_t(),
-                                "exp_avg": state[f"optim.{name}.exp_avg"].clone(),
-                                "exp_avg_sq": state[f"optim.{name}.exp_avg_sq"].clone()}
+                opt.state[p] = {
+                    "step": step_t(),
+                    "exp_avg": state[f"optim.{name}.exp_avg"].clone(),
+                    "exp_avg_sq": state[f"optim.{name}.exp_avg_sq"].clone(),
+                }
 
 
 def _kept(u) -> int:
@@ -170,12 +186,18 @@ def save(ex, root: str | os.PathLike, keep: int = 2, key: bytes | None = None) -
         rng = [mine]
     _crash_point("after-write", rank)
     if rank == 0:
-        meta = {"format": FORMAT, "step": step, "world": ex.comm.world,
-                "strategy": ex.spec.kind, "model": ex.spec.model_name,
-                "model_config": dataclasses.asdict(ex.spec.model),
-                "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
-                "units": {u.name: u.numel for u in ex.units.values()},
-                "rng": rng, "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())}}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "world": ex.comm.world,
+            "strategy": ex.spec.kind,
+            "model": ex.spec.model_name,
+            "model_config": dataclasses.asdict(ex.spec.model),
+            "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
+            "units": {u.name: u.numel for u in ex.units.values()},
+            "rng": rng,
+            "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
+        }
         text = json.dumps(meta, indent=1)
         _write_atomic(tmp / "meta.json", text)
         if key is not None:
@@ -262,8 +284,10 @@ def read_key(path: str | os.PathLike) -> bytes:
     """The secret of --checkpoint-key FILE: the file's bytes (16 to 4096 of them)."""
     key = _read(Path(path), 4096, "a checkpoint key")
     if len(key) < 16:
-        raise CheckpointError(f"{path}: a checkpoint key needs at least 16 bytes, this has "
-                              f"{len(key)} (e.g. head -c 32 /dev/urandom > {path})")
+        raise CheckpointError(
+            f"{path}: a checkpoint key needs at least 16 bytes, this has "
+            f"{len(key)} (e.g. head -c 32 /dev/urandom > {path})"
+        )
     return key
 
 
@@ -280,8 +304,9 @@ def _open(path: Path) -> int:
         raise CheckpointError(f"{path}: missing") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{path}: a symbolic link; a checkpoint holds regular files "
-                                  "only") from None
+            raise CheckpointError(
+                f"{path}: a symbolic link; a checkpoint holds regular files only"
+            ) from None
         raise CheckpointError(f"{path}: cannot be opened: {e.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -335,12 +360,15 @@ def find(root: str | os.PathLike) -> Path:
     except UnicodeDecodeError:
         name = "?"
     if not _STEP.fullmatch(name):
-        raise CheckpointError(f"{latest}: names {name[:40]!r}, not a checkpoint step_NNNNNNNN "
-                              "of this directory")
+        raise CheckpointError(
+            f"{latest}: names {name[:40]!r}, not a checkpoint step_NNNNNNNN of this directory"
+        )
     path = root / name
     if path.is_symlink() or not path.is_dir() or path.resolve().parent != root.resolve():
-        raise CheckpointError(f"{latest}: names {path}, which is not a directory inside {root}"
-                              " (a symbolic link, or missing)")
+        raise CheckpointError(
+            f"{latest}: names {path}, which is not a directory inside {root}"
+            " (a symbolic link, or missing)"
+        )
     if not (path / "meta.json").exists():
         raise CheckpointError(f"{path}: named by {latest} but incomplete (no meta.json)")
     return path
@@ -354,29 +382,37 @@ def verify(path: Path, key: bytes | None = None) -> dict:
     mac = path / HMAC_FILE
     if key is not None:
         if not os.path.lexists(mac):
-            raise CheckpointError(f"{mac}: missing, so --checkpoint-key cannot check this "
-                                  "checkpoint (saved without a key, or the HMAC was removed)")
+            raise CheckpointError(
+                f"{mac}: missing, so --checkpoint-key cannot check this "
+                "checkpoint (saved without a key, or the HMAC was removed)"
+            )
         got = _read(mac, 256, "an HMAC").decode("ascii", "replace").strip()
         if not hmac.compare_digest(got, _mac(key, raw)):
-            raise CheckpointError(f"{mac}: the HMAC of meta.json does not match this key "
-                                  "(another key, or meta.json was altered)")
+            raise CheckpointError(
+                f"{mac}: the HMAC of meta.json does not match this key "
+                "(another key, or meta.json was altered)"
+            )
     elif os.path.lexists(mac):
-        raise CheckpointError(f"{mac}: this checkpoint was saved with --checkpoint-key; give "
-                              "the same key to load it")
+        raise CheckpointError(
+            f"{mac}: this checkpoint was saved with --checkpoint-key; give the same key to load it"
+        )
     try:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON: {e}") from None
     _check_meta(meta, where)
     if _STEP.fullmatch(path.name) and path.name != f"step_{meta['step']:08d}":
-        raise CheckpointError(f"{where}: field 'step': {meta['step']}, but the directory is "
-                              f"{path.name} (renamed?)")
+        raise CheckpointError(
+            f"{where}: field 'step': {meta['step']}, but the directory is {path.name} (renamed?)"
+        )
     sizes = {}
     for fname, want in meta["files"].items():
         got, sizes[fname] = _hash_file(path / fname)
         if got != want:
-            raise CheckpointError(f"{path / fname}: contents do not match the checkpoint's hash "
-                                  "(truncated or altered)")
+            raise CheckpointError(
+                f"{path / fname}: contents do not match the checkpoint's hash "
+                "(truncated or altered)"
+            )
     meta["_sizes"] = sizes
     return meta
 
@@ -384,6 +420,7 @@ def verify(path: Path, key: bytes | None = None) -> dict:
 def _check_meta(meta, where: Path) -> None:
     """meta.json's schema, field by field: exactly the keys save() writes, each of its type
     and in range; files are DCP's own names, directly in the directory."""
+
     def bad(field: str, what: str):
         raise CheckpointError(f"{where}: field '{field}': {what}")
 
@@ -393,8 +430,18 @@ def _check_meta(meta, where: Path) -> None:
 
     if type(meta) is not dict:
         raise CheckpointError(f"{where}: not a JSON object")
-    want = {"format", "step", "world", "strategy", "model", "model_config", "schedule_sha256",
-            "units", "rng", "files"}
+    want = {
+        "format",
+        "step",
+        "world",
+        "strategy",
+        "model",
+        "model_config",
+        "schedule_sha256",
+        "units",
+        "rng",
+        "files",
+    }
     for k in sorted(want - meta.keys()):
         bad(k, "missing")
     for k in sorted(meta.keys() - want):
@@ -451,14 +498,18 @@ def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
     if meta["strategy"] != spec.kind or meta["model_config"] != dataclasses.asdict(spec.model):
         raise CheckpointError(
             f"{path}: saved by a {meta['strategy']} schedule of model {meta['model']}; this is a "
-            f"{spec.kind} schedule of model {spec.model_name}")
+            f"{spec.kind} schedule of model {spec.model_name}"
+        )
     ours = {u.name: u.numel for u in ex.units.values()}
     if spec.kind is Strategy.FSDP and meta["units"] != ours:
         diff = sorted(set(meta["units"]) ^ set(ours)) or sorted(
-            f"{u} ({meta['units'][u]} elements saved, {n} here)" for u, n in ours.items()
-            if meta["units"][u] != n)
-        raise CheckpointError(f"{path}: its FSDP units differ from this schedule's: "
-                              f"{', '.join(map(str, diff))}")
+            f"{u} ({meta['units'][u]} elements saved, {n} here)"
+            for u, n in ours.items()
+            if meta["units"][u] != n
+        )
+        raise CheckpointError(
+            f"{path}: its FSDP units differ from this schedule's: {', '.join(map(str, diff))}"
+        )
     SafeReader(str(path), meta).read_metadata()  # refuse bad metadata before DCP touches it
     state = executor_state(ex)
     try:
@@ -476,8 +527,9 @@ def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
     load_executor_state(ex, state, step)
     rng = meta["rng"]
     if len(rng) == ex.comm.world:
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng[ex.comm.rank])),
-                                             dtype=torch.uint8))
+        torch.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(rng[ex.comm.rank])), dtype=torch.uint8)
+        )
     ex.step_index = step
     return step
 
@@ -494,15 +546,18 @@ class SafeReader(FileSystemReader):
         path = Path(self.path) / ".metadata"  # never __R.metadata: schedc does not write those
         data = _read(path, MAX_METADATA_BYTES, "DCP metadata")
         if hashlib.sha256(data).hexdigest() != self.meta["files"][".metadata"]:
-            raise CheckpointError(f"{path}: contents do not match the checkpoint's hash "
-                                  "(changed while loading)")
+            raise CheckpointError(
+                f"{path}: contents do not match the checkpoint's hash (changed while loading)"
+            )
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - a malformed pickle: every kind of error
-            raise CheckpointError(f"{path}: refused: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+            raise CheckpointError(
+                f"{path}: refused: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+            ) from None
         _check_metadata(metadata, path, self.meta["_sizes"])
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -513,12 +568,16 @@ def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
     """The unpickled metadata has exactly the shape of what schedc saves: tensor items only
     (a bytes item would reach torch.load(weights_only=False)), keys executor_state writes,
     every stored chunk inside one of the checkpoint's hashed .distcp files, no transforms."""
+
     def bad(what: str):
         raise CheckpointError(f"{where}: refused: {what}")
 
     def shape(v, n: int | None = None) -> bool:
-        return type(v) is torch.Size and (n is None or len(v) == n) and all(
-            type(x) is int and 0 <= x < 2**48 for x in v)
+        return (
+            type(v) is torch.Size
+            and (n is None or len(v) == n)
+            and all(type(x) is int and 0 <= x < 2**48 for x in v)
+        )
 
     if type(md) is not Metadata:
         bad(f"a {type(md).__name__}, not DCP Metadata")
@@ -531,15 +590,29 @@ def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
         if type(v) is not TensorStorageMetadata:
             bad(f"item {k} is a {type(v).__name__}, not a tensor; schedc writes tensors only")
         p = v.properties
-        if type(p) is not TensorProperties or p.dtype not in _DTYPES or (
-                p.layout is not torch.strided):
+        if (
+            type(p) is not TensorProperties
+            or p.dtype not in _DTYPES
+            or (p.layout is not torch.strided)
+        ):
             bad(f"item {k} has tensor properties schedc never writes")
-        if not shape(v.size) or type(v.chunks) is not list or not all(
-                type(c) is ChunkStorageMetadata and shape(c.offsets, len(v.size))
-                and shape(c.sizes, len(v.size)) for c in v.chunks):
+        if (
+            not shape(v.size)
+            or type(v.chunks) is not list
+            or not all(
+                type(c) is ChunkStorageMetadata
+                and shape(c.offsets, len(v.size))
+                and shape(c.sizes, len(v.size))
+                for c in v.chunks
+            )
+        ):
             bad(f"item {k} has a malformed shape or chunk list")
-    if md.planner_data is not None and (type(md.planner_data) is not dict or not all(
-            type(v) is tuple and all(type(x) is str for x in v) for v in md.planner_data.values())):
+    if md.planner_data is not None and (
+        type(md.planner_data) is not dict
+        or not all(
+            type(v) is tuple and all(type(x) is str for x in v) for v in md.planner_data.values()
+        )
+    ):
         bad("malformed planner_data")
     if md.version is not None and type(md.version) is not str:
         bad("malformed version")
@@ -554,10 +627,15 @@ def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
             bad(f"storage of {idx.fqn} is a {type(info).__name__}")
         f = info.relative_path
         if type(f) is not str or f == ".metadata" or f not in sizes:
-            bad(f"item {idx.fqn} is stored in {str(f)[:60]!r}, which is not one of this "
-                "checkpoint's hashed files (meta.json 'files')")
-        if type(info.offset) is not int or type(info.length) is not int or not (
-                0 <= info.offset and 0 <= info.length and info.offset + info.length <= sizes[f]):
+            bad(
+                f"item {idx.fqn} is stored in {str(f)[:60]!r}, which is not one of this "
+                "checkpoint's hashed files (meta.json 'files')"
+            )
+        if (
+            type(info.offset) is not int
+            or type(info.length) is not int
+            or not (0 <= info.offset and 0 <= info.length and info.offset + info.length <= sizes[f])
+        ):
             bad(f"item {idx.fqn}: bytes {info.offset}+{info.length} lie outside {f}")
         if info.transform_descriptors:
             bad(f"item {idx.fqn} asks for stream transforms, which schedc never writes")
@@ -571,25 +649,43 @@ class _MetadataUnpickler(pickle._Unpickler):
     their own fields; and refuses every other opcode that creates or calls. It is Python's
     own pure-Python unpickler with those dispatch entries replaced."""
 
-    ALLOWED = frozenset({
-        ("torch.distributed.checkpoint.metadata", n) for n in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-            "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-        *(("torch", str(d).removeprefix("torch.")) for d in (
-            torch.float32, torch.float16, torch.bfloat16, torch.float64))})
+    ALLOWED = frozenset(
+        {
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        }
+        | {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            *(
+                ("torch", str(d).removeprefix("torch."))
+                for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            ),
+        }
+    )
     dispatch = dict(pickle._Unpickler.dispatch)  # noqa: RUF012 - pickle reads it off the class
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"metadata names {module}.{name}, which a DCP "
-                                         "checkpoint never does")
+            raise pickle.UnpicklingError(
+                f"metadata names {module}.{name}, which a DCP checkpoint never does"
+            )
         return getattr(importlib.import_module(module), name)  # name has no dot: exact
 
     def _refuse(self, what: str):
-        raise pickle.UnpicklingError(f"metadata uses pickle's {what}, which a DCP checkpoint "
-                                     "never does")
+        raise pickle.UnpicklingError(
+            f"metadata uses pickle's {what}, which a DCP checkpoint never does"
+        )
 
     def _reduce(self):
         if not any(self.stack[-2] is f for f in _factories()):
@@ -607,8 +703,11 @@ class _MetadataUnpickler(pickle._Unpickler):
         if not any(cls is c for c in _classes()):
             self._refuse(f"BUILD on {_name(inst)}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        ok = (type(state) is tuple and len(state) == 5 if cls is TensorProperties else
-              type(state) is dict and all(type(k) is str and k in fields for k in state))
+        ok = (
+            type(state) is tuple and len(state) == 5
+            if cls is TensorProperties
+            else type(state) is dict and all(type(k) is str and k in fields for k in state)
+        )
         if not ok:
             self._refuse(f"BUILD of {cls.__name__} with a state it never has")
         pickle._Unpickler.load_build(self)
@@ -625,8 +724,15 @@ def _name(obj) -> str:
 
 
 def _classes() -> tuple:
-    return (Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
-            ChunkStorageMetadata, _StorageInfo)
+    return (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+        ChunkStorageMetadata,
+        _StorageInfo,
+    )
 
 
 def _factories() -> tuple:

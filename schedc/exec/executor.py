@@ -78,8 +78,9 @@ class Comm:
             if "RANK" in os.environ:
                 dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
         return cls(dist.get_rank(), dist.get_world_size(), None, timeout)
 
 
@@ -141,13 +142,16 @@ class _Micro:
 class Executor:
     """Runs one rank's plan, step after step."""
 
-    def __init__(self, compiled: Compiled, comm: Comm, options: RunOptions = RunOptions(),
-                 batches=None):
-        self.compiled, self.comm, self.opts = compiled, comm, options
+    def __init__(
+        self, compiled: Compiled, comm: Comm, options: RunOptions | None = None, batches=None
+    ):
+        self.compiled, self.comm, self.opts = compiled, comm, options or RunOptions()
         spec = self.spec = compiled.spec
         if comm.world != spec.world:
-            raise RunError(f"the schedule is for world {spec.world}, but this job has "
-                           f"{comm.world} rank{'s' if comm.world != 1 else ''}")
+            raise RunError(
+                f"the schedule is for world {spec.world}, but this job has "
+                f"{comm.world} rank{'s' if comm.world != 1 else ''}"
+            )
         self.plan: Plan = compiled.plan(comm.rank)
         self.device = pick_device(options.device)
         self.tf32 = set_tf32(self.device, spec.numerics.tf32)  # CUDA only; CPU untouched
@@ -156,8 +160,9 @@ class Executor:
         # what each compute segment calls: eager, or compiled once per region (`compile on`)
         self.regions = Regions(self.model, spec.numerics.compile)
         self.params = dict(self.model.named_parameters())
-        self.batches = batches or load_batches(spec.data, spec.seq_len, spec.seqs,
-                                               spec.model.vocab_size)
+        self.batches = batches or load_batches(
+            spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size
+        )
         # the policy: None where a dtype is the run's own (no autocast, no cast)
         num, master = spec.numerics, options.dtype
         self.autocast = TORCH_DTYPES[num.compute] if num.compute is not Dtype.FP32 else None
@@ -175,19 +180,22 @@ class Executor:
         self.buckets: dict[str, FlatBucket] = {}
         self.units: dict[str, FlatUnit] = {}
         if spec.kind is Strategy.FSDP:
-            self.units = {u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world,
-                                           gather) for u in spec.strategy.units}
+            self.units = {
+                u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world, gather)
+                for u in spec.strategy.units
+            }
             decay, plain = [], []
             for u in self.units.values():
                 d, p = u.optimizer_params()
                 decay += d
                 plain += p
             self.optimizer = adamw_groups(decay, plain, spec.optim)
-            writers = {u.name: spec.writers(u.params)
-                       for u in spec.strategy.units}
+            writers = {u.name: spec.writers(u.params) for u in spec.strategy.units}
             # the units whose gradients each layer's backward writes into
-            self.writes = {layer: [self.units[n] for n, ws in writers.items() if layer in ws]
-                           for layer in self.layers}
+            self.writes = {
+                layer: [self.units[n] for n, ws in writers.items() if layer in ws]
+                for layer in self.layers
+            }
         else:
             if spec.kind is Strategy.DDP:
                 specs = spec.strategy.buckets
@@ -207,8 +215,12 @@ class Executor:
         spec, s = self.spec, self.step_index
         t0 = time.perf_counter()
         self.micro = [
-            _Micro(*(t.to(self.device, non_blocking=True) for t in self.batches.micro_batch(
-                s, self.comm.rank, j, spec.micro, spec.world)))
+            _Micro(
+                *(
+                    t.to(self.device, non_blocking=True)
+                    for t in self.batches.micro_batch(s, self.comm.rank, j, spec.micro, spec.world)
+                )
+            )
             for j in range(spec.accum)
         ]
         for b in self.buckets.values():
@@ -383,8 +395,11 @@ class Executor:
                     send = grad.to(rd)
                     if D > 1:
                         send.div_(D)
-                out = unit.new_shard_grad() if direct else torch.empty(
-                    unit.shard_len, dtype=rd, device=grad.device)
+                out = (
+                    unit.new_shard_grad()
+                    if direct
+                    else torch.empty(unit.shard_len, dtype=rd, device=grad.device)
+                )
                 held["out"] = out  # allocated on this stream
                 return b.reduce_scatter(out, send)(pg)
 
@@ -414,8 +429,10 @@ class Executor:
         self.backend.drain()  # every reduction retired: shards and buckets hold final sums
         stats = StepStats(self.step_index, 0.0, 0.0, 0.0, 0.0, 0.0)
         if self.units:
-            sq = sum((u.shard_grad.double().pow(2).sum() for u in self.units.values()),
-                     torch.zeros((), dtype=torch.float64, device=self.device))
+            sq = sum(
+                (u.shard_grad.double().pow(2).sum() for u in self.units.values()),
+                torch.zeros((), dtype=torch.float64, device=self.device),
+            )
             if self.comm.world > 1:
                 dist.all_reduce(sq, group=self.comm.group)
             norm = sq.sqrt().to(self.opts.dtype)
@@ -459,16 +476,19 @@ class Executor:
             held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
         else:
             held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
-        opt_state = [t for st in self.optimizer.state.values() for t in st.values()
-                     if torch.is_tensor(t) and t.dim() > 0]  # Adam m and v, not the step count
+        opt_state = [
+            t
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]  # Adam m and v, not the step count
         self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
         for u in self.units.values():
             u.drop_shard_grad()
 
     def _nonfinite(self, stats: StepStats) -> str:
         """Name the step, and the ranks and micro-steps whose loss was not finite."""
-        mine = [(self.comm.rank, j) for j, m in enumerate(self.micro)
-                if not torch.isfinite(m.loss)]
+        mine = [(self.comm.rank, j) for j, m in enumerate(self.micro) if not torch.isfinite(m.loss)]
         every = [None] * self.comm.world
         if self.comm.world > 1:
             dist.all_gather_object(every, mine, group=self.comm.group)
@@ -478,8 +498,10 @@ class Executor:
         if bad:
             where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
             return f"step {stats.step}: the loss is not finite in {where}"
-        return (f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
-                f"finite in every micro-step, so a backward produced it)")
+        return (
+            f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
+            f"finite in every micro-step, so a backward produced it)"
+        )
 
     def full_tensors(self, *, grad: bool) -> dict[str, torch.Tensor]:
         """Full gradients or parameters by name (FSDP: gathered from the shards; tests only)."""
@@ -499,8 +521,9 @@ class Executor:
 
     def _measure(self) -> None:
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units.values())
-        grads = sum(g.numel() * g.element_size() for u in self.units.values()
-                    for g in u.grads.values())
+        grads = sum(
+            g.numel() * g.element_size() for u in self.units.values() for g in u.grads.values()
+        )
         self.mem["gathered_peak"] = max(self.mem["gathered_peak"], gathered)
         self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)
 
@@ -522,8 +545,11 @@ def _range(item):
     if not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     if isinstance(item, Segment):
-        name = str(item.ops[0]) if len(item.layers) == 1 else (
-            f"{item.kind.value}[{item.layers[0]}..{item.layers[-1]}]@mb{item.mb}")
+        name = (
+            str(item.ops[0])
+            if len(item.layers) == 1
+            else (f"{item.kind.value}[{item.layers[0]}..{item.layers[-1]}]@mb{item.mb}")
+        )
     else:
         name = str(item.op) if item.op else str(item)
     return torch.profiler.record_function(name)
@@ -537,11 +563,14 @@ class PlanError(RunError):
         lines = plan.render(mark=index).splitlines()
         head, body = lines[0], lines[1:]
         lo, hi = max(0, index - 12), min(len(body), index + 4)
-        window = ([head] + (["  ..."] if lo else []) + body[lo:hi]
-                  + (["  ..."] if hi < len(body) else []))
+        window = (
+            [head] + (["  ..."] if lo else []) + body[lo:hi] + (["  ..."] if hi < len(body) else [])
+        )
         cause_text = "".join(traceback.format_exception_only(type(cause), cause)).strip()
-        super().__init__(f"rank {rank}, step {step}: instruction {index} "
-                         f"({plan.instrs[index]}) failed: {cause_text}\n" + "\n".join(window))
+        super().__init__(
+            f"rank {rank}, step {step}: instruction {index} "
+            f"({plan.instrs[index]}) failed: {cause_text}\n" + "\n".join(window)
+        )
 
 
 # -- traces ---------------------------------------------------------------------------------------
@@ -550,16 +579,25 @@ class PlanError(RunError):
 def chrome_events(rank: int, streams, spans: list[tuple[int, Timed]]) -> list[dict]:
     """Chrome/Perfetto trace events: one process per rank, one thread per stream."""
     tid = {s: i for i, s in enumerate(streams)}
-    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
-              {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]
+    events = [
+        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+    ]
     for s, i in tid.items():
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": i,
-                       "args": {"name": s}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}}
+        )
     for step, sp in spans:
-        ev = {"name": str(sp.op), "ph": "X", "pid": rank, "tid": tid[sp.stream],
-              "ts": sp.start / 1e3, "dur": max(0.0, (sp.end - sp.start) / 1e3),
-              "cat": "collective" if sp.op.is_collective else "compute",
-              "args": {"step": step, "stream": sp.stream}}
+        ev = {
+            "name": str(sp.op),
+            "ph": "X",
+            "pid": rank,
+            "tid": tid[sp.stream],
+            "ts": sp.start / 1e3,
+            "dur": max(0.0, (sp.end - sp.start) / 1e3),
+            "cat": "collective" if sp.op.is_collective else "compute",
+            "args": {"step": step, "stream": sp.stream},
+        }
         if sp.op.is_collective:
             ev["args"]["launch_us"] = sp.issue / 1e3
             ev["args"]["complete_us"] = sp.end / 1e3

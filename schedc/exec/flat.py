@@ -38,8 +38,9 @@ class FlatBucket:
         self.name = spec.name
         self.params = [params[n] for n in spec.params]
         p0 = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype,
-                                device=p0.device)
+        self.flat = torch.zeros(
+            sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device
+        )
         self.bind()
 
     def bind(self) -> None:
@@ -58,8 +59,15 @@ class FlatBucket:
 class FlatUnit:
     """An FSDP unit: one padded flat parameter, sharded over the ranks."""
 
-    def __init__(self, spec: UnitSpec, cfg: GPTConfig, params: dict[str, nn.Parameter],
-                 rank: int, world: int, gather: torch.dtype | None = None):
+    def __init__(
+        self,
+        spec: UnitSpec,
+        cfg: GPTConfig,
+        params: dict[str, nn.Parameter],
+        rank: int,
+        world: int,
+        gather: torch.dtype | None = None,
+    ):
         self.name = spec.name
         self.keep = spec.keep
         decay = [n for n in spec.params if cfg.param(n).decay]
@@ -131,8 +139,7 @@ class FlatUnit:
         delays past the next micro-step's backward still take exactly its own gradient."""
         if key not in self.grads:
             # the parameters' dtype: autograd accumulates into a .grad of its parameter's
-            self.grads[key] = torch.zeros(self.padded, dtype=self.param_dtype,
-                                          device=self.device)
+            self.grads[key] = torch.zeros(self.padded, dtype=self.param_dtype, device=self.device)
         grad = self.grads[key]
         for p, off, n, shape in self.layout:
             p.grad = grad[off : off + n].view(shape)
@@ -189,4 +196,3 @@ class FlatUnit:
     def state_bytes(self) -> int:
         """Shard, gradient shard, Adam m and v: 16 bytes/param / D in fp32."""
         return 4 * self.shard_len * self.shard.element_size()
-

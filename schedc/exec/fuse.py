@@ -51,24 +51,36 @@ def fuse(plan: Plan, model: GPTConfig, enabled: bool = True) -> list[Item]:
     runs: list[list[int]] = []  # runs of instruction indexes that may fuse
     for k, ins in enumerate(plan.instrs):
         op = ins.op
-        if ins.kind is not Action.RUN or ins.stream != COMPUTE or op.kind not in (Kind.FWD, Kind.BWD):
+        if (
+            ins.kind is not Action.RUN
+            or ins.stream != COMPUTE
+            or op.kind not in (Kind.FWD, Kind.BWD)
+        ):
             runs.append([k])
             continue
         prev = plan.instrs[runs[-1][-1]].op if runs else None
         step = 1 if op.kind is Kind.FWD else -1
-        if (enabled and prev is not None and plan.instrs[runs[-1][-1]].kind is Action.RUN
-                and prev.kind is op.kind and prev.mb == op.mb
-                and prev.kind in (Kind.FWD, Kind.BWD)
-                and plan.instrs[runs[-1][-1]].stream == COMPUTE
-                and index[op.target] == index[prev.target] + step):
+        if (
+            enabled
+            and prev is not None
+            and plan.instrs[runs[-1][-1]].kind is Action.RUN
+            and prev.kind is op.kind
+            and prev.mb == op.mb
+            and prev.kind in (Kind.FWD, Kind.BWD)
+            and plan.instrs[runs[-1][-1]].stream == COMPUTE
+            and index[op.target] == index[prev.target] + step
+        ):
             runs[-1].append(k)
         else:
             runs.append([k])
 
     # cuts: the input of the first layer of every forward run and of the last layer of every
     # backward run, per micro-step; both passes are split at all of them
-    cuts: dict[int, set[int]] = {op.mb: {index[layer] for layer in model.rereaders()}
-                                 for op in plan.ops if op.kind in (Kind.FWD, Kind.BWD)}
+    cuts: dict[int, set[int]] = {
+        op.mb: {index[layer] for layer in model.rereaders()}
+        for op in plan.ops
+        if op.kind in (Kind.FWD, Kind.BWD)
+    }
     for run in runs:
         op = plan.instrs[run[0]].op
         if op is None or op.kind not in (Kind.FWD, Kind.BWD):

@@ -77,11 +77,11 @@ class Regions:
         try:
             if first == last and first.startswith("h."):
                 block = model.h[model.config.layer_index(first) - 1]
-                compiled = torch.compile(block, fullgraph=True, dynamic=False,
-                                         backend=self.backend)
+                compiled = torch.compile(block, fullgraph=True, dynamic=False, backend=self.backend)
                 return lambda x, y: compiled(x)
-            region = torch.compile(model.forward_range, fullgraph=True, dynamic=False,
-                                   backend=self.backend)
+            region = torch.compile(
+                model.forward_range, fullgraph=True, dynamic=False, backend=self.backend
+            )
             return lambda x, y: region(first, last, x, y)
         except Exception as e:  # noqa: BLE001 - torch.compile refuses this platform
             raise CompileFailed(self._why(first, last, e)) from None
@@ -102,9 +102,11 @@ class Regions:
     def _why(self, first: str, last: str, e: BaseException) -> str:
         what = f"{first}" if first == last else f"{first} .. {last}"
         text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
-        return (f"compile on: torch.compile (backend {self.backend}) failed on layer(s) "
-                f"{what}: {type(e).__name__}: {text}; run with --compile off (or `compile off` "
-                "in the schedule) to train uncompiled")
+        return (
+            f"compile on: torch.compile (backend {self.backend}) failed on layer(s) "
+            f"{what}: {type(e).__name__}: {text}; run with --compile off (or `compile off` "
+            "in the schedule) to train uncompiled"
+        )
 
 
 def _inductor_error() -> type[BaseException]:

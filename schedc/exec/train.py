@@ -56,8 +56,9 @@ TERM_STORE_S = 1.0  # how long a rank terminated by torchrun asks the store who 
 TERM_EXIT = 143  # 128 + SIGTERM: ended by the launcher (1: this rank failed by itself)
 
 
-def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str,
-                     flags: dict[str, str] | None = None) -> None:
+def agree_at_startup(
+    compiled: Compiled, comm: Comm, plan: Plan, data: str, flags: dict[str, str] | None = None
+) -> None:
     """Every rank runs the same thing, or none starts: the schedule's meaning (agree.meaning:
     model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its
     text, so comments and spelling may differ), the same collectives in the same order, the
@@ -66,22 +67,34 @@ def agree_at_startup(compiled: Compiled, comm: Comm, plan: Plan, data: str,
     by field and rank on every rank: `seed 1 on rank 0, 2 on rank 1`."""
     from schedc.passes.agree import meaning
 
-    mine = {"rank": comm.rank, "path": compiled.source.path, "fields": {
-        **meaning(compiled.spec), "collectives": plan.collective_digest(), "data": data,
-        **(flags or {})}}
+    mine = {
+        "rank": comm.rank,
+        "path": compiled.source.path,
+        "fields": {
+            **meaning(compiled.spec),
+            "collectives": plan.collective_digest(),
+            "data": data,
+            **(flags or {}),
+        },
+    }
     everyone: list[dict] = [None] * comm.world
     dist.all_gather_object(everyone, mine, group=comm.group)
     base = everyone[0]["fields"]
     what = []
     for other in everyone[1:]:
         f = other["fields"]
-        what += [f"{k} {_short(k, base.get(k))} on rank 0, {_short(k, f.get(k))} on rank "
-                 f"{other['rank']}" for k in dict.fromkeys([*base, *f]) if base.get(k) != f.get(k)]
+        what += [
+            f"{k} {_short(k, base.get(k))} on rank 0, {_short(k, f.get(k))} on rank {other['rank']}"
+            for k in dict.fromkeys([*base, *f])
+            if base.get(k) != f.get(k)
+        ]
     if what:
         paths = {e["path"] for e in everyone}
         ran = f" (rank 0 runs {everyone[0]['path']})" if len(paths) > 1 else ""
-        raise RunError(f"ranks disagree before step 1{ran}: {'; '.join(what)}; every rank must "
-                       "run the same schedule on the same data with the same flags")
+        raise RunError(
+            f"ranks disagree before step 1{ran}: {'; '.join(what)}; every rank must "
+            "run the same schedule on the same data with the same flags"
+        )
 
 
 def _short(key: str, v) -> str:
@@ -114,18 +127,25 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     save = "none"
     if job.save:
         save = f"{os.path.abspath(job.save)} every {job.save_every}, keep {job.keep}"
-    return {"--resume": resume, "--save": save, "--nonfinite": opts.nonfinite,
-            "device": device.type, "precision": str(opts.dtype).removeprefix("torch.")}
+    return {
+        "--resume": resume,
+        "--save": save,
+        "--nonfinite": opts.nonfinite,
+        "device": device.type,
+        "precision": str(opts.dtype).removeprefix("torch."),
+    }
 
 
 def check_gpus(local_world: int, device_count: int) -> None:
     """More ranks on this node than it has GPUs would put two ranks on one device, and NCCL
     refuses that only later, with a stack of errors on every rank: say it first, in one line."""
     if local_world > device_count:
-        raise RunError(f"this node runs {local_world} ranks but has {device_count} GPU"
-                       f"{'s' if device_count != 1 else ''} (torch.cuda.device_count()); "
-                       f"run at most {device_count} per node (torchrun --nproc_per_node), "
-                       "or --device cpu")
+        raise RunError(
+            f"this node runs {local_world} ranks but has {device_count} GPU"
+            f"{'s' if device_count != 1 else ''} (torch.cuda.device_count()); "
+            f"run at most {device_count} per node (torchrun --nproc_per_node), "
+            "or --device cpu"
+        )
 
 
 def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
@@ -140,10 +160,14 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     spec = compiled.spec
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if world_env != spec.world:
-        how = (f"torchrun --standalone --nproc_per_node={spec.world} -m schedc run "
-               f"{compiled.source.path}")
-        raise RunError(f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
-                       f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}")
+        how = (
+            f"torchrun --standalone --nproc_per_node={spec.world} -m schedc run "
+            f"{compiled.source.path}"
+        )
+        raise RunError(
+            f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
+            f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}"
+        )
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -155,8 +179,9 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         # agree first: building the executor creates a process group per stream, which would
         # wait forever for a rank whose schedule has other streams
         flags = run_flags(job, device, opts)
-        agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens),
-                         flags)
+        agree_at_startup(
+            compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens), flags
+        )
         if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
             raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
         ex = _now["ex"] = Executor(compiled, comm, opts, batches)
@@ -164,9 +189,12 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             where = _here(f"loading {job.resume}")
             step = checkpoint.load(ex, job.resume, key=job.key)
             log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
-        log(comm, f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
+        log(
+            comm,
+            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
             f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, {spec.steps} steps "
-            f"on {device.type} ({torch.get_num_threads()} thread(s) per rank)")
+            f"on {device.type} ({torch.get_num_threads()} thread(s) per rank)",
+        )
         records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
         while ex.step_index < spec.steps:
             where = _here(f"step {ex.step_index}")
@@ -174,15 +202,34 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             if st.skipped:
                 log(comm, f"step {st.step:4d} | skipped: {st.skipped}")
             else:
-                log(comm, format_log(st.step, st.loss, st.lr, st.grad_norm, st.dt_ms,
-                                     st.tokens_per_s, mfu(spec, st.tokens_per_s, device)))
+                log(
+                    comm,
+                    format_log(
+                        st.step,
+                        st.loss,
+                        st.lr,
+                        st.grad_norm,
+                        st.dt_ms,
+                        st.tokens_per_s,
+                        mfu(spec, st.tokens_per_s, device),
+                    ),
+                )
             if records:
-                records.write(json.dumps({"step": st.step, "loss": st.loss, "lr": st.lr,
-                                          "grad_norm": st.grad_norm, "dt_ms": st.dt_ms,
-                                          "skipped": st.skipped}) + "\n")
+                records.write(
+                    json.dumps(
+                        {
+                            "step": st.step,
+                            "loss": st.loss,
+                            "lr": st.lr,
+                            "grad_norm": st.grad_norm,
+                            "dt_ms": st.dt_ms,
+                            "skipped": st.skipped,
+                        }
+                    )
+                    + "\n"
+                )
                 records.flush()
-            if job.save and (ex.step_index % job.save_every == 0
-                              or ex.step_index == spec.steps):
+            if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
                 where = _here(f"saving step {ex.step_index}")
                 path = checkpoint.save(ex, job.save, keep=job.keep, key=job.key)
                 log(comm, f"schedc: checkpoint {path}")
@@ -194,8 +241,11 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     except KeyboardInterrupt:
         raise
     except (checkpoint.CheckpointError, RunError) as e:
-        if isinstance(e, PlanError) or world_env > 1 and not isinstance(
-                e, checkpoint.CheckpointError):
+        if (
+            isinstance(e, PlanError)
+            or world_env > 1
+            and not isinstance(e, checkpoint.CheckpointError)
+        ):
             fail(comm, str(e), where, getattr(e, "cause", None))
         if isinstance(e, checkpoint.CheckpointError):
             raise  # a user error: run_command prints it as one line, exit 1
@@ -208,8 +258,15 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
 
 # Dense peak FLOP/s by device name, for MFU (bf16 tensor cores, as nanoGPT reports MFU;
 # schedc trains in fp32, so its MFU reads low against these). SCHEDC_PEAK_FLOPS overrides.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-              "V100": 125e12, "4090": 165e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "4090": 165e12,
+}
 
 
 def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
@@ -219,7 +276,8 @@ def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     peak = float(os.environ.get("SCHEDC_PEAK_FLOPS", 0)) or next(
-        (v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0)
+        (v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0
+    )
     if not peak:
         return None
     cfg = spec.model
@@ -236,8 +294,9 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
     `terminated` reports instead, in one line, with this failure in it.
     """
     # the SIGTERM line names the instruction already: of a PlanError it needs the cause only
-    _now["failing"] = (f"{type(cause).__name__}: {cause}" if cause else what).strip().split(
-        "\n")[0][:200]
+    _now["failing"] = (
+        (f"{type(cause).__name__}: {cause}" if cause else what).strip().split("\n")[0][:200]
+    )
     silent: list[int] = []
     heard: dict[int, str] = {}
     woken: list[int] = []
@@ -263,15 +322,19 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
     lines = [f"schedc: error on rank {comm.rank} ({where}): {what}"]
     if silent:
         who = ", ".join(str(r) for r in silent)
-        lines.append(f"schedc: rank {comm.rank}: rank{'s' if len(silent) > 1 else ''} {who} "
-                     f"stopped answering (dead, or stuck past --timeout "
-                     f"{comm.timeout.total_seconds():.0f}s); nothing from "
-                     f"{'them' if len(silent) > 1 else 'it'} in {FAILURE_GRACE_S:.0f}s")
+        lines.append(
+            f"schedc: rank {comm.rank}: rank{'s' if len(silent) > 1 else ''} {who} "
+            f"stopped answering (dead, or stuck past --timeout "
+            f"{comm.timeout.total_seconds():.0f}s); nothing from "
+            f"{'them' if len(silent) > 1 else 'it'} in {FAILURE_GRACE_S:.0f}s"
+        )
     if woken:
-        lines.append(f"schedc: rank {comm.rank}: rank{'s' if len(woken) > 1 else ''} "
-                     f"{', '.join(map(str, woken))} {'were' if len(woken) > 1 else 'was'} "
-                     "stopped (SIGSTOP); sent SIGCONT so that torchrun's SIGTERM can end "
-                     f"{'them' if len(woken) > 1 else 'it'} now")
+        lines.append(
+            f"schedc: rank {comm.rank}: rank{'s' if len(woken) > 1 else ''} "
+            f"{', '.join(map(str, woken))} {'were' if len(woken) > 1 else 'was'} "
+            "stopped (SIGSTOP); sent SIGCONT so that torchrun's SIGTERM can end "
+            f"{'them' if len(woken) > 1 else 'it'} now"
+        )
     for r, text in sorted(heard.items()):
         lines.append(f"schedc: rank {comm.rank}: rank {r} failed too, at {text}")
     with _report:  # the SIGTERM report, if it came first, exits the process in here
@@ -308,7 +371,8 @@ def watch_sigterm(comm: Comm) -> None:
         return  # signal handlers belong to the main thread (schedc's CLI is the main thread)
     try:
         dist.distributed_c10d._get_default_store().set(
-            f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}")
+            f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}"
+        )
     except Exception:  # noqa: BLE001, S110 - only wake_stopped needs it, and only as a courtesy
         pass
     r, w = os.pipe()
@@ -371,7 +435,8 @@ def terminated() -> None:
     silent = [r for r in others if r not in got]
     if silent and answered:
         told += f"; nothing from rank{'s' if len(silent) > 1 else ''} " + ", ".join(
-            map(str, silent))
+            map(str, silent)
+        )
     elif not answered:
         told += f" (the rendezvous store did not answer within {TERM_STORE_S:.0f}s)"
     if woken:
@@ -429,8 +494,14 @@ def write_trace(path: str, ex: Executor, comm: Comm) -> None:
         events = mine
     if comm.rank == 0:
         with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"schedule": ex.compiled.source.path}}, f)
+            json.dump(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ms",
+                    "otherData": {"schedule": ex.compiled.source.path},
+                },
+                f,
+            )
         print(f"schedc: trace written to {path} ({len(events)} events)", flush=True)
 
 
@@ -438,11 +509,14 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
     from schedc.passes.memory import fmt_bytes
 
     pred, meas = compiled.memory, ex.memory()
-    rows = [("model states", pred.states, meas["states"]),
-            ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
-            ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"])]
-    text = "; ".join(f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured"
-                     for name, p, m in rows if p or m)
+    rows = [
+        ("model states", pred.states, meas["states"]),
+        ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
+        ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"]),
+    ]
+    text = "; ".join(
+        f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
+    )
     if "cuda_max_allocated" in meas:
         text += f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}"
     print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)

@@ -52,21 +52,29 @@ class Plan:
         return [i.op for i in self.instrs if i.kind is Action.RUN]
 
     def collectives(self, stream: str | None = None) -> list[Op]:
-        return [i.op for i in self.instrs if i.kind is Action.RUN and i.op.is_collective
-                and (stream is None or i.stream == stream)]
+        return [
+            i.op
+            for i in self.instrs
+            if i.kind is Action.RUN
+            and i.op.is_collective
+            and (stream is None or i.stream == stream)
+        ]
 
     def collective_digest(self) -> str:
         """Hash of each stream's collective sequence: ranks compare it before step 1."""
-        text = "\n".join(f"{i.stream} {i.op}" for i in self.instrs
-                         if i.kind is Action.RUN and i.op.is_collective)
+        text = "\n".join(
+            f"{i.stream} {i.op}" for i in self.instrs if i.kind is Action.RUN and i.op.is_collective
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def render(self, mark: int | None = None) -> str:
         """The plan as text; `mark` points at one instruction (a failure, say)."""
         who = "every rank" if self.rank is None else f"rank {self.rank}"
         n_ops = sum(1 for i in self.instrs if i.kind is Action.RUN)
-        lines = [f"# plan for {who}: {n_ops} ops on {len(self.streams)} streams "
-                 f"({', '.join(self.streams)}), {len(self.producers)} events"]
+        lines = [
+            f"# plan for {who}: {n_ops} ops on {len(self.streams)} streams "
+            f"({', '.join(self.streams)}), {len(self.producers)} events"
+        ]
         for k, ins in enumerate(self.instrs):
             text = f"{k:5d}  {ins}"
             if ins.kind is Action.RECORD:

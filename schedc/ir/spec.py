@@ -19,7 +19,6 @@ MiB = 1 << 20
 TIED = "wte.weight"  # the embedding, tied to lm_head: written by bwd[head] and bwd[embed]
 
 
-
 class Strategy(str, Enum):
     """How a schedule synchronizes gradients; `Spec.kind` is the one way to ask."""
 
@@ -90,8 +89,10 @@ class Numerics:
             dtypes.append(f"gather {self.gather}")
         if kind is not Strategy.SINGLE:
             dtypes.append(f"reduce {self.reduce}")
-        return (f"{', '.join(dtypes)}; master weights and AdamW fp32; tf32 {tf32}, compile "
-                f"{'on' if self.compile else 'off'}")
+        return (
+            f"{', '.join(dtypes)}; master weights and AdamW fp32; tf32 {tf32}, compile "
+            f"{'on' if self.compile else 'off'}"
+        )
 
     def effective(self, kind: Strategy) -> Numerics:
         """The arithmetic a step really does under a strategy, for comparing two schedules.
@@ -115,12 +116,15 @@ class Numerics:
 
     def differences(self, other: Numerics) -> list[str]:
         """What differs between two (effective) policies, as `key mine vs other`."""
+
         def word(v):
             return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
-        return [f"{k} {word(getattr(self, k))} vs {word(getattr(other, k))}"
-                for k in ("compute", "gather", "reduce", "tf32", "compile")
-                if getattr(self, k) != getattr(other, k)]
+        return [
+            f"{k} {word(getattr(self, k))} vs {word(getattr(other, k))}"
+            for k in ("compute", "gather", "reduce", "tf32", "compile")
+            if getattr(self, k) != getattr(other, k)
+        ]
 
 
 # the named policies of `precision NAME`; fields after the name override them

@@ -64,7 +64,7 @@ CODES: dict[str, str] = {
     "batch-arithmetic": "global sequences != micro x accumulation x world",
     "context-length": "the sequence length exceeds the model's context",
     "disagree": "two schedules that differ in model, global batch, scaling, data, seed or "
-                "optimizer",
+    "optimizer",
     # coverage and sharding
     "uncovered": "a parameter in no bucket (DDP) or no unit (FSDP)",
     "double-cover": "a parameter in two buckets or two units",
@@ -154,9 +154,18 @@ def _clip(text: str) -> str:
 # What an excerpt prints for characters that would not show as one column of text: a tab is
 # a space; control characters (a terminal would obey an escape sequence), line and paragraph
 # separators and bidirectional overrides (which reorder what the reader sees) are U+FFFD.
-_SHOWN = {9: " "} | {c: "\ufffd" for c in [*range(32), *range(0x7F, 0xA0), 0x2028, 0x2029,
-                                          *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
-                    if c != 9}
+_SHOWN = {9: " "} | {
+    c: "\ufffd"
+    for c in [
+        *range(32),
+        *range(0x7F, 0xA0),
+        0x2028,
+        0x2029,
+        *range(0x202A, 0x202F),
+        *range(0x2066, 0x206A),
+    ]
+    if c != 9
+}
 
 
 def _excerpt(source: Source, span: Span) -> list[str]:
@@ -184,9 +193,15 @@ def _excerpt(source: Source, span: Span) -> list[str]:
     ]
 
 
-def render_all(diagnostics: list[Diagnostic], source: Source | None = None, *,
-               color: bool = False, unkept_errors: int = 0, unkept_warnings: int = 0,
-               limit: int = MAX_SHOWN) -> str:
+def render_all(
+    diagnostics: list[Diagnostic],
+    source: Source | None = None,
+    *,
+    color: bool = False,
+    unkept_errors: int = 0,
+    unkept_warnings: int = 0,
+    limit: int = MAX_SHOWN,
+) -> str:
     """The first `limit` diagnostics, rendered, then a line counting the rest (with those a
     stage counted without keeping)."""
     out = [d.render(source, color=color) for d in diagnostics[:limit]]
@@ -210,8 +225,14 @@ class CompileError(Exception):
     not keep. The message is rendered when asked for (str, render), not when raised.
     """
 
-    def __init__(self, diagnostics: Iterable[Diagnostic], source: Source | None = None, *,
-                 unkept_errors: int = 0, unkept_warnings: int = 0):
+    def __init__(
+        self,
+        diagnostics: Iterable[Diagnostic],
+        source: Source | None = None,
+        *,
+        unkept_errors: int = 0,
+        unkept_warnings: int = 0,
+    ):
         self.source = source
         path = source.path if source else None
         self.diagnostics = sorted(
@@ -234,8 +255,13 @@ class CompileError(Exception):
         return sum(1 for d in self.diagnostics if d.is_error) + self.unkept_errors
 
     def render(self, color: bool = False) -> str:
-        return render_all(self.diagnostics, self.source, color=color,
-                          unkept_errors=self.unkept_errors, unkept_warnings=self.unkept_warnings)
+        return render_all(
+            self.diagnostics,
+            self.source,
+            color=color,
+            unkept_errors=self.unkept_errors,
+            unkept_warnings=self.unkept_warnings,
+        )
 
 
 def _with_path(d: Diagnostic, path: str) -> Diagnostic:
@@ -258,12 +284,19 @@ class Diagnostics:
     unkept_warnings: int = 0
     _kept: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0}, repr=False)
 
-    def error(self, code: str, message: str, span: Span | None = None, hint: str | None = None,
-              notes: tuple[Note, ...] = ()) -> None:
+    def error(
+        self,
+        code: str,
+        message: str,
+        span: Span | None = None,
+        hint: str | None = None,
+        notes: tuple[Note, ...] = (),
+    ) -> None:
         self._add(Diagnostic(code, message, span, hint, Severity.ERROR, notes=notes))
 
-    def warning(self, code: str, message: str, span: Span | None = None,
-                hint: str | None = None) -> None:
+    def warning(
+        self, code: str, message: str, span: Span | None = None, hint: str | None = None
+    ) -> None:
         self._add(Diagnostic(code, message, span, hint, Severity.WARNING))
 
     def extend(self, items: Iterable[Diagnostic]) -> None:
@@ -294,8 +327,12 @@ class Diagnostics:
 
     def raise_if_any(self) -> None:
         if self.errors:
-            raise CompileError(self.items, self.source, unkept_errors=self.unkept_errors,
-                               unkept_warnings=self.unkept_warnings)
+            raise CompileError(
+                self.items,
+                self.source,
+                unkept_errors=self.unkept_errors,
+                unkept_warnings=self.unkept_warnings,
+            )
 
 
 def did_you_mean(word: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:

@@ -41,8 +41,10 @@ def auto_buckets(cfg: GPTConfig, cap: int, first: int) -> list[BucketSpec]:
             size, limit = 0, cap
     if not buckets[-1]:
         buckets.pop()
-    return [BucketSpec(f"b{i + 1}", tuple(b), None, sum(cfg.param(p).nbytes() for p in b))
-            for i, b in enumerate(buckets)]
+    return [
+        BucketSpec(f"b{i + 1}", tuple(b), None, sum(cfg.param(p).nbytes() for p in b))
+        for i, b in enumerate(buckets)
+    ]
 
 
 def group_by_layer(params: list[str], cfg: GPTConfig) -> list[str]:
@@ -74,9 +76,10 @@ def describe_params(cfg: GPTConfig, params) -> str:
         else:
             runs.append([i])
     backwards = bool(params) and cfg.layer_index(cfg.param(next(iter(params))).layer) > (
-        idx[0] if idx else 0)
+        idx[0] if idx else 0
+    )
     parts = []
-    for run in (reversed(runs) if backwards else runs):
+    for run in reversed(runs) if backwards else runs:
         a, b = cfg.layers[run[0]], cfg.layers[run[-1]]
         if backwards:
             a, b = b, a

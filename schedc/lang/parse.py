@@ -1,7 +1,8 @@
 """Text -> Lark parse tree, with Lark's errors turned into located diagnostics.
 
-The grammar is grammar/schedc.lark (see schedc.lang.resources for where it is found). The parser is LALR with the contextual lexer and propagated positions;
-it is built once per process.
+The grammar is grammar/schedc.lark (see schedc.lang.resources for where it is found). The
+parser is LALR with the contextual lexer and propagated positions; it is built once per
+process.
 """
 
 from __future__ import annotations
@@ -60,13 +61,19 @@ def parse(source: Source) -> Tree:
     except UnexpectedInput as e:
         raise CompileError([_diagnose(e, source)], source) from None
     except _TooManyTokens as e:
-        raise CompileError([Diagnostic(
-            "file-too-large",
-            f"the schedule has more than {MAX_TOKENS:,} tokens (names, numbers, ops, signs); "
-            "this is the first past the limit",
-            span=_token_span(e.token, source),
-            hint="a .sched file describes one training step in a page of text",
-        )], source) from None
+        raise CompileError(
+            [
+                Diagnostic(
+                    "file-too-large",
+                    f"the schedule has more than {MAX_TOKENS:,} tokens (names, numbers, ops, "
+                    "signs); "
+                    "this is the first past the limit",
+                    span=_token_span(e.token, source),
+                    hint="a .sched file describes one training step in a page of text",
+                )
+            ],
+            source,
+        ) from None
 
 
 # -- error mapping ----------------------------------------------------------------------------
@@ -103,8 +110,10 @@ def _describe(terminal: str) -> str:
 
 def _expected_list(expected: set[str]) -> str:
     # kinds of token first ("a number"), then keywords: a long list is cut after 8
-    words = sorted({_describe(t) for t in expected if t not in {"COMMENT", "WS"}},
-                   key=lambda w: (w.startswith("'"), w))
+    words = sorted(
+        {_describe(t) for t in expected if t not in {"COMMENT", "WS"}},
+        key=lambda w: (w.startswith("'"), w),
+    )
     if len(words) > 8:
         words = words[:8] + ["..."]
     return ", ".join(words)
@@ -164,9 +173,12 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
         span = source.span(pos, pos + max(1, len(word)))
         if ch.isdecimal() and not ch.isascii():  # '２', '٣': a digit, but not one of 0-9
             name = unicodedata.name(ch, f"U+{ord(ch):04X}").lower()
-            return Diagnostic("syntax", f"'{ch}' ({name}) is not a digit schedc reads",
-                              span=source.span(pos, pos + 1),
-                              hint="write numbers with the ASCII digits 0-9")
+            return Diagnostic(
+                "syntax",
+                f"'{ch}' ({name}) is not a digit schedc reads",
+                span=source.span(pos, pos + 1),
+                hint="write numbers with the ASCII digits 0-9",
+            )
         shown = _clip(word) if word else repr(ch)[1:-1]
         return Diagnostic("syntax", f"unexpected '{shown}'", span=span, hint=hint)
     return Diagnostic("syntax", str(e).splitlines()[0], span=source.span_at(0))

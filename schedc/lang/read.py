@@ -45,6 +45,7 @@ def read_source(path: str | Path) -> Source:
         )
     return source_from_bytes(data, str(path))
 
+
 def source_from_bytes(data: bytes, path: str = "<input>") -> Source:
     """Bytes as schedule text: UTF-8, a byte-order mark dropped, every line end made LF."""
     if len(data) > MAX_SOURCE_BYTES:
@@ -94,6 +95,7 @@ def source_from_bytes(data: bytes, path: str = "<input>") -> Source:
             src,
         ) from None
     return Source(path, text)
+
 
 def source_from_text(text: str, path: str = "<input>") -> Source:
     return source_from_bytes(text.encode("utf-8"), path)

@@ -68,13 +68,33 @@ LIMITS = {
     "steps": (1, 1 << 30),
     "seed": (0, (1 << 63) - 1),
 }
-MODEL_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
-              "block": "block_size", "vocab": "vocab_size"}
-MODEL_LIMITS = {"n_layer": 4096, "n_head": 4096, "n_embd": 1 << 17, "block_size": 1 << 20,
-                "vocab_size": 1 << 22}
+MODEL_KEYS = {
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "n_embd": "n_embd",
+    "block": "block_size",
+    "vocab": "vocab_size",
+}
+MODEL_LIMITS = {
+    "n_layer": 4096,
+    "n_head": 4096,
+    "n_embd": 1 << 17,
+    "block_size": 1 << 20,
+    "vocab_size": 1 << 22,
+}
 OPTIM_KEYS = {"lr", "min_lr", "warmup", "decay_steps", "weight_decay", "betas", "eps", "clip"}
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
+}
 MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
 DEFAULT_STEPS = 20
 DEFAULT_SEED = 1337
@@ -105,10 +125,14 @@ class Overrides:
             if v is not None and (bad := range_error(key, v, *LIMITS[key])) is not None:
                 out.append(Diagnostic("value-range", bad, path=flag_place(key, v)))
         if self.model is not None and self.model not in SIZES:
-            out.append(Diagnostic("unknown-model", f"unknown model '{self.model}'",
-                                  path=flag_place("model", self.model),
-                                  hint=did_you_mean(self.model, SIZES)
-                                  or f"known sizes: {', '.join(SIZES)}"))
+            out.append(
+                Diagnostic(
+                    "unknown-model",
+                    f"unknown model '{self.model}'",
+                    path=flag_place("model", self.model),
+                    hint=did_you_mean(self.model, SIZES) or f"known sizes: {', '.join(SIZES)}",
+                )
+            )
         return out
 
 
@@ -125,8 +149,9 @@ def range_error(what: str, v: int, lo: int, hi: int, shown: str | None = None) -
         return None
     bound = f">= {lo}" if v < lo else f"<= {hi:,}"
     if shown is None:  # `shown`: the text as written, for numbers too long to format
-        shown = f"{v:,}" if abs(v) < 10**15 else (
-            str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}...")
+        shown = (
+            f"{v:,}" if abs(v) < 10**15 else (str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}...")
+        )
     return f"{what} must be {bound}, got {shown}"
 
 
@@ -156,9 +181,13 @@ class _Resolver:
         """Record a statement that may appear once; report the repeat."""
         if key in self.seen:
             first = self.seen[key]
-            self.err("duplicate", f"{what} is given twice", span,
-                     hint="keep one of them",
-                     notes=(Note(f"first given at line {first.line}", first),))
+            self.err(
+                "duplicate",
+                f"{what} is given twice",
+                span,
+                hint="keep one of them",
+                notes=(Note(f"first given at line {first.line}", first),),
+            )
             return False
         self.seen[key] = span
         return True
@@ -166,8 +195,11 @@ class _Resolver:
     def int_of(self, num: Num, what: str, lo: int, hi: int) -> int | None:
         shown = num.text if len(num.text) <= 40 else f"{num.text[:20]}..."
         if not num.is_int:
-            self.err("value-range", f"{what} must be a whole number written in digits, "
-                     f"not {shown}", num.span)
+            self.err(
+                "value-range",
+                f"{what} must be a whole number written in digits, not {shown}",
+                num.span,
+            )
             return None
         huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
         v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
@@ -178,13 +210,21 @@ class _Resolver:
 
     def size_of(self, size: Size, what: str) -> int | None:
         if size.unit not in UNITS:
-            self.err("value-range", f"unknown unit '{size.unit}'", size.span,
-                     hint="use B, KB, MB, GB, KiB, MiB or GiB")
+            self.err(
+                "value-range",
+                f"unknown unit '{size.unit}'",
+                size.span,
+                hint="use B, KB, MB, GB, KiB, MiB or GiB",
+            )
             return None
         v = size.number.value * UNITS[size.unit]
         if not (v >= 1 and v < 1 << 60) or v != int(v):
-            self.err("value-range", f"{what} must be a positive whole number of bytes, "
-                     f"got {size.number.text} {size.unit}".rstrip(), size.span)
+            self.err(
+                "value-range",
+                f"{what} must be a positive whole number of bytes, "
+                f"got {size.number.text} {size.unit}".rstrip(),
+                size.span,
+            )
             return None
         return int(v)
 
@@ -223,38 +263,54 @@ class _Resolver:
             if self.once(t.key, t.span, f"'{t.key}'"):
                 toggles[t.key] = t.value.on
 
-        missing = [k for k, present in (("model", model_name is not None),
-                                        ("world", "world" in self.seen),
-                                        ("batch", batch is not None)) if not present]
+        missing = [
+            k
+            for k, present in (
+                ("model", model_name is not None),
+                ("world", "world" in self.seen),
+                ("batch", batch is not None),
+            )
+            if not present
+        ]
         if not ("micro" in self.seen or "accumulate" in self.seen):
             missing.append("micro")
         for key in missing:  # about the whole file, so no line to point at
-            self.err("missing-setting", f"the schedule has no '{key}'", None,
-                     hint=_MISSING_HINT[key])
+            self.err(
+                "missing-setting", f"the schedule has no '{key}'", None, hint=_MISSING_HINT[key]
+            )
 
         world = settings.get("world")
         micro, accum = self.batch_arithmetic(seqs, world, settings)
         if model is not None and accum is not None and 2 * accum * len(model.layers) > MAX_OPS:
             # compile time and memory grow with the ops of a step; keep both bounded
-            self.err("value-range",
-                     f"{accum:,} micro-steps x {len(model.layers)} layers is "
-                     f"{2 * accum * len(model.layers):,} forward and backward ops per step; "
-                     f"schedc compiles at most {MAX_OPS:,}",
-                     self.seen.get("micro") or self.seen.get("accumulate"),
-                     hint="use a larger `micro` (fewer micro-steps per update)")
+            self.err(
+                "value-range",
+                f"{accum:,} micro-steps x {len(model.layers)} layers is "
+                f"{2 * accum * len(model.layers):,} forward and backward ops per step; "
+                f"schedc compiles at most {MAX_OPS:,}",
+                self.seen.get("micro") or self.seen.get("accumulate"),
+                hint="use a larger `micro` (fewer micro-steps per update)",
+            )
             micro, accum = None, None
         if model is not None and seq_len is not None and seq_len > model.block_size:
-            self.err("context-length",
-                     f"sequences of {seq_len:,} tokens do not fit the model's context of "
-                     f"{model.block_size:,}", batch.tokens.span,
-                     hint=f"use at most {model.block_size} tokens, or raise `block` in the model")
+            self.err(
+                "context-length",
+                f"sequences of {seq_len:,} tokens do not fit the model's context of "
+                f"{model.block_size:,}",
+                batch.tokens.span,
+                hint=f"use at most {model.block_size} tokens, or raise `block` in the model",
+            )
 
         ddps, fsdps = by_type.get(DDP, []), by_type.get(FSDP, [])
         strategy = None
         if ddps and fsdps:
-            self.err("conflict", "a schedule is either DDP or FSDP, not both", fsdps[0].span,
-                     hint="keep one of the ddp and fsdp blocks",
-                     notes=(Note("the ddp block is here", ddps[0].span),))
+            self.err(
+                "conflict",
+                "a schedule is either DDP or FSDP, not both",
+                fsdps[0].span,
+                hint="keep one of the ddp and fsdp blocks",
+                notes=(Note("the ddp block is here", ddps[0].span),),
+            )
         elif model is not None:
             if ddps:
                 single(DDP, "ddp", "the ddp block")
@@ -263,23 +319,36 @@ class _Resolver:
                 single(FSDP, "fsdp", "the fsdp block")
                 strategy = self.fsdp(fsdps[0], model)
         if world is not None and world > 1 and not ddps and not fsdps:
-            self.err("missing-setting",
-                     f"world {world} needs a ddp or fsdp block to say how gradients are combined",
-                     self.seen["world"], hint="add `ddp { bucket_cap 25 MiB }`, for one")
+            self.err(
+                "missing-setting",
+                f"world {world} needs a ddp or fsdp block to say how gradients are combined",
+                self.seen["world"],
+                hint="add `ddp { bucket_cap 25 MiB }`, for one",
+            )
 
-        numerics = self.numerics(single(Precision, "precision", "the precision"), strategy,
-                                 toggles)
+        numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
-        programs = self.programs(by_type.get(Program, []), model, strategy, world, accum,
-                                 streams)
+        programs = self.programs(by_type.get(Program, []), model, strategy, world, accum, streams)
         self.diag.raise_if_any()
         return Spec(
-            source=self.src, model_name=model_name, model=model, world=world, seqs=seqs,
-            seq_len=seq_len, micro=micro, accum=accum,
+            source=self.src,
+            model_name=model_name,
+            model=model,
+            world=world,
+            seqs=seqs,
+            seq_len=seq_len,
+            micro=micro,
+            accum=accum,
             steps=_first(self.ov.steps, settings.get("steps"), DEFAULT_STEPS),
             seed=_first(self.ov.seed, settings.get("seed"), DEFAULT_SEED),
-            data=data, optim=optim, memory=memory, strategy=strategy, streams=streams,
-            programs=programs, numerics=numerics, where=dict(self.seen),
+            data=data,
+            optim=optim,
+            memory=memory,
+            strategy=strategy,
+            streams=streams,
+            programs=programs,
+            numerics=numerics,
+            where=dict(self.seen),
         )
 
     def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:
@@ -291,16 +360,23 @@ class _Resolver:
         if m.name is not None:
             base = SIZES.get(m.name.text)
             if base is None:
-                self.err("unknown-model", f"unknown model '{m.name.text}'", m.name.span,
-                         hint=did_you_mean(m.name.text, SIZES)
-                         or f"known sizes: {', '.join(SIZES)}")
+                self.err(
+                    "unknown-model",
+                    f"unknown model '{m.name.text}'",
+                    m.name.span,
+                    hint=did_you_mean(m.name.text, SIZES) or f"known sizes: {', '.join(SIZES)}",
+                )
                 return m.name.text, None
         values: dict[str, int] = {}
         for f in m.fields:
             key = f.key.text
             if key not in MODEL_KEYS:
-                self.err("unknown-setting", f"a model has no '{key}'", f.key.span,
-                         hint=did_you_mean(key, MODEL_KEYS) or f"keys: {', '.join(MODEL_KEYS)}")
+                self.err(
+                    "unknown-setting",
+                    f"a model has no '{key}'",
+                    f.key.span,
+                    hint=did_you_mean(key, MODEL_KEYS) or f"keys: {', '.join(MODEL_KEYS)}",
+                )
                 continue
             if not self.once(f"model.{key}", f.key.span, f"'{key}'"):
                 continue
@@ -311,8 +387,12 @@ class _Resolver:
         if base is None:
             need = [k for k in ("n_layer", "n_head", "n_embd") if k not in values]
             if need:
-                self.err("missing-setting", f"a model without a size name needs {', '.join(need)}",
-                         m.span, hint="name a size (`model gpt2`) or give n_layer, n_head, n_embd")
+                self.err(
+                    "missing-setting",
+                    f"a model without a size name needs {', '.join(need)}",
+                    m.span,
+                    hint="name a size (`model gpt2`) or give n_layer, n_head, n_embd",
+                )
                 return "custom", None
             base = GPTConfig()
         if len(values) != len([f for f in m.fields if f.key.text in MODEL_KEYS]):
@@ -320,8 +400,12 @@ class _Resolver:
         try:
             cfg = base.with_overrides(**values)
         except ValueError as e:
-            self.err("model-config", str(e), m.span,
-                     hint="n_embd must be a multiple of n_head (head size = n_embd / n_head)")
+            self.err(
+                "model-config",
+                str(e),
+                m.span,
+                hint="n_embd must be a multiple of n_head (head size = n_embd / n_head)",
+            )
             return "custom", None
         name = m.name.text if m.name else "custom"
         return (f"{name}*" if values and m.name else name), cfg
@@ -334,31 +418,45 @@ class _Resolver:
 
     def batch_arithmetic(self, seqs, world, settings) -> tuple[int | None, int | None]:
         micro, accum = settings.get("micro"), settings.get("accumulate")
-        if seqs is None or world is None or ("micro" in self.seen and micro is None) or (
-            "accumulate" in self.seen and accum is None
+        if (
+            seqs is None
+            or world is None
+            or ("micro" in self.seen and micro is None)
+            or ("accumulate" in self.seen and accum is None)
         ):
             return micro, accum
         if micro is None and accum is None:
             return None, None
         if micro is not None and accum is not None:
             if micro * accum * world != seqs:
-                self.err("batch-arithmetic",
-                         f"micro {micro} x accumulate {accum} x world {world} = "
-                         f"{micro * accum * world:,} sequences, but the global batch is {seqs:,}",
-                         self.seen["accumulate"], hint=_batch_hint(seqs, world))
+                self.err(
+                    "batch-arithmetic",
+                    f"micro {micro} x accumulate {accum} x world {world} = "
+                    f"{micro * accum * world:,} sequences, but the global batch is {seqs:,}",
+                    self.seen["accumulate"],
+                    hint=_batch_hint(seqs, world),
+                )
                 return None, None
             return micro, accum
         if micro is not None:
             if seqs % (micro * world):
-                self.err("batch-arithmetic",
-                         f"global batch {seqs:,} is not micro {micro} x world {world} x a whole "
-                         "number of micro-steps", self.seen["micro"], hint=_batch_hint(seqs, world))
+                self.err(
+                    "batch-arithmetic",
+                    f"global batch {seqs:,} is not micro {micro} x world {world} x a whole "
+                    "number of micro-steps",
+                    self.seen["micro"],
+                    hint=_batch_hint(seqs, world),
+                )
                 return None, None
             return micro, seqs // (micro * world)
         if seqs % (accum * world):
-            self.err("batch-arithmetic",
-                     f"global batch {seqs:,} is not accumulate {accum} x world {world} x a whole "
-                     "number of sequences", self.seen["accumulate"], hint=_batch_hint(seqs, world))
+            self.err(
+                "batch-arithmetic",
+                f"global batch {seqs:,} is not accumulate {accum} x world {world} x a whole "
+                "number of sequences",
+                self.seen["accumulate"],
+                hint=_batch_hint(seqs, world),
+            )
             return None, None
         return seqs // (accum * world), accum
 
@@ -368,8 +466,12 @@ class _Resolver:
             return DataConfig().resolved()
         if isinstance(d.source, Name):
             if d.source.text != "corpus":
-                self.err("unknown-name", f"unknown data source '{d.source.text}'", d.source.span,
-                         hint='write `data corpus` for the embedded corpus, or a "quoted/path"')
+                self.err(
+                    "unknown-name",
+                    f"unknown data source '{d.source.text}'",
+                    d.source.span,
+                    hint='write `data corpus` for the embedded corpus, or a "quoted/path"',
+                )
             return DataConfig("corpus", "text")
         if not d.source.text:
             self.err("value-range", "the data path is empty", d.source.span)
@@ -379,14 +481,22 @@ class _Resolver:
         if o is None:
             return OptimConfig()
         if o.name.text != "adamw":
-            self.err("unknown-name", f"unknown optimizer '{o.name.text}'", o.name.span,
-                     hint="schedc runs `adamw` (decoupled weight decay, as in GPT-2 training)")
+            self.err(
+                "unknown-name",
+                f"unknown optimizer '{o.name.text}'",
+                o.name.span,
+                hint="schedc runs `adamw` (decoupled weight decay, as in GPT-2 training)",
+            )
         values: dict[str, float | int] = {}
         for f in o.fields:
             key = f.key.text
             if key not in OPTIM_KEYS:
-                self.err("unknown-setting", f"adamw has no '{key}'", f.key.span,
-                         hint=did_you_mean(key, OPTIM_KEYS) or f"keys: {', '.join(sorted(OPTIM_KEYS))}")
+                self.err(
+                    "unknown-setting",
+                    f"adamw has no '{key}'",
+                    f.key.span,
+                    hint=did_you_mean(key, OPTIM_KEYS) or f"keys: {', '.join(sorted(OPTIM_KEYS))}",
+                )
                 continue
             if not self.once(f"optimizer.{key}", f.key.span, f"'{key}'"):
                 continue
@@ -407,15 +517,22 @@ class _Resolver:
             else:
                 v = num.value
                 if not (0 <= v < 1e6) or (key == "lr" and v == 0):
-                    self.err("value-range", f"{key} = {num.text} is out of range", num.span,
-                             hint="lr must be > 0; rates, eps, clip and decay must be >= 0")
+                    self.err(
+                        "value-range",
+                        f"{key} = {num.text} is out of range",
+                        num.span,
+                        hint="lr must be > 0; rates, eps, clip and decay must be >= 0",
+                    )
                     v = None
                 elif (why := _fp32_breaks(key, v)) is not None:
                     got = "0" if _fp32(v) == 0 else f"{_fp32(v):.3g}, a subnormal (0 on a GPU)"
-                    self.err("value-range", f"{key} = {num.text} is {got} in fp32, {why}",
-                             num.span, hint=f"write {key} >= {FP32_TINY:.3g} (fp32's smallest "
-                             "normal number)" + (", or 0 to turn clipping off"
-                                                 if key == "clip" else ""))
+                    self.err(
+                        "value-range",
+                        f"{key} = {num.text} is {got} in fp32, {why}",
+                        num.span,
+                        hint=f"write {key} >= {FP32_TINY:.3g} (fp32's smallest "
+                        "normal number)" + (", or 0 to turn clipping off" if key == "clip" else ""),
+                    )
                     v = None
             if v is not None:
                 values[key] = v
@@ -432,8 +549,12 @@ class _Resolver:
         tf32 = None if tf32 is _UNSET else tf32
         if self.ov.precision is not None:  # --precision NAME replaces the file's policy
             if self.ov.precision not in POLICIES:
-                self.err("unknown-name", f"--precision {self.ov.precision}: no such policy",
-                         None, hint=f"policies: {', '.join(POLICIES)}")
+                self.err(
+                    "unknown-name",
+                    f"--precision {self.ov.precision}: no such policy",
+                    None,
+                    hint=f"policies: {', '.join(POLICIES)}",
+                )
                 return Numerics(tf32=tf32, compile=compile_)
             return replace(POLICIES[self.ov.precision], tf32=tf32, compile=compile_)
         if p is None:
@@ -443,18 +564,25 @@ class _Resolver:
             if p.name.text in POLICIES:
                 base = POLICIES[p.name.text]
             else:
-                self.err("unknown-name", f"unknown precision policy '{p.name.text}'",
-                         p.name.span, hint=did_you_mean(p.name.text, POLICIES)
-                         or f"policies: {', '.join(POLICIES)}; or write the dtypes: "
-                         "`precision { compute = bf16  gather = bf16  reduce = fp32 }`")
+                self.err(
+                    "unknown-name",
+                    f"unknown precision policy '{p.name.text}'",
+                    p.name.span,
+                    hint=did_you_mean(p.name.text, POLICIES)
+                    or f"policies: {', '.join(POLICIES)}; or write the dtypes: "
+                    "`precision { compute = bf16  gather = bf16  reduce = fp32 }`",
+                )
         chosen: dict[str, Dtype] = {}
         where: dict[str, Span] = {}
         for f in p.fields:
             key = f.key.text
             if key not in PRECISION_KEYS:
-                self.err("unknown-setting", f"precision has no '{key}'", f.key.span,
-                         hint=did_you_mean(key, PRECISION_KEYS)
-                         or f"keys: {', '.join(PRECISION_KEYS)}")
+                self.err(
+                    "unknown-setting",
+                    f"precision has no '{key}'",
+                    f.key.span,
+                    hint=did_you_mean(key, PRECISION_KEYS) or f"keys: {', '.join(PRECISION_KEYS)}",
+                )
                 continue
             if not self.once(f"precision.{key}", f.key.span, f"'{key}'"):
                 continue
@@ -466,23 +594,36 @@ class _Resolver:
             chosen[key], where[key] = Dtype(text), f.span
         for key, dt in chosen.items():
             if dt is Dtype.FP16:
-                self.err("dtype", f"{key} = fp16 needs dynamic loss scaling (fp16 overflows "
-                         "where bf16 does not), which schedc does not do", where[key],
-                         hint=f"use `{key} = bf16`: the same speed, fp32's range")
+                self.err(
+                    "dtype",
+                    f"{key} = fp16 needs dynamic loss scaling (fp16 overflows "
+                    "where bf16 does not), which schedc does not do",
+                    where[key],
+                    hint=f"use `{key} = bf16`: the same speed, fp32's range",
+                )
         if "gather" in chosen and Strategy.of(strategy) is not Strategy.FSDP:
-            self.err("conflict", f"gather is the dtype FSDP units are all-gathered in; a "
-                     f"{Strategy.of(strategy).label} schedule gathers none", where["gather"],
-                     hint="drop `gather`, or use an fsdp block")
+            self.err(
+                "conflict",
+                f"gather is the dtype FSDP units are all-gathered in; a "
+                f"{Strategy.of(strategy).label} schedule gathers none",
+                where["gather"],
+                hint="drop `gather`, or use an fsdp block",
+            )
         numerics = replace(base, **chosen, tf32=tf32, compile=compile_)
         if numerics.gather is not Dtype.FP32 and numerics.compute is Dtype.FP32:
-            self.err("conflict", f"gathering in {numerics.gather} rounds the weights to it, "
-                     "but compute is fp32", where.get("gather") or where.get("compute")
-                     or p.span, hint=f"compute in {numerics.gather} too, or gather in fp32")
+            self.err(
+                "conflict",
+                f"gathering in {numerics.gather} rounds the weights to it, but compute is fp32",
+                where.get("gather") or where.get("compute") or p.span,
+                hint=f"compute in {numerics.gather} too, or gather in fp32",
+            )
         return numerics
 
     # -- references to layers and parameters --------------------------------------------------
 
-    def refs(self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool) -> list[tuple[str, Span]]:
+    def refs(
+        self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool
+    ) -> list[tuple[str, Span]]:
         """Resolve refs to (parameter, span of the ref) in model order within each ref."""
         errors_before = len(self.diag.errors)
         out = self._refs(refs, cfg, params=params)
@@ -490,7 +631,9 @@ class _Resolver:
             self.refs_ok = False  # coverage would only repeat the same mistake
         return out
 
-    def _refs(self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool) -> list[tuple[str, Span]]:
+    def _refs(
+        self, refs: tuple[Ref, ...], cfg: GPTConfig, *, params: bool
+    ) -> list[tuple[str, Span]]:
         out: list[tuple[str, Span]] = []
         for ref in refs:
             if ref.last is None:
@@ -524,18 +667,30 @@ class _Resolver:
     def unknown_layer(self, n: Name, cfg: GPTConfig, *, params: bool) -> None:
         text = n.text
         if text.startswith("h.") and text[2:].isdigit():
-            self.err("layer-range", f"the model has no layer {text}", n.span,
-                     hint=f"its blocks are h.0 .. h.{cfg.n_layer - 1}")
+            self.err(
+                "layer-range",
+                f"the model has no layer {text}",
+                n.span,
+                hint=f"its blocks are h.0 .. h.{cfg.n_layer - 1}",
+            )
             return
         if text in ("lm_head", "lm_head.weight"):
-            self.err("unknown-name", f"'{text}' is not a parameter of its own", n.span,
-                     hint="lm_head is tied to the embedding: name wte.weight (or the layer embed)")
+            self.err(
+                "unknown-name",
+                f"'{text}' is not a parameter of its own",
+                n.span,
+                hint="lm_head is tied to the embedding: name wte.weight (or the layer embed)",
+            )
             return
         names = list(cfg.layers) + ([p.name for p in cfg.params] if params else [])
         what = "layer or parameter" if params else "layer"
-        self.err("unknown-name", f"unknown {what} '{text}'", n.span,
-                 hint=(None if self.diag.full else did_you_mean(text, names))  # full: unkept
-                 or f"layers are embed, h.0 .. h.{cfg.n_layer - 1}, head")
+        self.err(
+            "unknown-name",
+            f"unknown {what} '{text}'",
+            n.span,
+            hint=(None if self.diag.full else did_you_mean(text, names))  # full: unkept
+            or f"layers are embed, h.0 .. h.{cfg.n_layer - 1}, head",
+        )
 
     def groups(self, decls, cfg: GPTConfig, what: str) -> tuple[list, list]:
         """Buckets or units with their own names, and each as (name, span, resolved refs);
@@ -544,9 +699,13 @@ class _Resolver:
         kept, groups = [], []
         for d in decls:
             if d.name.text in names:
-                self.err("duplicate", f"{what} '{d.name.text}' is defined twice", d.name.span,
-                         hint=f"give each {what} its own name",
-                         notes=(Note("first defined here", names[d.name.text]),))
+                self.err(
+                    "duplicate",
+                    f"{what} '{d.name.text}' is defined twice",
+                    d.name.span,
+                    hint=f"give each {what} its own name",
+                    notes=(Note("first defined here", names[d.name.text]),),
+                )
                 self.refs_ok = False  # its layers would be reported uncovered: the same mistake
                 continue
             names[d.name.text] = d.name.span
@@ -554,8 +713,13 @@ class _Resolver:
             groups.append((d.name.text, d.span, self.refs(d.refs, cfg, params=True)))
         return kept, groups
 
-    def cover(self, groups: list[tuple[str, Span, list[tuple[str, Span]]]], cfg: GPTConfig,
-              block_span: Span, what: str) -> dict[str, str]:
+    def cover(
+        self,
+        groups: list[tuple[str, Span, list[tuple[str, Span]]]],
+        cfg: GPTConfig,
+        block_span: Span,
+        what: str,
+    ) -> dict[str, str]:
         """Prove every parameter is in exactly one group; returns param -> group."""
         owner: dict[str, tuple[str, Span]] = {}
         # one finding per ref and group it repeats, noting where the first repeat was given
@@ -571,17 +735,23 @@ class _Resolver:
             names = group_by_layer(params, cfg)
             listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
             where = "twice in" if other == gname else f"in both {what} '{other}' and"
-            self.err("double-cover",
-                     f"{listed} {'is' if len(names) == 1 else 'are'} {where} {what} '{gname}'",
-                     span, hint=f"a parameter belongs to exactly one {what}",
-                     notes=(Note(f"already in '{other}' here", ospan),))
+            self.err(
+                "double-cover",
+                f"{listed} {'is' if len(names) == 1 else 'are'} {where} {what} '{gname}'",
+                span,
+                hint=f"a parameter belongs to exactly one {what}",
+                notes=(Note(f"already in '{other}' here", ospan),),
+            )
         missing = [p for p in cfg.params if p.name not in owner]
         if missing:
             names = group_by_layer([p.name for p in missing], cfg)
             listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            self.err("uncovered", f"{listed} {'is' if len(names) == 1 else 'are'} in no {what}",
-                     block_span, hint=f"every parameter must be in exactly one {what}: add "
-                     f"{names[0]} to one")
+            self.err(
+                "uncovered",
+                f"{listed} {'is' if len(names) == 1 else 'are'} in no {what}",
+                block_span,
+                hint=f"every parameter must be in exactly one {what}: add {names[0]} to one",
+            )
         return {p: g for p, (g, _) in owner.items()}
 
     # -- DDP --------------------------------------------------------------------------------------
@@ -595,19 +765,30 @@ class _Resolver:
             self.once("bucket_cap", c.span, "bucket_cap")
         cap = None
         if buckets and caps:
-            self.err("conflict", "give buckets or a bucket_cap, not both", caps[0].span,
-                     hint="bucket_cap makes the buckets by itself; drop it or the buckets")
+            self.err(
+                "conflict",
+                "give buckets or a bucket_cap, not both",
+                caps[0].span,
+                hint="bucket_cap makes the buckets by itself; drop it or the buckets",
+            )
         elif caps:
             cap = self.size_of(caps[0].size, "bucket_cap")
-            first = self.size_of(caps[0].first, "first bucket") if caps[0].first else min(
-                cap or MiB, MiB)
+            first = (
+                self.size_of(caps[0].first, "first bucket")
+                if caps[0].first
+                else min(cap or MiB, MiB)
+            )
             if cap is None or first is None:
                 return DDPSpec((), toggles.get("overlap", True), toggles.get("no_sync", True))
             specs = tuple(auto_buckets(cfg, cap, first))
             return DDPSpec(specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap)
         elif not buckets:
-            self.err("missing-setting", "the ddp block has no buckets", head_span,
-                     hint="add `bucket b1 = head, h.3 .. h.0, embed` or `bucket_cap 25 MiB`")
+            self.err(
+                "missing-setting",
+                "the ddp block has no buckets",
+                head_span,
+                hint="add `bucket b1 = head, h.3 .. h.0, embed` or `bucket_cap 25 MiB`",
+            )
         _, groups = self.groups(buckets, cfg, "bucket")
         if buckets and self.refs_ok:
             self.cover(groups, cfg, head_span, "bucket")
@@ -615,8 +796,9 @@ class _Resolver:
         specs = []
         for gname, gspan, items in groups:
             params = sorted({p for p, _ in items}, key=lambda p: ready[p])
-            specs.append(BucketSpec(gname, tuple(params), gspan,
-                                    sum(cfg.param(p).nbytes() for p in params)))
+            specs.append(
+                BucketSpec(gname, tuple(params), gspan, sum(cfg.param(p).nbytes() for p in params))
+            )
         self.bucket_order(specs, cfg, ready)
         return DDPSpec(tuple(specs), toggles.get("overlap", True), toggles.get("no_sync", True))
 
@@ -632,23 +814,31 @@ class _Resolver:
                 self.diag.warning(
                     "tied-late",
                     f"bucket '{b.name}' holds {TIED}, whose gradient is complete only after "
-                    "bwd[embed] (the embedding and lm_head share it)", b.span,
-                    hint=f"move {TIED} to the last bucket, so '{b.name}' can launch earlier")
+                    "bwd[embed] (the embedding and lm_head share it)",
+                    b.span,
+                    hint=f"move {TIED} to the last bucket, so '{b.name}' can launch earlier",
+                )
             else:
                 self.diag.warning(
                     "bucket-order",
                     f"bucket '{b.name}' is complete after '{buckets[later[0]].name}' but is "
-                    "listed first, so both launch late", b.span,
+                    "listed first, so both launch late",
+                    b.span,
                     hint="list buckets in reverse layer order: the first bucket holds the last "
-                    "layers")
+                    "layers",
+                )
 
     def toggles(self, stmts, allowed: set[str], block: str) -> dict[str, bool]:
         out = {}
         for t in stmts:
             if isinstance(t, Toggle):
                 if t.key not in allowed:
-                    self.err("unknown-setting", f"a {block} block has no '{t.key}'", t.span,
-                             hint=f"{block} takes {', '.join(sorted(allowed))}")
+                    self.err(
+                        "unknown-setting",
+                        f"a {block} block has no '{t.key}'",
+                        t.span,
+                        hint=f"{block} takes {', '.join(sorted(allowed))}",
+                    )
                 elif self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
                     out[t.key] = t.value.on
         return out
@@ -666,9 +856,12 @@ class _Resolver:
                 if v is not None:
                     depth[p.direction] = v
         if not units:
-            self.err("missing-setting", "the fsdp block has no units", head_span,
-                     hint="add units, e.g. `unit tied = wte.weight keep` and "
-                     "`unit u1 = embed .. h.1`")
+            self.err(
+                "missing-setting",
+                "the fsdp block has no units",
+                head_span,
+                hint="add units, e.g. `unit tied = wte.weight keep` and `unit u1 = embed .. h.1`",
+            )
         units, groups = self.groups(units, cfg, "unit")
         if units and self.refs_ok:
             self.cover(groups, cfg, head_span, "unit")
@@ -680,21 +873,40 @@ class _Resolver:
             idx = [order[x] for x in layers]
             if layers and not u.keep and idx != list(range(idx[0], idx[-1] + 1)):
                 if TIED in params:
-                    self.err("tied-param",
-                             f"unit '{gname}' holds {TIED}, which embed and head both read, so it "
-                             f"would stay gathered from {layers[0]} to {layers[-1]}", gspan,
-                             hint=f"give the tied weight a unit of its own that stays gathered: "
-                             f"`unit tied = {TIED} keep`")
+                    self.err(
+                        "tied-param",
+                        f"unit '{gname}' holds {TIED}, which embed and head both read, so it "
+                        f"would stay gathered from {layers[0]} to {layers[-1]}",
+                        gspan,
+                        hint=f"give the tied weight a unit of its own that stays gathered: "
+                        f"`unit tied = {TIED} keep`",
+                    )
                 else:
-                    self.err("unit-contiguous",
-                             f"unit '{gname}' is read by layers {', '.join(layers)}, which are not "
-                             "adjacent", gspan, hint="make each unit a contiguous range of layers, "
-                             "or mark it `keep`")
-            specs.append(UnitSpec(gname, params, tuple(layers), u.keep, gspan,
-                                  sum(cfg.param(p).nbytes() for p in params)))
+                    self.err(
+                        "unit-contiguous",
+                        f"unit '{gname}' is read by layers {', '.join(layers)}, which are not "
+                        "adjacent",
+                        gspan,
+                        hint="make each unit a contiguous range of layers, or mark it `keep`",
+                    )
+            specs.append(
+                UnitSpec(
+                    gname,
+                    params,
+                    tuple(layers),
+                    u.keep,
+                    gspan,
+                    sum(cfg.param(p).nbytes() for p in params),
+                )
+            )
         specs.sort(key=lambda s: (order[s.layers[0]] if s.layers else 0, not s.keep))
-        return FSDPSpec(tuple(specs), depth["forward"], depth["backward"],
-                        toggles.get("reshard_after_forward", True), toggles.get("no_sync", False))
+        return FSDPSpec(
+            tuple(specs),
+            depth["forward"],
+            depth["backward"],
+            toggles.get("reshard_after_forward", True),
+            toggles.get("no_sync", False),
+        )
 
     # -- streams and programs -----------------------------------------------------------------
 
@@ -705,22 +917,38 @@ class _Resolver:
         for d in decls:
             kind = STREAM_KINDS.get(d.kind.text)
             if kind is None:
-                self.err("unknown-name", f"unknown op kind '{d.kind.text}'", d.kind.span,
-                         hint=did_you_mean(d.kind.text, STREAM_KINDS)
-                         or f"kinds: {', '.join(STREAM_KINDS)}")
+                self.err(
+                    "unknown-name",
+                    f"unknown op kind '{d.kind.text}'",
+                    d.kind.span,
+                    hint=did_you_mean(d.kind.text, STREAM_KINDS)
+                    or f"kinds: {', '.join(STREAM_KINDS)}",
+                )
                 continue
             if not self.once(f"stream.{kind.value}", d.span, f"the stream of {kind.value}"):
                 continue
             if kind.is_compute and d.stream.text != COMPUTE:
-                self.err("compute-stream", f"{kind.value} is compute work and runs on the "
-                         f"compute stream, not '{d.stream.text}'", d.stream.span,
-                         hint="only collectives can move to another stream")
+                self.err(
+                    "compute-stream",
+                    f"{kind.value} is compute work and runs on the "
+                    f"compute stream, not '{d.stream.text}'",
+                    d.stream.span,
+                    hint="only collectives can move to another stream",
+                )
                 continue
-            if (kind is Kind.ALLREDUCE and isinstance(strategy, DDPSpec) and not strategy.overlap
-                    and d.stream.text != COMPUTE):
-                self.err("conflict", f"overlap off keeps all-reduce on the compute stream, but "
-                         f"this puts it on '{d.stream.text}'", d.span,
-                         hint="drop `overlap off`, or this line")
+            if (
+                kind is Kind.ALLREDUCE
+                and isinstance(strategy, DDPSpec)
+                and not strategy.overlap
+                and d.stream.text != COMPUTE
+            ):
+                self.err(
+                    "conflict",
+                    f"overlap off keeps all-reduce on the compute stream, but "
+                    f"this puts it on '{d.stream.text}'",
+                    d.span,
+                    hint="drop `overlap off`, or this line",
+                )
                 continue
             streams[kind] = d.stream.text
         return streams
@@ -731,9 +959,13 @@ class _Resolver:
         for p in progs:
             stream = p.stream.text
             if stream not in known:
-                self.err("unknown-name", f"unknown stream '{stream}'", p.stream.span,
-                         hint=did_you_mean(stream, known)
-                         or "streams are compute, comm, and those named by `stream` lines")
+                self.err(
+                    "unknown-name",
+                    f"unknown stream '{stream}'",
+                    p.stream.span,
+                    hint=did_you_mean(stream, known)
+                    or "streams are compute, comm, and those named by `stream` lines",
+                )
                 continue
             rank = None
             if p.rank is not None:
@@ -741,22 +973,34 @@ class _Resolver:
                 if rank is None:
                     continue
             key = f"program.{stream}.{rank}"
-            if not self.once(key, p.span, f"the program of stream '{stream}'"
-                             + (f" on rank {rank}" if rank is not None else "")):
+            if not self.once(
+                key,
+                p.span,
+                f"the program of stream '{stream}'"
+                + (f" on rank {rank}" if rank is not None else ""),
+            ):
                 continue
             instrs = []
             for ins in p.instrs:
                 op = self.op(ins.op.text, ins.op.span, cfg, strategy, accum)
-                afters = [(self.op(a.text, a.span, cfg, strategy, accum), a.span)
-                          for a in ins.after]
+                afters = [
+                    (self.op(a.text, a.span, cfg, strategy, accum), a.span) for a in ins.after
+                ]
                 if op is None or any(a is None for a, _ in afters):
                     continue
                 if op.kind.is_compute and stream != COMPUTE:
-                    self.err("compute-stream", f"{op} is compute work, written on stream "
-                             f"'{stream}'", ins.op.span, hint="write it in `program compute`")
+                    self.err(
+                        "compute-stream",
+                        f"{op} is compute work, written on stream '{stream}'",
+                        ins.op.span,
+                        hint="write it in `program compute`",
+                    )
                     continue
-                instrs.append(InstrSpec(op, tuple(a for a, _ in afters), ins.span,
-                                        tuple(s for _, s in afters)))
+                instrs.append(
+                    InstrSpec(
+                        op, tuple(a for a, _ in afters), ins.span, tuple(s for _, s in afters)
+                    )
+                )
             out.append(ProgramSpec(stream, rank, tuple(instrs), p.span))
         return tuple(out)
 
@@ -778,18 +1022,29 @@ class _Resolver:
             targets = [u.name for u in strategy.units] if isinstance(strategy, FSDPSpec) else []
             what = "unit"
         if not targets:
-            self.err("unexpected-op", f"{op} has no place in a {Strategy.of(strategy).label} schedule",
-                     span, hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
-                     "and reduce-scatter units")
+            self.err(
+                "unexpected-op",
+                f"{op} has no place in a {Strategy.of(strategy).label} schedule",
+                span,
+                hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
+                "and reduce-scatter units",
+            )
             return None
         if op.target not in targets:
-            self.err("unknown-name", f"unknown {what} '{op.target}' in {op}", span,
-                     hint=(None if self.diag.full else did_you_mean(op.target, targets))
-                     or f"{what}s: {', '.join(targets)}")
+            self.err(
+                "unknown-name",
+                f"unknown {what} '{op.target}' in {op}",
+                span,
+                hint=(None if self.diag.full else did_you_mean(op.target, targets))
+                or f"{what}s: {', '.join(targets)}",
+            )
             return None
         if accum is not None and op.mb >= accum:
-            self.err("value-range", f"{op} names micro-step {op.mb}, but this schedule has "
-                     f"mb0 .. mb{accum - 1}", span)
+            self.err(
+                "value-range",
+                f"{op} names micro-step {op.mb}, but this schedule has mb0 .. mb{accum - 1}",
+                span,
+            )
             return None
         return op
 
@@ -814,8 +1069,10 @@ def _fp32_breaks(key: str, v: float) -> str | None:
     weight_decay, min_lr and betas that round to 0 are plain zeros, which AdamW allows."""
     tiny = _fp32(v) < FP32_TINY
     if key == "eps" and tiny:
-        return ("and AdamW divides by sqrt(v) + eps: a parameter that never gets a gradient "
-                "(an unused embedding row) would become 0/0 = NaN")
+        return (
+            "and AdamW divides by sqrt(v) + eps: a parameter that never gets a gradient "
+            "(an unused embedding row) would become 0/0 = NaN"
+        )
     if key == "lr" and tiny:
         return "so no update would change the model"
     if key == "clip" and v > 0 and tiny:

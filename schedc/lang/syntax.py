@@ -8,7 +8,6 @@ The AST records what was written and where; it judges nothing. Numbers stay as w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from lark import Token, Transformer, Tree, v_args
 
@@ -56,7 +55,7 @@ class Size:
     span: Span
 
 
-Value = Union[Num, Name, Str, Switch]
+Value = Num | Name | Str | Switch
 
 # -- statements ---------------------------------------------------------------------------------
 
@@ -211,8 +210,20 @@ class Program:
     span: Span
 
 
-Stmt = Union[Model, Setting, Batch, Memory, Data, Optimizer, Precision, Toggle, DDP, FSDP,
-             StreamDecl, Program]
+Stmt = (
+    Model
+    | Setting
+    | Batch
+    | Memory
+    | Data
+    | Optimizer
+    | Precision
+    | Toggle
+    | DDP
+    | FSDP
+    | StreamDecl
+    | Program
+)
 
 
 @dataclass(frozen=True)

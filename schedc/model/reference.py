@@ -156,8 +156,11 @@ class Reference:
         """The model on one micro-batch under the policy: autocast in `compute`, and with
         `param_dtype` the weights cast to it (a differentiable cast: their gradient comes
         back to the fp32 parameters, where micro-batches accumulate)."""
-        ctx = (torch.autocast(self.device.type, dtype=self.compute) if self.compute
-               else contextlib.nullcontext())
+        ctx = (
+            torch.autocast(self.device.type, dtype=self.compute)
+            if self.compute
+            else contextlib.nullcontext()
+        )
         with ctx:
             if self.param_dtype is None:
                 return self.model(x, y)

@@ -54,45 +54,70 @@ def compare(a: Spec, b: Spec) -> Agreement:
 
     def differ(what: str, va, vb, key: str, hint: str | None = None) -> None:
         span_b, span_a = b.where.get(key), a.where.get(key)
-        out.append(Diagnostic(
-            "disagree", f"{what}: {vb} here, {va} in {a.source.path}", span_b,
-            hint=hint, path=b.source.path,
-            notes=(Note(f"{a.source.path} has {va}", span_a, a.source.path),) if span_a else (),
-        ))
+        out.append(
+            Diagnostic(
+                "disagree",
+                f"{what}: {vb} here, {va} in {a.source.path}",
+                span_b,
+                hint=hint,
+                path=b.source.path,
+                notes=(Note(f"{a.source.path} has {va}", span_a, a.source.path),) if span_a else (),
+            )
+        )
 
     if a.model != b.model:
         differ("the models differ", _model(a), _model(b), "model")
     if (a.seqs, a.seq_len) != (b.seqs, b.seq_len):
-        differ("the global batches differ", f"{a.seqs} x {a.seq_len}", f"{b.seqs} x {b.seq_len}",
-               "batch", hint="an update must see the same sequences: same sequences x tokens")
+        differ(
+            "the global batches differ",
+            f"{a.seqs} x {a.seq_len}",
+            f"{b.seqs} x {b.seq_len}",
+            "batch",
+            hint="an update must see the same sequences: same sequences x tokens",
+        )
     else:
         wa, wb = sequence_weights(a), sequence_weights(b)
         if wa != wb:
             diff = sorted(n for n in set(wa) | set(wb) if wa.get(n) != wb.get(n))
             n = diff[0]
-            differ(f"sequence {n} of the global batch is weighted differently",
-                   wa.get(n, 0), wb.get(n, 0), "micro")
+            differ(
+                f"sequence {n} of the global batch is weighted differently",
+                wa.get(n, 0),
+                wb.get(n, 0),
+                "micro",
+            )
     if a.data != b.data:  # both resolved (DataConfig.resolved): meaning, not spelling
         differ("the data sources differ", _data(a), _data(b), "data")
     if a.optim != b.optim:
-        fields = [f for f in a.optim.__dataclass_fields__
-                  if getattr(a.optim, f) != getattr(b.optim, f)]
-        differ("the optimizers differ in " + ", ".join(fields),
-               ", ".join(f"{f}={getattr(a.optim, f)}" for f in fields),
-               ", ".join(f"{f}={getattr(b.optim, f)}" for f in fields), "optimizer")
+        fields = [
+            f for f in a.optim.__dataclass_fields__ if getattr(a.optim, f) != getattr(b.optim, f)
+        ]
+        differ(
+            "the optimizers differ in " + ", ".join(fields),
+            ", ".join(f"{f}={getattr(a.optim, f)}" for f in fields),
+            ", ".join(f"{f}={getattr(b.optim, f)}" for f in fields),
+            "optimizer",
+        )
     if a.seed != b.seed:
         differ("the seeds differ (so do the initial weights)", a.seed, b.seed, "seed")
     if a.steps != b.steps and not (a.optim.decay_steps and b.optim.decay_steps):
-        differ("the run lengths differ, and with them the cosine LR schedule", a.steps, b.steps,
-               "steps", hint="give both the same `steps`, or fix `decay_steps` in the optimizer")
+        differ(
+            "the run lengths differ, and with them the cosine LR schedule",
+            a.steps,
+            b.steps,
+            "steps",
+            hint="give both the same `steps`, or fix `decay_steps` in the optimizer",
+        )
     numerics = a.numerics.effective(a.kind).differences(b.numerics.effective(b.kind))
     return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(out), tuple(numerics))
 
 
 def _model(s: Spec) -> str:
     m = s.model
-    return (f"{s.model_name} (n_layer={m.n_layer}, n_head={m.n_head}, n_embd={m.n_embd}, "
-            f"block={m.block_size}, vocab={m.vocab_size})")
+    return (
+        f"{s.model_name} (n_layer={m.n_layer}, n_head={m.n_head}, n_embd={m.n_embd}, "
+        f"block={m.block_size}, vocab={m.vocab_size})"
+    )
 
 
 def _data(s: Spec) -> str:
@@ -107,19 +132,28 @@ def meaning(spec: Spec) -> dict[str, str]:
     `data corpus` written or left out, run together, and a difference is named by field."""
     st = spec.strategy
     if isinstance(st, DDPSpec):
-        how = (f"ddp overlap={st.overlap} no_sync={st.no_sync} "
-               + " ".join(f"{b.name}={','.join(b.params)}" for b in st.buckets))
+        how = f"ddp overlap={st.overlap} no_sync={st.no_sync} " + " ".join(
+            f"{b.name}={','.join(b.params)}" for b in st.buckets
+        )
     elif isinstance(st, FSDPSpec):
-        how = (f"fsdp prefetch={st.prefetch_forward},{st.prefetch_backward} "
-               f"reshard={st.reshard_after_forward} no_sync={st.no_sync} "
-               + " ".join(f"{u.name}={','.join(u.params)}{'(keep)' * u.keep}"
-                          for u in st.units))
+        how = (
+            f"fsdp prefetch={st.prefetch_forward},{st.prefetch_backward} "
+            f"reshard={st.reshard_after_forward} no_sync={st.no_sync} "
+            + " ".join(f"{u.name}={','.join(u.params)}{'(keep)' * u.keep}" for u in st.units)
+        )
     else:
         how = "single"
-    return {"model": _model(spec), "world": str(spec.world),
-            "batch": f"{spec.seqs} x {spec.seq_len}",
-            "split": f"micro {spec.micro} x {spec.accum} micro-steps",
-            "steps": str(spec.steps), "seed": str(spec.seed), "data source": _data(spec),
-            "optimizer": repr(spec.optim), "strategy": how,
-            "streams": ", ".join(f"{k.value}:{v}" for k, v in sorted(
-                spec.streams.items(), key=lambda kv: kv[0].value))}
+    return {
+        "model": _model(spec),
+        "world": str(spec.world),
+        "batch": f"{spec.seqs} x {spec.seq_len}",
+        "split": f"micro {spec.micro} x {spec.accum} micro-steps",
+        "steps": str(spec.steps),
+        "seed": str(spec.seed),
+        "data source": _data(spec),
+        "optimizer": repr(spec.optim),
+        "strategy": how,
+        "streams": ", ".join(
+            f"{k.value}:{v}" for k, v in sorted(spec.streams.items(), key=lambda kv: kv[0].value)
+        ),
+    }

@@ -37,8 +37,7 @@ from schedc.passes.graph import (
 from schedc.passes.memory import MemoryReport, fmt_bytes
 
 
-def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph],
-                 diag: Diagnostics) -> bool:
+def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph], diag: Diagnostics) -> bool:
     """The rules of each rank's graph; whether every graph can be lowered to a plan."""
     lowerable = True
     for sg in graphs.values():
@@ -50,9 +49,13 @@ def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph],
     return lowerable
 
 
-def check_plans(spec: Spec, graphs: dict[int | None, ScheduleGraph],
-                plans: dict[int | None, Plan], memory: dict[int | None, MemoryReport],
-                diag: Diagnostics) -> None:
+def check_plans(
+    spec: Spec,
+    graphs: dict[int | None, ScheduleGraph],
+    plans: dict[int | None, Plan],
+    memory: dict[int | None, MemoryReport],
+    diag: Diagnostics,
+) -> None:
     """The rules across ranks' plans (collective order, waits in a circle) and the budget."""
     if _spmd(spec, graphs, plans, diag) and len(graphs) > 1:
         _across_ranks(spec, graphs, diag)
@@ -85,30 +88,48 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
     spec, g, ok = sg.spec, sg.g, True
     for op, d in g.nodes(data=True):
         if d.get("again") is not None:
-            diag.error("duplicate-op", f"{op} is written twice{_who(sg)}", d["again"],
-                       hint="each op runs once per step; delete one",
-                       notes=(Note("first written here", d["span"]),))
+            diag.error(
+                "duplicate-op",
+                f"{op} is written twice{_who(sg)}",
+                d["again"],
+                hint="each op runs once per step; delete one",
+                notes=(Note("first written here", d["span"]),),
+            )
             ok = False
         if d.get("stream") is None and d.get("required"):
             where = spec.streams[op.kind]
-            diag.error("missing-op", _missing_message(sg, op),
-                       _program_span(sg, where) or d.get("span"),
-                       hint=f"add `{op}` to `program {where}` (with the `after` it needs)")
+            diag.error(
+                "missing-op",
+                _missing_message(sg, op),
+                _program_span(sg, where) or d.get("span"),
+                hint=f"add `{op}` to `program {where}` (with the `after` it needs)",
+            )
             ok = False
         if d.get("stream") is None and not d.get("required"):
             # named only by an `after`: no program runs it, so nothing can wait for it
-            diag.error("unexpected-op", f"this waits for {op}, which is not part of this "
-                       f"schedule{_why_not(sg, op)}", d.get("span"),
-                       hint="`schedc check --dump program` prints the ops it has")
+            diag.error(
+                "unexpected-op",
+                f"this waits for {op}, which is not part of this schedule{_why_not(sg, op)}",
+                d.get("span"),
+                hint="`schedc check --dump program` prints the ops it has",
+            )
             ok = False
         if d.get("stream") is not None and not d.get("required"):
             if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
-                diag.error("nosync-comm", f"{op} communicates in micro-step {op.mb}, but no_sync "
-                           f"keeps gradients local until the last (mb{spec.accum - 1})",
-                           d["span"], hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`")
+                diag.error(
+                    "nosync-comm",
+                    f"{op} communicates in micro-step {op.mb}, but no_sync "
+                    f"keeps gradients local until the last (mb{spec.accum - 1})",
+                    d["span"],
+                    hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`",
+                )
             else:
-                diag.error("unexpected-op", f"{op} is not part of this schedule{_why_not(sg, op)}",
-                           d["span"], hint="`schedc check --dump program` prints the ops it has")
+                diag.error(
+                    "unexpected-op",
+                    f"{op} is not part of this schedule{_why_not(sg, op)}",
+                    d["span"],
+                    hint="`schedc check --dump program` prints the ops it has",
+                )
             ok = False
     return ok
 
@@ -128,8 +149,13 @@ def _why_not(sg: ScheduleGraph, op: Op) -> str:
     spec, fs = sg.spec, sg.spec.strategy
     if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
         return f" (no_sync keeps mb{op.mb} local; only mb{spec.accum - 1} communicates)"
-    if op.kind is Kind.ALLGATHER and op.phase and op.phase.value == "bwd" and fs is not None \
-            and not getattr(fs, "reshard_after_forward", True):
+    if (
+        op.kind is Kind.ALLGATHER
+        and op.phase
+        and op.phase.value == "bwd"
+        and fs is not None
+        and not getattr(fs, "reshard_after_forward", True)
+    ):
         return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
     return ""
 
@@ -141,9 +167,13 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
     g, ok = sg.g, True
     for u, v, d in g.edges(data=True):
         if d.get("sync") == "after" and g.nodes[u]["pos"] >= g.nodes[v]["pos"]:
-            diag.error("deadlock", f"{v} waits for {u}, which comes later on stream "
-                       f"'{g.nodes[v]['stream']}'{_who(sg)}", d.get("span") or g.nodes[v]["span"],
-                       hint=f"a stream runs in order: move {u} before {v}, or drop the wait")
+            diag.error(
+                "deadlock",
+                f"{v} waits for {u}, which comes later on stream "
+                f"'{g.nodes[v]['stream']}'{_who(sg)}",
+                d.get("span") or g.nodes[v]["span"],
+                hint=f"a stream runs in order: move {u} before {v}, or drop the wait",
+            )
             ok = False
     if not ok:
         return False
@@ -157,10 +187,12 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
     written = [(u, v) for u, v in cycle if g.edges[u, v].get("span") is not None]
     events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
     u, v = (written or events or cycle)[0]
-    diag.error("cycle", f"the schedule waits in a circle{_who(sg)}: "
-               + " -> ".join(str(op) for op in path),
-               g.edges[u, v].get("span") or g.nodes[v]["span"],
-               hint="each arrow is program order or an `after`; break one of the waits")
+    diag.error(
+        "cycle",
+        f"the schedule waits in a circle{_who(sg)}: " + " -> ".join(str(op) for op in path),
+        g.edges[u, v].get("span") or g.nodes[v]["span"],
+        hint="each arrow is program order or an `after`; break one of the waits",
+    )
     return False
 
 
@@ -188,25 +220,47 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
     cross = su != sv
     wait = f"write `{v} after {u}`"
     if v.kind is Kind.STEP and UPDATE in whys:
-        return ("optimizer-wait", f"the optimizer step does not wait for {u}",
-                f"{wait}: the update must read reduced gradients")
+        return (
+            "optimizer-wait",
+            f"the optimizer step does not wait for {u}",
+            f"{wait}: the update must read reduced gradients",
+        )
     if v.kind in REDUCTIONS and GRADS in whys:
-        tied = " (the tied wte/lm_head weight gets its last gradient from bwd[embed])" if (
-            u.target == "embed") else ""
-        return ("early-reduce", f"{v} can start before {u} has written its gradients{tied}",
-                wait if cross else f"place {v} after {u}")
+        tied = (
+            " (the tied wte/lm_head weight gets its last gradient from bwd[embed])"
+            if (u.target == "embed")
+            else ""
+        )
+        return (
+            "early-reduce",
+            f"{v} can start before {u} has written its gradients{tied}",
+            wait if cross else f"place {v} after {u}",
+        )
     if LAST_USE in whys:
-        return ("use-after-free", f"{v} releases '{v.target}' while {u} may still read it",
-                f"free a unit only after its last reader: place {v} after {u}"
-                + (" or wait for it" if cross else ""))
+        return (
+            "use-after-free",
+            f"{v} releases '{v.target}' while {u} may still read it",
+            f"free a unit only after its last reader: place {v} after {u}"
+            + (" or wait for it" if cross else ""),
+        )
     if PARAMS in whys and not cross:
-        return ("use-after-free", f"{v} reads '{u.target}' before {u} gathers it",
-                f"place {u} before {v}")
+        return (
+            "use-after-free",
+            f"{v} reads '{u.target}' before {u} gathers it",
+            f"place {u} before {v}",
+        )
     if cross:
-        return ("missing-event", f"{v} on stream '{sv}' needs {u} on stream '{su}' "
-                f"({', '.join(whys)}) but nothing makes it wait", wait)
-    return ("out-of-order", f"{v} comes before {u} on stream '{sv}', but needs its "
-            f"{', '.join(whys)}", f"place {u} first")
+        return (
+            "missing-event",
+            f"{v} on stream '{sv}' needs {u} on stream '{su}' "
+            f"({', '.join(whys)}) but nothing makes it wait",
+            wait,
+        )
+    return (
+        "out-of-order",
+        f"{v} comes before {u} on stream '{sv}', but needs its {', '.join(whys)}",
+        f"place {u} first",
+    )
 
 
 # -- ranks and memory ---------------------------------------------------------------------------
@@ -234,12 +288,19 @@ def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) 
             ours = str(a[i]) if i < len(a) else "nothing"
             # point at the rank's first differing collective if its program writes it
             written = i < len(b) and sg.stream_of(b[i]) in sg.written
-            span = sg.span_of(b[i]) if written else next(
-                p.span for p in spec.programs if p.rank == rank)
-            diag.error("spmd", f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
-                       f"'{stream}', where {others} {ours}", span,
-                       hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
-                       "Give every rank the same collective order")
+            span = (
+                sg.span_of(b[i])
+                if written
+                else next(p.span for p in spec.programs if p.rank == rank)
+            )
+            diag.error(
+                "spmd",
+                f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
+                f"'{stream}', where {others} {ours}",
+                span,
+                hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
+                "Give every rank the same collective order",
+            )
             ok = False
             break
     return ok
@@ -281,14 +342,18 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
     def who(label) -> str:
         return "the other ranks" if label is None else f"rank {label}"
 
-    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}"
-             for u, v in cycle]
-    rank = next((r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None),
-                labels[-1])
+    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}" for u, v in cycle]
+    rank = next(
+        (r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None), labels[-1]
+    )
     span = next(p.span for p in spec.programs if p.rank == rank)
-    diag.error("spmd", "the ranks wait for each other in a circle: " + "; ".join(steps), span,
-               hint="a collective finishes on every rank at once; order the waits the same "
-               "way on every rank")
+    diag.error(
+        "spmd",
+        "the ranks wait for each other in a circle: " + "; ".join(steps),
+        span,
+        hint="a collective finishes on every rank at once; order the waits the same "
+        "way on every rank",
+    )
 
 
 def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | None) -> None:
@@ -298,7 +363,10 @@ def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | Non
         if spec.kind is Strategy.FSDP:
             hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
         at = f"after {report.peak_at}" if report.peak_at else "model states alone"
-        diag.error("memory-budget",
-                   f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
-                   f"exceeds the budget of {fmt_bytes(spec.memory)}",
-                   spec.where.get("memory"), hint=hint)
+        diag.error(
+            "memory-budget",
+            f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
+            f"exceeds the budget of {fmt_bytes(spec.memory)}",
+            spec.where.get("memory"),
+            hint=hint,
+        )

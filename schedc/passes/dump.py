@@ -32,8 +32,11 @@ def dump_ast(ast: Schedule) -> str:
             lines.append(f"{pad}{node!r}")
             return
         fields = [f for f in dataclasses.fields(node) if f.name not in ("span", "source")]
-        leaf = all(not dataclasses.is_dataclass(getattr(node, f.name))
-                   and not isinstance(getattr(node, f.name), tuple) for f in fields)
+        leaf = all(
+            not dataclasses.is_dataclass(getattr(node, f.name))
+            and not isinstance(getattr(node, f.name), tuple)
+            for f in fields
+        )
         span = getattr(node, "span", None)
         at = f" @{span.line}:{span.col}" if isinstance(span, Span) else ""
         if leaf:
@@ -52,8 +55,10 @@ def dump_ast(ast: Schedule) -> str:
 def dump_graph(sg: ScheduleGraph) -> str:
     g = sg.g
     n_needs = sum(1 for _ in sg.needs())
-    lines = [f"# graph: {g.number_of_nodes()} ops, {len(sg.programs)} streams, "
-             f"{n_needs} needs, {len(sg.events())} events"]
+    lines = [
+        f"# graph: {g.number_of_nodes()} ops, {len(sg.programs)} streams, "
+        f"{n_needs} needs, {len(sg.events())} events"
+    ]
     for stream, ops in sg.programs.items():
         for op in ops:
             lines.append(f"{stream:<8} {op}")

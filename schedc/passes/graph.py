@@ -65,8 +65,9 @@ class ScheduleGraph:
         h = nx.DiGraph()
         h.add_nodes_from(self.placed())
         # an `after` may name an op no program holds; nothing runs it (the checker says so)
-        h.add_edges_from((u, v, d) for u, v, d in self.g.edges(data=True)
-                         if d.get("sync") and u in h and v in h)
+        h.add_edges_from(
+            (u, v, d) for u, v, d in self.g.edges(data=True) if d.get("sync") and u in h and v in h
+        )
         return h
 
     def events(self) -> list[tuple[Op, Op]]:
@@ -133,8 +134,10 @@ def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
             needs = _compute_needs(spec, op)
             if j and spec.communicates(j - 1):
                 # this backward writes into buckets the previous all-reduce may still read
-                needs += [(Op(Kind.ALLREDUCE, buckets[b].name, j - 1), REUSE)
-                          for b in bucket_of_layer[layer]]
+                needs += [
+                    (Op(Kind.ALLREDUCE, buckets[b].name, j - 1), REUSE)
+                    for b in bucket_of_layer[layer]
+                ]
             seq.emit(op, needs, model_span)
             done.add(layer)
             if not spec.communicates(j):
@@ -142,9 +145,11 @@ def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
             # launch in the compiled bucket order, never first-ready: every rank must agree
             while launched < len(buckets) and bucket_writers[launched] <= done:
                 b = buckets[launched]
-                seq.emit(Op(Kind.ALLREDUCE, b.name, j),
-                         [(bwd(w, j), GRADS) for w in sorted(bucket_writers[launched])],
-                         b.span or spec.where.get("ddp"))
+                seq.emit(
+                    Op(Kind.ALLREDUCE, b.name, j),
+                    [(bwd(w, j), GRADS) for w in sorted(bucket_writers[launched])],
+                    b.span or spec.where.get("ddp"),
+                )
                 launched += 1
     last = spec.accum - 1
     if buckets:
@@ -177,8 +182,9 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     uses, prev_of = _unit_uses(fs, compute, reads)
     anchored = _gather_anchors(fs, uses, prev_of)
     source_gather = _source_gathers(uses, prev_of)
-    use_at = {(use.unit.name, i): m for m, use in enumerate(uses)
-              for i in range(use.first, use.last + 1)}  # (unit, compute index) -> use
+    use_at = {
+        (use.unit.name, i): m for m, use in enumerate(uses) for i in range(use.first, use.last + 1)
+    }  # (unit, compute index) -> use
     ends_at: dict[int, list[int]] = defaultdict(list)
     for m, use in enumerate(uses):
         ends_at[use.last].append(m)
@@ -224,25 +230,31 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
         for m in ends_at.get(i, []):
             if uses[m].free:
-                seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]],
-                         uses[m].unit.span)
+                seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
         emit_gathers(i)
     last = spec.accum - 1
     for u in keep:
         final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
-        seq.emit(Op(Kind.FREE, u.name, last, Phase.BWD),
-                 [(r, LAST_USE) for r in final_readers], u.span)
-    seq.emit(STEP, [(Op(Kind.REDUCESCATTER, u.name, last), UPDATE) for u in fs.units],
-             spec.where.get("optimizer", spec.where.get("model")))
+        seq.emit(
+            Op(Kind.FREE, u.name, last, Phase.BWD), [(r, LAST_USE) for r in final_readers], u.span
+        )
+    seq.emit(
+        STEP,
+        [(Op(Kind.REDUCESCATTER, u.name, last), UPDATE) for u in fs.units],
+        spec.where.get("optimizer", spec.where.get("model")),
+    )
     return seq
 
 
 def _compute_order(spec: Spec) -> list[Op]:
     """Every fwd and bwd of the step, in the order the compute stream runs them."""
     layers = spec.model.layers
-    return [op for j in range(spec.accum)
-            for op in [fwd(layer, j) for layer in layers]
-            + [bwd(layer, j) for layer in reversed(layers)]]
+    return [
+        op
+        for j in range(spec.accum)
+        for op in [fwd(layer, j) for layer in layers]
+        + [bwd(layer, j) for layer in reversed(layers)]
+    ]
 
 
 def _unit_uses(fs: FSDPSpec, compute: list[Op], reads) -> tuple[list[_Use], dict[int, _Use | None]]:
@@ -300,8 +312,9 @@ def _source_gathers(uses: list[_Use], prev_of) -> dict[int, Op]:
     return source
 
 
-def _reduce_scatter_points(spec: Spec, fs: FSDPSpec, compute: list[Op],
-                           unit_writers) -> dict[int, list[UnitSpec]]:
+def _reduce_scatter_points(
+    spec: Spec, fs: FSDPSpec, compute: list[Op], unit_writers
+) -> dict[int, list[UnitSpec]]:
     """Compute index -> the reduce-scatters right after it: a unit's, in micro-step j, after
     the last backward of j that writes its gradients (when j communicates)."""
     last_writer: dict[tuple[str, int], int] = {}
@@ -433,8 +446,11 @@ def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
     placed = set(sg.placed())
     ahead = nx.DiGraph()
     ahead.add_nodes_from(placed)
-    ahead.add_edges_from((u, v) for u, v, d in g.edges(data=True)
-                         if u in placed and v in placed and (d.get("sync") or d.get("needs")))
+    ahead.add_edges_from(
+        (u, v)
+        for u, v, d in g.edges(data=True)
+        if u in placed and v in placed and (d.get("sync") or d.get("needs"))
+    )
     try:
         topo = list(nx.topological_sort(ahead))
     except nx.NetworkXUnfeasible:  # written programs contradict a need: order by what runs
@@ -454,7 +470,8 @@ def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
         if op in generated:
             mine = g.nodes[op]["stream"]
             wanted = [
-                p for p in g.predecessors(op)
+                p
+                for p in g.predecessors(op)
                 if g.edges[p, op].get("needs") and g.nodes[p].get("stream") not in (None, mine)
             ]
             wanted.sort(key=lambda p: -g.nodes[p]["pos"])

@@ -21,7 +21,7 @@ def lower(sg: ScheduleGraph) -> Plan:
     g = sg.g
     runs = sg.syncs()
     key: dict[Op, float] = {}
-    for s, ops in sg.programs.items():
+    for ops in sg.programs.values():
         prev = -1.0
         for op in ops:
             seq = g.nodes[op].get("seq")
@@ -63,5 +63,10 @@ def lower(sg: ScheduleGraph) -> Plan:
         if op in event_of:
             instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
     streams = tuple(s for s, ops in sg.programs.items() if ops)
-    return Plan(sg.rank, streams, tuple(instrs), {e: op for op, e in event_of.items()},
-                {e: tuple(vs) for e, vs in consumers.items()})
+    return Plan(
+        sg.rank,
+        streams,
+        tuple(instrs),
+        {e: op for op, e in event_of.items()},
+        {e: tuple(vs) for e, vs in consumers.items()},
+    )

@@ -67,9 +67,14 @@ class MemoryReport:
     activations: int  # estimate for one micro-step, outside the budget
 
     def rows(self) -> list[tuple[str, int]]:
-        return [("model states", self.states), ("gathered units (peak)", self.gathered_peak),
-                ("unsharded grads (peak)", self.grads_peak), ("comm buffers (peak)", self.comm_peak),
-                ("total (peak)", self.peak), ("activations (estimate)", self.activations)]
+        return [
+            ("model states", self.states),
+            ("gathered units (peak)", self.gathered_peak),
+            ("unsharded grads (peak)", self.grads_peak),
+            ("comm buffers (peak)", self.comm_peak),
+            ("total (peak)", self.peak),
+            ("activations (estimate)", self.activations),
+        ]
 
 
 def padded(numel: int, world: int) -> int:

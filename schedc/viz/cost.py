@@ -75,15 +75,19 @@ class CostModel:
 
     def describe(self, numerics: Numerics = FP32_POLICY) -> str:
         key = self.rate_key(numerics)
-        what = {"flops_bf16": f" ({numerics.compute})", "flops_tf32": "",
-                "flops_fp32": " (fp32, tf32 off)"}[key]
-        return (f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
-                f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth, {fmt_time(self.latency)} "
-                "per collective")
+        what = {
+            "flops_bf16": f" ({numerics.compute})",
+            "flops_tf32": "",
+            "flops_fp32": " (fp32, tf32 off)",
+        }[key]
+        return (
+            f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
+            f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth, {fmt_time(self.latency)} "
+            "per collective"
+        )
 
     def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None},
-                          indent=2) + "\n"
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, indent=2) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -95,8 +99,10 @@ class CostModel:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
         values = {k: float(v) for k, v in data.items() if v is not None}
         bad = [k for k, v in values.items() if not v > 0 and k not in ("latency", "free")]
         if bad or any(v < 0 for v in values.values()):

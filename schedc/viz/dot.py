@@ -38,11 +38,15 @@ def attrs(**kv) -> str:
     return "[" + ", ".join(f"{k}={v}" for k, v in kv.items() if v is not None) + "]"
 
 
-
 def html(text: str) -> str:
     """Escape the few characters HTML-like labels reserve (our <br/> tags pass through)."""
-    return text.replace("&", "&amp;").replace("<br/>", "\0").replace("<", "&lt;") \
-        .replace(">", "&gt;").replace("\0", "<br/>")
+    return (
+        text.replace("&", "&amp;")
+        .replace("<br/>", "\0")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace("\0", "<br/>")
+    )
 
 
 class GraphvizMissing(Exception):
@@ -61,12 +65,14 @@ def write(dot: str, out: Path, engine: str) -> None:
             f"writing {out.name} needs Graphviz's `{engine}` program, which is not on PATH; "
             "install Graphviz (Debian/Ubuntu: `sudo apt-get install graphviz`, macOS: "
             "`brew install graphviz`, conda: `conda install graphviz`), or write DOT text "
-            f"with -o {out.with_suffix('.dot').name} and render it elsewhere")
+            f"with -o {out.with_suffix('.dot').name} and render it elsewhere"
+        )
     import graphviz
 
     try:
-        data = graphviz.pipe(engine, fmt, dot.encode(),
-                             neato_no_op=2 if engine == "neato" else None, quiet=True)
+        data = graphviz.pipe(
+            engine, fmt, dot.encode(), neato_no_op=2 if engine == "neato" else None, quiet=True
+        )
     except graphviz.ExecutableNotFound as e:  # on PATH but not runnable
         raise GraphvizMissing(f"cannot run Graphviz's `{engine}`: {e}") from None
     out.write_bytes(data)

@@ -28,8 +28,10 @@ def describe(c: Compiled) -> str:
         return f"DDP, world {s.world}, {k}, {how}{sync}"
     if s.kind is Strategy.FSDP:
         st = s.strategy
-        return (f"FSDP, world {s.world}, {k}, {len(st.units)} units, prefetch forward "
-                f"{st.prefetch_forward} / backward {st.prefetch_backward}")
+        return (
+            f"FSDP, world {s.world}, {k}, {len(st.units)} units, prefetch forward "
+            f"{st.prefetch_forward} / backward {st.prefetch_backward}"
+        )
     return f"one process, {k}, gradients added across micro-steps"
 
 
@@ -59,7 +61,7 @@ def _fold_label(ops: list[Op], folded: range) -> str:
         if op.mb == folded[0]:
             counts[op.kind.value] = counts.get(op.kind.value, 0) + 1
     each = ", ".join(f"{n} {kind}" for kind, n in counts.items())
-    return (f"mb{folded[0]} .. mb{folded[-1]}\n(x{len(folded)}, same ops)\n{each} each")
+    return f"mb{folded[0]} .. mb{folded[-1]}\n(x{len(folded)}, same ops)\n{each} each"
 
 
 # -- the graph view -------------------------------------------------------------------------------
@@ -67,19 +69,35 @@ def _fold_label(ops: list[Op], folded: range) -> str:
 
 def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = False) -> str:
     """The schedule graph(s) as DOT for `dot`: what runs on which stream and what waits."""
-    graph = attrs(rankdir="TB", fontname=q(FONT), fontsize=16, labelloc="t", nodesep="0.3",
-                  ranksep="0.22")
-    node = attrs(fontname=q(FONT), fontsize=11, shape="box", style=q("rounded,filled"),
-                 height="0.3", margin=q("0.08,0.03"))
-    out = ["digraph schedc {", f"  graph {graph};", f"  node {node};",
-           f"  edge {attrs(fontname=q(FONT), fontsize=9, arrowsize='0.6')};"]
+    graph = attrs(
+        rankdir="TB", fontname=q(FONT), fontsize=16, labelloc="t", nodesep="0.3", ranksep="0.22"
+    )
+    node = attrs(
+        fontname=q(FONT),
+        fontsize=11,
+        shape="box",
+        style=q("rounded,filled"),
+        height="0.3",
+        margin=q("0.08,0.03"),
+    )
+    out = [
+        "digraph schedc {",
+        f"  graph {graph};",
+        f"  node {node};",
+        f"  edge {attrs(fontname=q(FONT), fontsize=9, arrowsize='0.6')};",
+    ]
     for i, c in enumerate(compiled):
         out += _graph_body(c, i, rank, unfold, nested=len(compiled) > 1)
-    legend = ("grey arrows: program order on a stream; dashed orange: an event, a wait across "
-              "streams, labelled with what it carries;<br/>hexagons: collectives (red: "
-              "all-reduce and reduce-scatter, blue: all-gather); dashed boxes: frees")
-    title = f"{Path(compiled[0].source.path).name}: {describe(compiled[0])}<br/>" \
-        if len(compiled) == 1 else ""
+    legend = (
+        "grey arrows: program order on a stream; dashed orange: an event, a wait across "
+        "streams, labelled with what it carries;<br/>hexagons: collectives (red: "
+        "all-reduce and reduce-scatter, blue: all-gather); dashed boxes: frees"
+    )
+    title = (
+        f"{Path(compiled[0].source.path).name}: {describe(compiled[0])}<br/>"
+        if len(compiled) == 1
+        else ""
+    )
     out.append(f'  label=<{html(title)}<font point-size="11">{legend}</font>>;')
     out.append("}")
     return "\n".join(out) + "\n"
@@ -94,15 +112,19 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
     pad = "    " if nested else "  "
     if nested:
         lines.append(f"  subgraph cluster_s{index} {{")
-        lines.append(f"    label={q(f'{Path(c.source.path).name}: {describe(c)}')}; "
-                     "fontsize=14; style=rounded; color=\"#adb5bd\";")
+        lines.append(
+            f"    label={q(f'{Path(c.source.path).name}: {describe(c)}')}; "
+            'fontsize=14; style=rounded; color="#adb5bd";'
+        )
     n = 0
     for stream, ops in sg.programs.items():
         if not ops:
             continue
         lines.append(f"{pad}subgraph cluster_s{index}_{_ident(stream)} {{")
-        lines.append(f"{pad}  label={q(f'{stream} stream')}; fontsize=13; "
-                     'style="rounded,filled"; fillcolor="#f8f9fa"; color="#ced4da";')
+        lines.append(
+            f"{pad}  label={q(f'{stream} stream')}; fontsize=13; "
+            'style="rounded,filled"; fillcolor="#f8f9fa"; color="#ced4da";'
+        )
         fold_id = None
         fold_ops = [op for op in ops if op.mb in folded]
         for op in ops:
@@ -110,8 +132,13 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
                 if fold_id is None:
                     fold_id = f"s{index}n{n}"
                     n += 1
-                    style = attrs(label=q(_fold_label(fold_ops, folded)), shape="box3d",
-                                  style="filled", fillcolor=q("#fff9db"), color=q("#f08c00"))
+                    style = attrs(
+                        label=q(_fold_label(fold_ops, folded)),
+                        shape="box3d",
+                        style="filled",
+                        fillcolor=q("#fff9db"),
+                        color=q("#f08c00"),
+                    )
                     lines.append(f"{pad}  {fold_id} {style};")
                 ids[op] = fold_id
                 continue
@@ -135,8 +162,13 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
     for (a, b), (kind, why) in edges.items():
         if kind == "event":
             label = q(", ".join(sorted(why))) if why else None
-            style = attrs(style="dashed", color=q(EVENT_COLOR), fontcolor=q(EVENT_COLOR),
-                          penwidth="1.4", label=label)
+            style = attrs(
+                style="dashed",
+                color=q(EVENT_COLOR),
+                fontcolor=q(EVENT_COLOR),
+                penwidth="1.4",
+                label=label,
+            )
             lines.append(f"{pad}{a} -> {b} {style};")
         elif kind == "after":
             lines.append(f"{pad}{a} -> {b} {attrs(style='dotted', color=q('#495057'))};")
@@ -159,11 +191,19 @@ def _ident(text: str) -> str:
 def _node_style(op: Op) -> str:
     fill, stroke = COLORS[op.kind]
     if op.is_collective:
-        return attrs(label=q(str(op)), shape="hexagon", style="filled", fillcolor=q(fill),
-                     color=q(stroke), penwidth="2", fontcolor=q("#1e1e1e"))
+        return attrs(
+            label=q(str(op)),
+            shape="hexagon",
+            style="filled",
+            fillcolor=q(fill),
+            color=q(stroke),
+            penwidth="2",
+            fontcolor=q("#1e1e1e"),
+        )
     if op.kind is Kind.FREE:
-        return attrs(label=q(str(op)), style=q("rounded,dashed"), color=q(stroke),
-                     fontcolor=q(stroke))
+        return attrs(
+            label=q(str(op)), style=q("rounded,dashed"), color=q(stroke), fontcolor=q(stroke)
+        )
     if op.kind is Kind.STEP:
         return attrs(label=q(str(op)), style=q("filled,bold"), fillcolor=q(fill), color=q(stroke))
     return attrs(label=q(str(op)), fillcolor=q(fill), color=q(stroke))

@@ -56,9 +56,11 @@ class Overlap:
         if not self.items:
             return f"step {fmt_time(self.step)}; no communication"
         pct = 100 * self.hidden / self.comm if self.comm > 0 else 0.0
-        return (f"step {fmt_time(self.step)}; communication {fmt_time(self.comm)}: "
-                f"{fmt_time(self.hidden)} hidden behind compute ({pct:.0f}%), "
-                f"{fmt_time(self.exposed)} exposed")
+        return (
+            f"step {fmt_time(self.step)}; communication {fmt_time(self.comm)}: "
+            f"{fmt_time(self.hidden)} hidden behind compute ({pct:.0f}%), "
+            f"{fmt_time(self.exposed)} exposed"
+        )
 
 
 def busy(intervals: list[Interval]) -> list[tuple[float, float]]:
@@ -96,10 +98,8 @@ def overlap(tl: Timeline) -> dict[int, Overlap]:
     out = {}
     for r in tl.ranks:
         mine = [i for i in tl.intervals if i.rank == r]
-        cover = busy([i for i in mine
-                      if i.stream == tl.compute_stream and i.op.kind in COMPUTING])
-        items = tuple(Exposure(i, split(i.start, i.end, cover))
-                      for i in mine if i.op.is_collective)
+        cover = busy([i for i in mine if i.stream == tl.compute_stream and i.op.kind in COMPUTING])
+        items = tuple(Exposure(i, split(i.start, i.end, cover)) for i in mine if i.op.is_collective)
         t0 = min((i.start for i in mine), default=0.0)
         out[r] = Overlap(r, max((i.end for i in mine), default=0.0) - t0, items)
     return out

@@ -62,8 +62,9 @@ class Timeline:
         return next(i for i in self.intervals if i.op == op and i.rank == rank)
 
 
-def simulate(compiled: Compiled, cost: CostModel | None = None,
-             ranks: list[int] | None = None) -> Timeline:
+def simulate(
+    compiled: Compiled, cost: CostModel | None = None, ranks: list[int] | None = None
+) -> Timeline:
     """Predict one step: the longest path through program order, events and collectives.
 
     When every rank runs the same plan one rank stands for all (collectives then start as
@@ -92,31 +93,43 @@ def simulate(compiled: Compiled, cost: CostModel | None = None,
             elif ins.kind is Action.RUN:
                 n = node(r, ins.stream, ins.op)
                 g.add_node(n, length=duration(spec, ins.op, cost))
-                preds = waits.pop(ins.stream, []) + ([last[ins.stream]] if ins.stream in last
-                                                      else [])
+                preds = waits.pop(ins.stream, []) + (
+                    [last[ins.stream]] if ins.stream in last else []
+                )
                 g.add_edges_from((p, n) for p in preds)
                 last[ins.stream] = n
                 runs[r].append((ins.stream, ins.op, n))
     try:
         order = list(nx.topological_sort(g))
     except nx.NetworkXUnfeasible:
-        raise ValueError("the ranks issue their collectives in different orders: the "
-                         "schedule would hang (schedc check reports where)") from None
+        raise ValueError(
+            "the ranks issue their collectives in different orders: the "
+            "schedule would hang (schedc check reports where)"
+        ) from None
     end: dict[object, float] = {}
     start: dict[object, float] = {}
     for n in order:
         start[n] = max((end[p] for p in g.predecessors(n)), default=0.0)
         end[n] = start[n] + g.nodes[n]["length"]
-    shown = [r for r in sim if ranks is None or r in ranks] if distinct else [
-        (ranks[0] if ranks else 0)]
+    shown = (
+        [r for r in sim if ranks is None or r in ranks]
+        if distinct
+        else [(ranks[0] if ranks else 0)]
+    )
     intervals = []
     for r in shown:
         for stream, op, n in runs[r if distinct else 0]:
             intervals.append(Interval(r, stream, op, start[n], end[n]))
     streams = compiled.plan(shown[0] if distinct else None).streams
-    return Timeline(spec, in_stream_order(intervals, streams), tuple(shown), streams,
-                    "predicted", every_rank=not distinct and spec.world > 1,
-                    note=cost.describe(spec.numerics))
+    return Timeline(
+        spec,
+        in_stream_order(intervals, streams),
+        tuple(shown),
+        streams,
+        "predicted",
+        every_rank=not distinct and spec.world > 1,
+        note=cost.describe(spec.numerics),
+    )
 
 
 def in_stream_order(intervals: list[Interval], streams) -> list[Interval]:

@@ -58,9 +58,11 @@ class Panel:
 
     def subtitle(self) -> str:
         tl = self.timeline
-        who = (f"rank {tl.ranks[0]} shown; every rank of {tl.spec.world} runs the same plan"
-               if tl.every_rank else
-               f"rank{'s' if len(tl.ranks) > 1 else ''} {', '.join(map(str, tl.ranks))}")
+        who = (
+            f"rank {tl.ranks[0]} shown; every rank of {tl.spec.world} runs the same plan"
+            if tl.every_rank
+            else f"rank{'s' if len(tl.ranks) > 1 else ''} {', '.join(map(str, tl.ranks))}"
+        )
         return f"{tl.source} ({tl.note}); {who}"
 
     def report(self) -> list[str]:
@@ -69,9 +71,15 @@ class Panel:
         return [f"{head} {who.format(r)}: {ov.describe()}" for r, ov in self.overlap.items()]
 
 
-def panels_for(compiled: list[Compiled], cost: CostModel, *, rank: int | None = None,
-               trace: str | None = None, step: int | None = None,
-               compare: bool = False) -> list[Panel]:
+def panels_for(
+    compiled: list[Compiled],
+    cost: CostModel,
+    *,
+    rank: int | None = None,
+    trace: str | None = None,
+    step: int | None = None,
+    compare: bool = False,
+) -> list[Panel]:
     """The panels a timeline draws: predicted for each schedule, or the measured step of
     `trace` (with the prediction above it when `compare`); one rank, or all."""
     ranks = [rank] if rank is not None else None
@@ -113,14 +121,26 @@ class Box:
             k = op.kind.value
             unit = _unit_of(spec, [i.op.target for i in self.items])
             if unit:  # seed 004 reads "fwd U1"
-                return [f"{k} {unit}{at} ({op.target} .. {last.target})", f"{k} {unit}{at}",
-                        f"{k} {unit}", k]
-            return [f"{k}[{op.target} .. {last.target}]@mb{op.mb}",
-                    f"{k} {op.target}..{last.target}", *([f"{k}{at}"] if at else []), k]
+                return [
+                    f"{k} {unit}{at} ({op.target} .. {last.target})",
+                    f"{k} {unit}{at}",
+                    f"{k} {unit}",
+                    k,
+                ]
+            return [
+                f"{k}[{op.target} .. {last.target}]@mb{op.mb}",
+                f"{k} {op.target}..{last.target}",
+                *([f"{k}{at}"] if at else []),
+                k,
+            ]
         if op.is_collective:
             tail = f":{op.phase.value}" if op.phase else ""
-            return [str(op), f"{ABBR[op.kind]} {op.target}{tail}", f"{ABBR[op.kind]} {op.target}",
-                    ABBR[op.kind]]
+            return [
+                str(op),
+                f"{ABBR[op.kind]} {op.target}{tail}",
+                f"{ABBR[op.kind]} {op.target}",
+                ABBR[op.kind],
+            ]
         if op.kind is Kind.STEP:
             return ["optimizer.step", "optimizer", "opt"]
         if op.kind is Kind.FREE:
@@ -129,8 +149,10 @@ class Box:
 
     def tooltip(self) -> str:
         ops = str(self.op) if len(self.items) == 1 else f"{self.op} .. {self.items[-1].op}"
-        return (f"{ops}: {fmt_time(self.end - self.start)} "
-                f"({fmt_time(self.start)} .. {fmt_time(self.end)})")
+        return (
+            f"{ops}: {fmt_time(self.end - self.start)} "
+            f"({fmt_time(self.start)} .. {fmt_time(self.end)})"
+        )
 
 
 def _unit_of(spec, layers: list[str]) -> str | None:
@@ -159,9 +181,15 @@ def boxes(c: Compiled, lane: list[Interval], rank: int, unfold: bool) -> list[Bo
     out: list[Box] = []
     for iv in lane:
         cur = out[-1] if out else None
-        if (not unfold and cur is not None and iv.op.kind in (Kind.FWD, Kind.BWD)
-                and cur.op.kind is iv.op.kind and cur.op.mb == iv.op.mb
-                and cur.items[-1].op not in records and iv.op not in waits):
+        if (
+            not unfold
+            and cur is not None
+            and iv.op.kind in (Kind.FWD, Kind.BWD)
+            and cur.op.kind is iv.op.kind
+            and cur.op.mb == iv.op.mb
+            and cur.items[-1].op not in records
+            and iv.op not in waits
+        ):
             cur.items.append(iv)
         else:
             out.append(Box([iv]))
@@ -186,38 +214,82 @@ class Canvas:
         self.n += 1
         return f"n{self.n}"
 
-    def box(self, x: float, y: float, w: float, h: float, *, fill: str | None = None,
-            stroke: str = "none", label: str = "", size: float = 10, tooltip: str | None = None,
-            style: str | None = None, pen: float = 1.0, font: str = INK) -> None:
+    def box(
+        self,
+        x: float,
+        y: float,
+        w: float,
+        h: float,
+        *,
+        fill: str | None = None,
+        stroke: str = "none",
+        label: str = "",
+        size: float = 10,
+        tooltip: str | None = None,
+        style: str | None = None,
+        pen: float = 1.0,
+        font: str = INK,
+    ) -> None:
         if w <= 0.05 or h <= 0:
             return
         style = style or ("filled" if fill else "solid")
-        self.lines.append(f"  {self._id()} " + attrs(
-            pos=q(f"{x + w / 2:.2f},{-(y + h / 2):.2f}!"), width=f"{w / 72:.4f}",
-            height=f"{h / 72:.4f}", label=q(label), style=q(style),
-            fillcolor=q(fill) if fill else None,
-            color=q(stroke), penwidth=f"{pen:g}", fontsize=f"{size:g}", fontcolor=q(font),
-            tooltip=q(tooltip) if tooltip else None))
+        self.lines.append(
+            f"  {self._id()} "
+            + attrs(
+                pos=q(f"{x + w / 2:.2f},{-(y + h / 2):.2f}!"),
+                width=f"{w / 72:.4f}",
+                height=f"{h / 72:.4f}",
+                label=q(label),
+                style=q(style),
+                fillcolor=q(fill) if fill else None,
+                color=q(stroke),
+                penwidth=f"{pen:g}",
+                fontsize=f"{size:g}",
+                fontcolor=q(font),
+                tooltip=q(tooltip) if tooltip else None,
+            )
+        )
 
-    def text(self, x: float, y: float, text: str, *, size: float = 10, color: str = INK,
-             align: str = "l", bold: bool = False) -> float:
+    def text(
+        self,
+        x: float,
+        y: float,
+        text: str,
+        *,
+        size: float = 10,
+        color: str = INK,
+        align: str = "l",
+        bold: bool = False,
+    ) -> float:
         """Text whose left (align l), centre (c) or right (r) edge is at x, top at y."""
         w = text_width(text, size) + 6
         h = size * 1.25 * (text.count("\n") + 1)
         cx = {"l": x + w / 2, "c": x, "r": x - w / 2}[align]
         end = {"l": "\\l", "c": "\n", "r": "\\r"}[align]
         label = end.join(text.split("\n")) + (end if align != "c" else "")
-        self.lines.append(f"  {self._id()} " + attrs(
-            pos=q(f"{cx:.2f},{-(y + h / 2):.2f}!"), width=f"{w / 72:.4f}", height=f"{h / 72:.4f}",
-            label=q(label), shape="plaintext", fontsize=f"{size:g}", fontcolor=q(color),
-            fontname=q(FONT + "-Bold" if bold else FONT)))
+        self.lines.append(
+            f"  {self._id()} "
+            + attrs(
+                pos=q(f"{cx:.2f},{-(y + h / 2):.2f}!"),
+                width=f"{w / 72:.4f}",
+                height=f"{h / 72:.4f}",
+                label=q(label),
+                shape="plaintext",
+                fontsize=f"{size:g}",
+                fontcolor=q(color),
+                fontname=q(FONT + "-Bold" if bold else FONT),
+            )
+        )
         return w
 
     def dot(self) -> str:
-        head = ["digraph timeline {",
-                "  graph " + attrs(splines="false", outputorder="nodesfirst",
-                                   bgcolor=q("white"), pad="0.2") + ";",
-                f"  node {attrs(shape='box', fixedsize='true', fontname=q(FONT), margin='0')};"]
+        head = [
+            "digraph timeline {",
+            "  graph "
+            + attrs(splines="false", outputorder="nodesfirst", bgcolor=q("white"), pad="0.2")
+            + ";",
+            f"  node {attrs(shape='box', fixedsize='true', fontname=q(FONT), margin='0')};",
+        ]
         return "\n".join(head + self.lines + ["}"]) + "\n"
 
 
@@ -255,8 +327,9 @@ def window_of(tl: Timeline, spec: str | None) -> tuple[float, float]:
         if text.startswith("mb") and text[2:].isdigit():
             mine = [i for i in tl.intervals if i.op.mb == int(text[2:])]
             if not mine:
-                raise ValueError(f"no micro-step {text} in this step (it has mb0..mb"
-                                 f"{tl.spec.accum - 1})")
+                raise ValueError(
+                    f"no micro-step {text} in this step (it has mb0..mb{tl.spec.accum - 1})"
+                )
             return max(i.end for i in mine) if end else min(i.start for i in mine)
         from schedc.viz.units import parse_time
 
@@ -268,8 +341,9 @@ def window_of(tl: Timeline, spec: str | None) -> tuple[float, float]:
     return t0, t1
 
 
-def timeline_dot(panels: list[Panel], unfold: bool = False, width: float = WIDTH,
-                 window: str | None = None) -> str:
+def timeline_dot(
+    panels: list[Panel], unfold: bool = False, width: float = WIDTH, window: str | None = None
+) -> str:
     """Every panel on one time scale; `window` (see window_of) crops each to part of its step."""
     cv = Canvas()
     spans = [window_of(p.timeline, window) for p in panels]
@@ -297,8 +371,9 @@ def _panel(cv: Canvas, p: Panel, y: float, v: View, width: float, unfold: bool) 
             lane = tl.on(r, s)
             cv.box(LEFT, y, width, LANE, fill="#f8f9fa", stroke="#e9ecef")
             who = f"rank {r}\n" if len(tl.ranks) > 1 else ""
-            cv.text(LEFT - 8, y + LANE / 2 - (15 if who else 8), f"{who}{s}\nstream", size=10,
-                    align="r")
+            cv.text(
+                LEFT - 8, y + LANE / 2 - (15 if who else 8), f"{who}{s}\nstream", size=10, align="r"
+            )
             has_comm = False
             for b in boxes(c, lane, r, unfold):
                 if v.clip(b.start, b.end) is None:
@@ -315,8 +390,10 @@ def _panel(cv: Canvas, p: Panel, y: float, v: View, width: float, unfold: bool) 
     y = _axis(cv, y + 4, v, width)
     lines = _caption(p)
     if v.t0 > 0 or v.t1 < tl.end:
-        lines.append(f"drawn: {fmt_time(v.t0)} .. {fmt_time(v.t1)} of the {fmt_time(tl.end)} "
-                     "step (--window); the totals above are for the whole step")
+        lines.append(
+            f"drawn: {fmt_time(v.t0)} .. {fmt_time(v.t1)} of the {fmt_time(tl.end)} "
+            "step (--window); the totals above are for the whole step"
+        )
     for line in lines:
         cv.text(0, y, line, size=11)
         y += 15
@@ -331,8 +408,18 @@ def _draw_box(cv: Canvas, spec, b: Box, ov: Overlap, v: View, y: float, h: float
     label = next((t for t in b.labels(spec) if _fits(t, w, 10)), "")
     if not b.op.is_collective:
         style = "filled,dashed" if b.op.kind is Kind.FREE else "filled"
-        cv.box(x0, y, w, h, fill=fill, stroke=stroke, label=label, tooltip=b.tooltip(),
-               style=style, pen=0.8 if w >= 4 else 0.3)
+        cv.box(
+            x0,
+            y,
+            w,
+            h,
+            fill=fill,
+            stroke=stroke,
+            label=label,
+            tooltip=b.tooltip(),
+            style=style,
+            pen=0.8 if w >= 4 else 0.3,
+        )
         return
     mine = next((x for x in ov.items if x.interval.op == b.op), None)
     segments = mine.segments if mine else ((b.start, b.end, True),)
@@ -346,11 +433,21 @@ def _draw_box(cv: Canvas, spec, b: Box, ov: Overlap, v: View, y: float, h: float
         else:
             n = max(1, round((ex - sx) / 3.0))
             n += (n + 1) % 2  # odd: a stripe of colour at both ends
-            stripes = ":".join(f"{EXPOSED[b.op.kind] if i % 2 == 0 else '#ffffff'};{1 / n:.4f}"
-                               for i in range(n))
+            stripes = ":".join(
+                f"{EXPOSED[b.op.kind] if i % 2 == 0 else '#ffffff'};{1 / n:.4f}" for i in range(n)
+            )
             cv.box(sx, y, ex - sx, h, fill=stripes, style="striped", stroke="none", pen=0)
-    cv.box(x0, y, w, h, stroke=stroke, label=label, tooltip=b.tooltip(),
-           pen=1.2 if w >= 6 else 0.4, style="solid")
+    cv.box(
+        x0,
+        y,
+        w,
+        h,
+        stroke=stroke,
+        label=label,
+        tooltip=b.tooltip(),
+        pen=1.2 if w >= 6 else 0.4,
+        style="solid",
+    )
 
 
 def _notes(cv: Canvas, items, v: View, y: float) -> None:
@@ -415,17 +512,28 @@ def _gathered(cv: Canvas, tl: Timeline, r: int, v: View, y: float, width: float)
     height = max(len(rows), 1) * ROW + 4
     cv.box(LEFT, y, width, height, fill="#fcfcfd", stroke="#e9ecef")
     who = f"rank {r}\n" if len(tl.ranks) > 1 else ""
-    cv.text(LEFT - 8, y + height / 2 - (15 if who else 8), f"{who}gathered\nparams", size=10,
-            align="r")
+    cv.text(
+        LEFT - 8, y + height / 2 - (15 if who else 8), f"{who}gathered\nparams", size=10, align="r"
+    )
     for s, e, u, row in placed:
         if v.clip(s, e) is None:
             continue
         s, e = v.clip(s, e)
         w = v.x(e) - v.x(s)
         label = next((t for t in (f"{u} full", u) if _fits(t, w, 9)), "")
-        cv.box(v.x(s), y + 2 + row * ROW, w, ROW - 2, fill="#dee2e6", stroke="#868e96",
-               label=label, size=9, font="#495057", pen=0.6,
-               tooltip=f"{u} gathered: {fmt_time(e - s)}")
+        cv.box(
+            v.x(s),
+            y + 2 + row * ROW,
+            w,
+            ROW - 2,
+            fill="#dee2e6",
+            stroke="#868e96",
+            label=label,
+            size=9,
+            font="#495057",
+            pen=0.6,
+            tooltip=f"{u} gathered: {fmt_time(e - s)}",
+        )
     return y + height + 2
 
 
@@ -454,18 +562,33 @@ def _caption(p: Panel) -> list[str]:
 
 
 def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
-    kinds = sorted({i.op.kind for p in panels for i in p.timeline.intervals},
-                   key=lambda k: list(Kind).index(k))
-    names = {Kind.FWD: "forward", Kind.BWD: "backward", Kind.FREE: "free",
-             Kind.STEP: "optimizer step", Kind.ALLREDUCE: "all-reduce",
-             Kind.ALLGATHER: "all-gather", Kind.REDUCESCATTER: "reduce-scatter"}
+    kinds = sorted(
+        {i.op.kind for p in panels for i in p.timeline.intervals}, key=lambda k: list(Kind).index(k)
+    )
+    names = {
+        Kind.FWD: "forward",
+        Kind.BWD: "backward",
+        Kind.FREE: "free",
+        Kind.STEP: "optimizer step",
+        Kind.ALLREDUCE: "all-reduce",
+        Kind.ALLGATHER: "all-gather",
+        Kind.REDUCESCATTER: "reduce-scatter",
+    }
     x = 0.0
     for k in kinds:
         fill, stroke = COLORS[k]
         cv.box(x, y, 16, 10, fill=fill, stroke=stroke, pen=0.8)
         x += 20 + cv.text(x + 20, y - 2, names[k], size=10)
     if any(i.op.is_collective for p in panels for i in p.timeline.intervals):
-        cv.box(x, y, 16, 10, fill=f"{RED};0.2:#ffffff;0.2:{RED};0.2:#ffffff;0.2:{RED};0.2",
-               style="striped", stroke=RED, pen=0.8)
+        cv.box(
+            x,
+            y,
+            16,
+            10,
+            fill=f"{RED};0.2:#ffffff;0.2:{RED};0.2:#ffffff;0.2:{RED};0.2",
+            style="striped",
+            stroke=RED,
+            pen=0.8,
+        )
         x += 20 + cv.text(x + 20, y - 2, "exposed communication (compute not running)", size=10)
         x += 4 + cv.text(x + 4, y - 2, "plain: hidden behind compute", size=10)

@@ -6,7 +6,8 @@
                                                          bandwidth and latency from collectives
 
 A trace holds Chrome "X" events named by IR text (`bwd[h.3]@mb1`) with pid = rank and
-args.step / args.stream; `schedc.exec.executor.chrome_events` writes them. Nothing here imports torch.
+args.step / args.stream; `schedc.exec.executor.chrome_events` writes them. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def load(path: str | Path) -> dict:
         with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}"
-                         ) from None
+        raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}") from None
     if raw is None:
         raise TraceError(f"cannot read trace {path}: not a regular file")
     if len(raw) > MAX_BYTES:
@@ -67,8 +67,9 @@ def load(path: str | Path) -> dict:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise TraceError(f"{path}: JSON nested too deeply to read (a trace is 4 levels deep)"
-                         ) from None
+        raise TraceError(
+            f"{path}: JSON nested too deeply to read (a trace is 4 levels deep)"
+        ) from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of thousands of digits
         raise TraceError(f"{path}: not JSON: {e}") from None
     return validate(data, str(path))
@@ -89,12 +90,16 @@ def validate(data, path: str) -> dict:
         data = {"traceEvents": data}
     else:
         if not isinstance(data, dict):
-            raise TraceError(f"{path}: expected a JSON object with a traceEvents list (or a "
-                             f"list of events), got {_shown(data)}")
+            raise TraceError(
+                f"{path}: expected a JSON object with a traceEvents list (or a "
+                f"list of events), got {_shown(data)}"
+            )
         events, where = data.get("traceEvents"), "traceEvents"
         if not isinstance(events, list):
-            raise TraceError(f"{path}: traceEvents: expected a list of events, got "
-                             f"{_shown(events) if 'traceEvents' in data else 'nothing'}")
+            raise TraceError(
+                f"{path}: traceEvents: expected a list of events, got "
+                f"{_shown(events) if 'traceEvents' in data else 'nothing'}"
+            )
         other = data.get("otherData")
         if other is not None:
             _object(other, f"{path}: otherData")
@@ -108,8 +113,10 @@ def validate(data, path: str) -> dict:
 def _event(e, at: str) -> None:
     _object(e, at)
     if not isinstance(e.get("ph"), str):
-        raise TraceError(f"{at}.ph: expected a string (the event type, \"X\" or \"M\"), got "
-                         f"{_shown(e['ph']) if 'ph' in e else 'nothing'}")
+        raise TraceError(
+            f'{at}.ph: expected a string (the event type, "X" or "M"), got '
+            f"{_shown(e['ph']) if 'ph' in e else 'nothing'}"
+        )
     if "name" in e and not isinstance(e["name"], str):
         raise TraceError(f"{at}.name: expected a string, got {_shown(e['name'])}")
     if e["ph"] == "X" and _op(e) is not None:
@@ -124,8 +131,7 @@ def _event(e, at: str) -> None:
             _object(args, f"{at}.args")
             step = args.get("step")
             if step is not None and not (_is_int(step) and 0 <= step <= MAX_RANK):
-                raise TraceError(f"{at}.args.step: expected an integer >= 0, got "
-                                 f"{_shown(step)}")
+                raise TraceError(f"{at}.args.step: expected an integer >= 0, got {_shown(step)}")
             if args.get("stream") is not None:
                 _name(args["stream"], f"{at}.args.stream")
     elif e["ph"] == "M" and e.get("name") == "thread_name":
@@ -155,8 +161,10 @@ def _is_int(v) -> bool:
 def _rank(e, key: str, at: str) -> None:
     v = e.get(key)
     if not (_is_int(v) and 0 <= v <= MAX_RANK):
-        raise TraceError(f"{at}.{key}: expected a rank, an integer >= 0, got "
-                         f"{_shown(v) if key in e else 'nothing'}")
+        raise TraceError(
+            f"{at}.{key}: expected a rank, an integer >= 0, got "
+            f"{_shown(v) if key in e else 'nothing'}"
+        )
 
 
 def _thread(e, at: str, required: bool = False) -> None:
@@ -165,23 +173,33 @@ def _thread(e, at: str, required: bool = False) -> None:
     if v is None and not required and "tid" not in e:
         return
     if not ((_is_int(v) and 0 <= v <= MAX_RANK) or (isinstance(v, str) and len(v) <= 200)):
-        raise TraceError(f"{at}.tid: expected an integer >= 0 or a string, got "
-                         f"{_shown(v) if 'tid' in e else 'nothing'}")
+        raise TraceError(
+            f"{at}.tid: expected an integer >= 0 or a string, got "
+            f"{_shown(v) if 'tid' in e else 'nothing'}"
+        )
 
 
 def _time(e, key: str, at: str) -> None:
     v = e.get(key)
     # the range first: math.isfinite(10**400) overflows converting the int to a float
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and 0 <= v <= MAX_US and math.isfinite(v)):
-        raise TraceError(f"{at}.{key}: expected a finite number >= 0 (microseconds, at most "
-                         f"{MAX_US:g}), got {_shown(v) if key in e else 'nothing'}")
+    if not (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and 0 <= v <= MAX_US
+        and math.isfinite(v)
+    ):
+        raise TraceError(
+            f"{at}.{key}: expected a finite number >= 0 (microseconds, at most "
+            f"{MAX_US:g}), got {_shown(v) if key in e else 'nothing'}"
+        )
 
 
 def _name(v, at: str, present: bool = True) -> None:
     if not (isinstance(v, str) and 0 < len(v) <= 200):
-        raise TraceError(f"{at}: expected a name, a string of 1 to 200 characters, got "
-                         f"{_shown(v) if present else 'nothing'}")
+        raise TraceError(
+            f"{at}: expected a name, a string of 1 to 200 characters, got "
+            f"{_shown(v) if present else 'nothing'}"
+        )
 
 
 def _path_text(v, at: str) -> None:
@@ -214,19 +232,21 @@ def _shown(v) -> str:
 def spans(trace: dict) -> list[TracedOp]:
     """Every op span in the trace (events whose name is not an op are skipped); `trace` is
     one `load` or `validate` accepted, so every field read here has its schema's type."""
-    threads = {(e["pid"], e["tid"]): e["args"]["name"]
-               for e in trace["traceEvents"]
-               if e["ph"] == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e.get("name") == "thread_name"
+    }
     out = []
     for n, e in enumerate(trace["traceEvents"]):
         if e["ph"] != "X" or (op := _op(e)) is None:
             continue
         args = e.get("args") or {}
-        stream = (args.get("stream") or threads.get((e["pid"], e.get("tid")))
-                  or str(e.get("tid")))
+        stream = args.get("stream") or threads.get((e["pid"], e.get("tid"))) or str(e.get("tid"))
         ts = float(e["ts"]) / 1e6
-        out.append(TracedOp(e["pid"], args.get("step") or 0, stream, op, ts,
-                        ts + float(e["dur"]) / 1e6, n))
+        out.append(
+            TracedOp(e["pid"], args.get("step") or 0, stream, op, ts, ts + float(e["dur"]) / 1e6, n)
+        )
     return out
 
 
@@ -237,25 +257,35 @@ def _against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
     planned: dict[int, set] = {}
     for s in chosen:
         if s.rank >= world:
-            raise TraceError(f"{where}[{s.index}].pid: rank {s.rank}, but "
-                             f"{compiled.source.path} has ranks 0..{world - 1}")
+            raise TraceError(
+                f"{where}[{s.index}].pid: rank {s.rank}, but "
+                f"{compiled.source.path} has ranks 0..{world - 1}"
+            )
         plan = compiled.plan(s.rank)
         if s.stream not in plan.streams:
-            raise TraceError(f"{where}[{s.index}]: stream {s.stream!r} is none of "
-                             f"{compiled.source.path}'s ({', '.join(plan.streams)})")
+            raise TraceError(
+                f"{where}[{s.index}]: stream {s.stream!r} is none of "
+                f"{compiled.source.path}'s ({', '.join(plan.streams)})"
+            )
         if s.op not in planned.setdefault(s.rank, set(plan.ops)):
             raise TraceError(
                 f"{where}[{s.index}]: rank {s.rank} ran {_printable(str(s.op))}, which "
                 f"{compiled.source.path}'s plan does not hold; was the trace recorded from "
-                "another schedule or with --model?")
+                "another schedule or with --model?"
+            )
 
 
 def steps(trace: dict) -> list[int]:
     return sorted({s.step for s in spans(trace)})
 
 
-def measured(compiled: Compiled, trace: dict, step: int | None = None,
-             ranks: list[int] | None = None, name: str = "trace") -> Timeline:
+def measured(
+    compiled: Compiled,
+    trace: dict,
+    step: int | None = None,
+    ranks: list[int] | None = None,
+    name: str = "trace",
+) -> Timeline:
     """One step of the trace as a Timeline; times from the step's first span on any shown rank
     (on one machine every rank's clock is the same CLOCK_MONOTONIC, so ranks line up)."""
     every = spans(trace)
@@ -268,15 +298,23 @@ def measured(compiled: Compiled, trace: dict, step: int | None = None,
     chosen = [s for s in every if s.step == step and (ranks is None or s.rank in ranks)]
     if not chosen:
         have_ranks = sorted({s.rank for s in every})
-        raise TraceError(f"{name} has no rank {', '.join(map(str, ranks or []))}; "
-                         f"it has ranks {', '.join(map(str, have_ranks))}")
+        raise TraceError(
+            f"{name} has no rank {', '.join(map(str, ranks or []))}; "
+            f"it has ranks {', '.join(map(str, have_ranks))}"
+        )
     _against(compiled, chosen, name)
     t0 = min(s.start for s in chosen)
     intervals = [Interval(s.rank, s.stream, s.op, s.start - t0, s.end - t0) for s in chosen]
     shown = tuple(sorted({s.rank for s in chosen}))
     streams = compiled.plan(shown[0]).streams
-    return Timeline(compiled.spec, in_stream_order(intervals, streams), shown, streams,
-                    "measured", note=f"{Path(name).name}, step {step}")
+    return Timeline(
+        compiled.spec,
+        in_stream_order(intervals, streams),
+        shown,
+        streams,
+        "measured",
+        note=f"{Path(name).name}, step {step}",
+    )
 
 
 def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
@@ -285,14 +323,21 @@ def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
     for r in tl.ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
         for t, s in enumerate(tl.streams):
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": t,
-                           "args": {"name": s}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": r, "tid": t, "args": {"name": s}}
+            )
     tid = {s: t for t, s in enumerate(tl.streams)}
     for i in tl.intervals:
-        ev = {"name": str(i.op), "ph": "X", "pid": i.rank, "tid": tid[i.stream],
-              "ts": i.start * 1e6, "dur": i.length * 1e6,
-              "cat": "collective" if i.op.is_collective else "compute",
-              "args": {"step": step, "stream": i.stream}}
+        ev = {
+            "name": str(i.op),
+            "ph": "X",
+            "pid": i.rank,
+            "tid": tid[i.stream],
+            "ts": i.start * 1e6,
+            "dur": i.length * 1e6,
+            "cat": "collective" if i.op.is_collective else "compute",
+            "args": {"step": step, "stream": i.stream},
+        }
         if i.op.is_collective:
             ev["args"]["launch_us"] = i.start * 1e6
             ev["args"]["complete_us"] = i.end * 1e6
@@ -319,24 +364,32 @@ class Fit:
         c = self.cost
 
         def err(rms, mean):
-            return f"rms error {fmt_time(rms)} ({100 * rms / mean:.1f}% of the mean)" if mean \
+            return (
+                f"rms error {fmt_time(rms)} ({100 * rms / mean:.1f}% of the mean)"
+                if mean
                 else "no spans"
+            )
 
         lines = [
-            (f"compute     {fmt_rate(getattr(c, self.compute_key), 'FLOP/s')} "
-             f"({self.compute_key})   from {self.compute_n} distinct "
-             f"fwd/bwd ops, {err(self.compute_rms, self.compute_mean)}"),
+            (
+                f"compute     {fmt_rate(getattr(c, self.compute_key), 'FLOP/s')} "
+                f"({self.compute_key})   from {self.compute_n} distinct "
+                f"fwd/bwd ops, {err(self.compute_rms, self.compute_mean)}"
+            ),
             f"bandwidth   {fmt_rate(c.bandwidth, 'B/s')} (bus)",
-            (f"latency     {fmt_time(c.latency)}   bandwidth and latency from {self.comm_n} "
-             f"distinct collectives, {err(self.comm_rms, self.comm_mean)}"),
+            (
+                f"latency     {fmt_time(c.latency)}   bandwidth and latency from {self.comm_n} "
+                f"distinct collectives, {err(self.comm_rms, self.comm_mean)}"
+            ),
             f"memory      {fmt_rate(c.mem_bandwidth, 'B/s')} (optimizer step)",
             f"free        {fmt_time(c.free)}",
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
-              name: str = "trace") -> Fit:
+def calibrate(
+    compiled: Compiled, trace: dict, base: CostModel | None = None, name: str = "trace"
+) -> Fit:
     """Least squares over the ops of the trace, skipping step 0 (warm-up) if there are more.
 
     Each distinct op (`bwd[h.3]`, `allreduce[b1]`, ...) is one point: the median of its
@@ -358,8 +411,12 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
         raise TraceError(f"{name} holds no op spans; was it written by `schedc run --trace`?")
     _against(compiled, used, name)
     notes = []
-    comp = [(op_flops(spec, op), t) for op, t in _medians(
-        (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD))]
+    comp = [
+        (op_flops(spec, op), t)
+        for op, t in _medians(
+            (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD)
+        )
+    ]
     key = base.rate_key(spec.numerics)
     flops, c_rms, c_mean = base.rate(spec.numerics), 0.0, 0.0
     if comp:
@@ -377,20 +434,28 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
     for s in used:
         if s.op.is_collective:
             ranks_at.setdefault((s.step, s.op), []).append(s)
-    coll = [(comm_volume(spec, op), t) for op, t in _medians(
-        (op, max(x.end for x in xs) - max(x.start for x in xs))
-        for (_, op), xs in ranks_at.items())]
+    coll = [
+        (comm_volume(spec, op), t)
+        for op, t in _medians(
+            (op, max(x.end for x in xs) - max(x.start for x in xs))
+            for (_, op), xs in ranks_at.items()
+        )
+    ]
     bandwidth, latency, m_rms, m_mean = base.bandwidth, base.latency, 0.0, 0.0
     if coll:
         a, b = _line(coll)
         if b is None and all(x == 0 for x, _ in coll):
-            notes.append(f"world {spec.world}: collectives move no data, so only their "
-                         "latency is measured; bandwidth kept")
+            notes.append(
+                f"world {spec.world}: collectives move no data, so only their "
+                "latency is measured; bandwidth kept"
+            )
             latency = sum(t for _, t in coll) / len(coll)
         else:
             if b is None:
-                notes.append("every collective moves the same volume: latency fixed at 0 "
-                             "and bandwidth fitted through the origin")
+                notes.append(
+                    "every collective moves the same volume: latency fixed at 0 "
+                    "and bandwidth fitted through the origin"
+                )
                 a, b = 0.0, _origin(coll)
             elif a < 0:
                 notes.append("the best line has negative latency: latency fixed at 0")
@@ -398,8 +463,9 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
             if b > 0:
                 bandwidth, latency = 1.0 / b, a
             else:
-                notes.append("collective time does not grow with bytes: bandwidth kept, "
-                             "latency is the mean")
+                notes.append(
+                    "collective time does not grow with bytes: bandwidth kept, latency is the mean"
+                )
                 latency = sum(t for _, t in coll) / len(coll)
         m_rms = _rms([t - latency - x / bandwidth for x, t in coll])
         m_mean = sum(t for _, t in coll) / len(coll)
@@ -411,8 +477,13 @@ def calibrate(compiled: Compiled, trace: dict, base: CostModel | None = None,
         mem = optimizer_bytes(spec) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
-    fitted = {key: flops, "bandwidth": bandwidth, "latency": latency, "mem_bandwidth": mem,
-              "free": free}
+    fitted = {
+        key: flops,
+        "bandwidth": bandwidth,
+        "latency": latency,
+        "mem_bandwidth": mem,
+        "free": free,
+    }
     for k, v in fitted.items():  # spans of 1e-300 us or 1e17 us fit, but to nothing usable
         if not (math.isfinite(v) and (v > 0 or k in ("latency", "free") and v == 0)):
             notes.append(f"the fitted {k} ({v:g}) is not a usable value: kept")

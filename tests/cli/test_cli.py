@@ -54,16 +54,21 @@ def test_a_legal_schedule_exits_0_with_a_summary(capsys):
     ]
 
 
-@pytest.mark.parametrize("file,dtypes", [
-    (FSDP, "compute bf16, gather bf16, reduce fp32"),
-    (TINY, "compute bf16, reduce fp32"),  # DDP gathers nothing
-    ("schedules/tiny_1gpu.sched", "compute bf16"),  # one process reduces nothing
-])
+@pytest.mark.parametrize(
+    "file,dtypes",
+    [
+        (FSDP, "compute bf16, gather bf16, reduce fp32"),
+        (TINY, "compute bf16, reduce fp32"),  # DDP gathers nothing
+        ("schedules/tiny_1gpu.sched", "compute bf16"),  # one process reduces nothing
+    ],
+)
 def test_the_summary_claims_only_the_dtypes_a_strategy_uses(capsys, file, dtypes):
     code, out, _ = check(capsys, file, "--precision", "bf16", "--compile", "on")
     assert code == 0
-    assert f"  numerics  {dtypes}; master weights and AdamW fp32; tf32 auto (on CUDA), " \
-           "compile on\n" in out
+    assert (
+        f"  numerics  {dtypes}; master weights and AdamW fp32; tf32 auto (on CUDA), "
+        "compile on\n" in out
+    )
 
 
 def test_no_files_checks_every_bundled_schedule(capsys):
@@ -122,8 +127,10 @@ def test_usage_errors_exit_1(capsys):
 
 def test_warnings_go_to_stderr_and_still_exit_0(capsys, tmp_path):
     f = tmp_path / "late.sched"
-    f.write_text("model nano\nworld 2\nbatch 8 x 32\nmicro 2\n"
-                 "ddp { bucket b1 = embed, h.0  bucket b2 = head, h.1 }\n")
+    f.write_text(
+        "model nano\nworld 2\nbatch 8 x 32\nmicro 2\n"
+        "ddp { bucket b1 = embed, h.0  bucket b2 = head, h.1 }\n"
+    )
     code, out, err = check(capsys, str(f))
     assert code == 0 and f"{f}: ok" in out
     assert f"{f}:5:7: warning: bucket 'b1' holds wte.weight" in err and "[tied-late]" in err
@@ -160,7 +167,7 @@ def test_dump_graph(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("# graph: 51 ops, 2 streams, ")
     i = lines.index("comm     allreduce[b1]@mb3")
-    assert lines[i + 1:i + 4] == [
+    assert lines[i + 1 : i + 4] == [
         "           needs bwd[head]@mb3 (complete gradients)",
         "           needs bwd[h.3]@mb3 (complete gradients)",
         "           needs bwd[h.2]@mb3 (complete gradients)  <- event",
@@ -170,8 +177,10 @@ def test_dump_graph(capsys):
 def test_dump_program(capsys):
     code, out, _ = check(capsys, TINY, "--dump", "program")
     assert code == 0
-    assert out.endswith("program comm {\n  allreduce[b1]@mb3 after bwd[h.2]@mb3\n"
-                        "  allreduce[b2]@mb3 after bwd[embed]@mb3\n}\n")
+    assert out.endswith(
+        "program comm {\n  allreduce[b1]@mb3 after bwd[h.2]@mb3\n"
+        "  allreduce[b2]@mb3 after bwd[embed]@mb3\n}\n"
+    )
     assert "  optimizer.step after allreduce[b2]@mb3\n}\n" in out
 
 
@@ -189,9 +198,11 @@ def test_dump_plan(capsys):
 
 def test_dump_of_one_rank(capsys, tmp_path):
     f = tmp_path / "ranks.sched"
-    f.write_text((REPO / TINY).read_text() + "program comm on rank 1 {\n"
-                 "  allreduce[b1]@mb3 after bwd[h.2]@mb3\n"
-                 "  allreduce[b2]@mb3 after bwd[embed]@mb3\n}\n")
+    f.write_text(
+        (REPO / TINY).read_text() + "program comm on rank 1 {\n"
+        "  allreduce[b1]@mb3 after bwd[h.2]@mb3\n"
+        "  allreduce[b2]@mb3 after bwd[embed]@mb3\n}\n"
+    )
     _, every, _ = check(capsys, str(f), "--dump", "plan")
     _, one, _ = check(capsys, str(f), "--dump", "plan", "--rank", "1")
     assert every.startswith("# plan for every rank:") and one.startswith("# plan for rank 1:")
@@ -208,7 +219,8 @@ def test_two_schedules_that_agree(capsys):
         "\nschedules/tiny_1gpu.sched: 1,024 tokens per update\n"
         "schedules/tiny_4gpu.sched: 1,024 tokens per update\n"
         "agree: same model, same 16 sequences each read once, every token weighted 1/1024 in "
-        "the loss (1/k x 1/D x micro mean), same optimizer, same numerics: the same update\n")
+        "the loss (1/k x 1/D x micro mean), same optimizer, same numerics: the same update\n"
+    )
 
 
 def test_two_schedules_that_agree_on_the_batch_but_not_the_numerics(capsys, tmp_path):
@@ -222,19 +234,26 @@ def test_two_schedules_that_agree_on_the_batch_but_not_the_numerics(capsys, tmp_
     assert last.startswith("agree on the batch: same model, same 16 sequences each read once")
     assert last.endswith(
         "same optimizer: the same update in exact arithmetic; numerics differ: compute fp32 "
-        f"vs bf16 (schedules/tiny_1gpu.sched vs {other}), so the updates differ by rounding")
+        f"vs bf16 (schedules/tiny_1gpu.sched vs {other}), so the updates differ by rounding"
+    )
     assert "the same update\n" not in out
 
 
 def test_two_schedules_that_disagree(capsys, tmp_path):
     other = tmp_path / "other.sched"
-    other.write_text((REPO / "schedules/tiny_4gpu.sched").read_text()
-                     .replace("batch 16 x 64", "batch 32 x 64").replace("lr = 3e-3", "lr = 1e-3"))
+    other.write_text(
+        (REPO / "schedules/tiny_4gpu.sched")
+        .read_text()
+        .replace("batch 16 x 64", "batch 32 x 64")
+        .replace("lr = 3e-3", "lr = 1e-3")
+    )
     code, out, err = check(capsys, "schedules/tiny_1gpu.sched", str(other))
     assert code == 1
     assert f"{other}: 2,048 tokens per update" in out
-    assert f"{other}:4:1: error: the global batches differ: 32 x 64 here, 16 x 64 in " \
-           "schedules/tiny_1gpu.sched  [disagree]" in err
+    assert (
+        f"{other}:4:1: error: the global batches differ: 32 x 64 here, 16 x 64 in "
+        "schedules/tiny_1gpu.sched  [disagree]" in err
+    )
     assert "note: schedules/tiny_1gpu.sched has 16 x 64" in err
     assert "error: the optimizers differ in lr: lr=0.001 here, lr=0.003 in" in err
     assert err.rstrip().endswith("2 errors")
@@ -244,19 +263,32 @@ def test_two_schedules_that_disagree(capsys, tmp_path):
 
 
 def test_python_m_schedc():
-    r = subprocess.run([sys.executable, "-m", "schedc", "check", TINY, "--dump", "program"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "schedc", "check", TINY, "--dump", "program"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.startswith("program compute {\n")
-    r = subprocess.run([sys.executable, "-m", "schedc", "--version"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "schedc", "--version"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.startswith("schedc ")
 
 
 def test_check_does_not_import_torch():
     """The compiler runs anywhere: checking a schedule needs no torch."""
-    code = ("import sys; from schedc.cli.main import main; rc = main(['check', "
-            f"'{TINY}', '--dump', 'plan']); "
-            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    code = (
+        "import sys; from schedc.cli.main import main; rc = main(['check', "
+        f"'{TINY}', '--dump', 'plan']); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr

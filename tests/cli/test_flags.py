@@ -42,17 +42,24 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 # -- flags that override the file: the file's rules and codes -------------------------------------
 
 
-@pytest.mark.parametrize("argv,want", [
-    (["--steps", "-5"], "schedc: --steps -5: error: steps must be >= 1, got -5  [value-range]"),
-    (["--steps", "0"], "schedc: --steps 0: error: steps must be >= 1, got 0  [value-range]"),
-    (["--seed", "-1"], "schedc: --seed -1: error: seed must be >= 0, got -1  [value-range]"),
-    (["--seed", "9" * 30], "error: seed must be <= 9,223,372,036,854,775,807, got 999"),
-    (["--model", "gpt3"], "schedc: --model gpt3: error: unknown model 'gpt3'  [unknown-model]"),
-    (["--dump", "plan", "--rank", "99"],
-     "schedc: --rank 99: error: rank must be <= 1, got 99  [value-range]"),
-    (["--dump", "plan", "--rank", "-1"],
-     "schedc: --rank -1: error: rank must be >= 0, got -1  [value-range]"),
-])
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["--steps", "-5"], "schedc: --steps -5: error: steps must be >= 1, got -5  [value-range]"),
+        (["--steps", "0"], "schedc: --steps 0: error: steps must be >= 1, got 0  [value-range]"),
+        (["--seed", "-1"], "schedc: --seed -1: error: seed must be >= 0, got -1  [value-range]"),
+        (["--seed", "9" * 30], "error: seed must be <= 9,223,372,036,854,775,807, got 999"),
+        (["--model", "gpt3"], "schedc: --model gpt3: error: unknown model 'gpt3'  [unknown-model]"),
+        (
+            ["--dump", "plan", "--rank", "99"],
+            "schedc: --rank 99: error: rank must be <= 1, got 99  [value-range]",
+        ),
+        (
+            ["--dump", "plan", "--rank", "-1"],
+            "schedc: --rank -1: error: rank must be >= 0, got -1  [value-range]",
+        ),
+    ],
+)
 def test_check_flags_get_the_files_diagnostics(capsys, argv, want):
     code, _, err = cli(capsys, "check", DDP, *argv)
     assert code == 1 and want in err, err
@@ -85,16 +92,19 @@ def test_run_flag_overrides_are_refused_before_torch_starts(capsys):
 # -- run flags: usage errors, paths checked before any work ---------------------------------------
 
 
-@pytest.mark.parametrize("flag,value,want", [
-    ("--timeout", "-5", "must be between 0.001 and 1e+06, got -5"),
-    ("--timeout", "nan", "must be between 0.001 and 1e+06, got nan"),
-    ("--timeout", "inf", "must be between 0.001 and 1e+06, got inf"),
-    ("--timeout", "0", "must be between 0.001 and 1e+06, got 0"),
-    ("--timeout", "soon", "'soon' is not a number of seconds"),
-    ("--save-every", "0", "must be at least 1, got 0"),
-    ("--save-every", "-1", "must be at least 1, got -1"),
-    ("--keep", "-1", "must be at least 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,want",
+    [
+        ("--timeout", "-5", "must be between 0.001 and 1e+06, got -5"),
+        ("--timeout", "nan", "must be between 0.001 and 1e+06, got nan"),
+        ("--timeout", "inf", "must be between 0.001 and 1e+06, got inf"),
+        ("--timeout", "0", "must be between 0.001 and 1e+06, got 0"),
+        ("--timeout", "soon", "'soon' is not a number of seconds"),
+        ("--save-every", "0", "must be at least 1, got 0"),
+        ("--save-every", "-1", "must be at least 1, got -1"),
+        ("--keep", "-1", "must be at least 0, got -1"),
+    ],
+)
 def test_bad_run_flag_values_are_usage_errors(capsys, flag, value, want):
     code, out, err = cli(capsys, "run", ONE, flag, value)
     assert code == 1 and f"schedc run: error: argument {flag}: {want}" in err, err
@@ -106,15 +116,18 @@ def test_usage_errors_exit_1_not_argparses_2(capsys):
     assert cli(capsys, "nosuchverb")[0] == 1
 
 
-@pytest.mark.parametrize("flag,value,want", [
-    ("--trace", "/missing/dir/t.json", "no such directory: /missing/dir"),
-    ("--trace", "{tmp}", "is a directory, not a file"),
-    ("--log-json", "/missing/dir/log.jsonl", "no such directory: /missing/dir"),
-    ("--log-json", "{tmp}", "is a directory, not a file"),
-    ("--save", "/missing/dir/ck", "no such directory: /missing/dir"),
-    ("--save", "{tmp}/file", "not a directory"),
-    ("--save", "{tmp}/file/ck", "not a directory: "),
-])
+@pytest.mark.parametrize(
+    "flag,value,want",
+    [
+        ("--trace", "/missing/dir/t.json", "no such directory: /missing/dir"),
+        ("--trace", "{tmp}", "is a directory, not a file"),
+        ("--log-json", "/missing/dir/log.jsonl", "no such directory: /missing/dir"),
+        ("--log-json", "{tmp}", "is a directory, not a file"),
+        ("--save", "/missing/dir/ck", "no such directory: /missing/dir"),
+        ("--save", "{tmp}/file", "not a directory"),
+        ("--save", "{tmp}/file/ck", "not a directory: "),
+    ],
+)
 def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value, want):
     (tmp_path / "file").write_text("x")
     value = value.format(tmp=tmp_path)
@@ -125,25 +138,28 @@ def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value,
 
 # -- optimizer values that fp32 turns into zero ---------------------------------------------------
 
-BASE = Path(ONE).read_text().replace("optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }",
-                                     "")
+BASE = Path(ONE).read_text().replace("optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }", "")
 
 
-@pytest.mark.parametrize("setting,want", [
-    ("eps = 1e-50", "eps = 1e-50 is 0 in fp32, and AdamW divides by sqrt(v) + eps"),
-    ("eps = 0", "eps = 0 is 0 in fp32"),
-    ("eps = 1e-40", "a subnormal (0 on a GPU)"),
-    ("lr = 1e-50", "lr = 1e-50 is 0 in fp32, so no update would change the model"),
-    ("clip = 1e-46", "clip = 1e-46 is 0 in fp32, so clipping would scale every gradient"),
-])
+@pytest.mark.parametrize(
+    "setting,want",
+    [
+        ("eps = 1e-50", "eps = 1e-50 is 0 in fp32, and AdamW divides by sqrt(v) + eps"),
+        ("eps = 0", "eps = 0 is 0 in fp32"),
+        ("eps = 1e-40", "a subnormal (0 on a GPU)"),
+        ("lr = 1e-50", "lr = 1e-50 is 0 in fp32, so no update would change the model"),
+        ("clip = 1e-46", "clip = 1e-46 is 0 in fp32, so clipping would scale every gradient"),
+    ],
+)
 def test_optimizer_values_that_round_to_zero_are_refused(setting, want):
     with pytest.raises(CompileError) as e:
         compile_text(BASE + f"optimizer adamw {{ {setting} }}\n", "o.sched")
     assert e.value.codes == ["value-range"] and want in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("setting", ["eps = 1e-8", "eps = 1e-30", "clip = 0",
-                                     "weight_decay = 1e-50", "min_lr = 0"])
+@pytest.mark.parametrize(
+    "setting", ["eps = 1e-8", "eps = 1e-30", "clip = 0", "weight_decay = 1e-50", "min_lr = 0"]
+)
 def test_optimizer_values_fp32_holds_are_accepted(setting):
     compile_text(BASE + f"optimizer adamw {{ {setting} }}\n", "o.sched")
 
@@ -162,8 +178,11 @@ def test_eps_that_rounds_to_zero_makes_adamw_nan():
 
 # -- agreement on meaning -------------------------------------------------------------------------
 
-SPELLINGS = [("data corpus\n", ""), ('data "f.txt"\n', 'data text "f.txt"\n'),
-             ('data "f.bin"\n', 'data tokens "f.bin"\n')]
+SPELLINGS = [
+    ("data corpus\n", ""),
+    ('data "f.txt"\n', 'data text "f.txt"\n'),
+    ('data "f.bin"\n', 'data tokens "f.bin"\n'),
+]
 
 
 @pytest.mark.parametrize("a,b", SPELLINGS)
@@ -201,14 +220,27 @@ def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, 
     """`schedc run ARGS[r]` as one process per rank (torchrun gives every rank the same
     args); returns (exit code, stdout, stderr) of each."""
     _port[0] += 1
-    env = {**os.environ, "WORLD_SIZE": str(len(per_rank)), "LOCAL_WORLD_SIZE": str(len(per_rank)),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, args in enumerate(per_rank)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(len(per_rank)),
+        "LOCAL_WORLD_SIZE": str(len(per_rank)),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_port[0]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "schedc", "run", *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, args in enumerate(per_rank)
+    ]
     out = []
     for p in procs:
         try:
@@ -256,8 +288,11 @@ def test_ranks_with_different_flags_refuse_to_start(case, tmp_path, request):
 def test_ranks_with_the_same_meaning_spelled_differently_run_together(tmp_path):
     """Rank 1's file has comments and no `data corpus` line: once a text hash, now equal."""
     other = tmp_path / "other.sched"
-    other.write_text("# spelled differently\n" + Path(DDP).read_text().replace(
-        "data corpus\n", "") + "# the end\n")
+    other.write_text(
+        "# spelled differently\n"
+        + Path(DDP).read_text().replace("data corpus\n", "")
+        + "# the end\n"
+    )
     (c0, out, e0), (c1, _, e1) = launch([[DDP, "--steps", "1"], [str(other), "--steps", "1"]])
     assert c0 == 0 and c1 == 0, e0 + e1
     assert "step    0" in out

@@ -83,41 +83,50 @@ GADGETS = {  # name -> payload(canary): each would `touch canary` if unpickled b
     "GLOBAL os.system": lambda c: glob0("os", "system", f"touch {c}"),
     "STACK_GLOBAL posix.system": lambda c: glob4("posix", "system", shell(f"touch {c}")),
     "subprocess.getoutput": lambda c: glob4("subprocess", "getoutput", shell(f"touch {c}")),
-    "builtins.eval": lambda c: glob0("builtins", "eval",
-                                     f"__import__('os').system('touch {c}')"),
-    "builtins.exec": lambda c: glob0("builtins", "exec",
-                                     f"__import__('os').system('touch {c}')"),
+    "builtins.eval": lambda c: glob0("builtins", "eval", f"__import__('os').system('touch {c}')"),
+    "builtins.exec": lambda c: glob0("builtins", "exec", f"__import__('os').system('touch {c}')"),
     "builtins.getattr(__import__)": lambda c: (
         f"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(Vos\ntRVsystem\ntR(Vtouch {c}\ntR."
     ).encode(),
     "builtins.__import__ first": lambda c: (
-        f"cbuiltins\n__import__\n(Vos\ntRp0\n0cbuiltins\ngetattr\n(g0\nVsystem\ntR"
-        f"(Vtouch {c}\ntR.").encode(),
+        f"cbuiltins\n__import__\n(Vos\ntRp0\n0cbuiltins\ngetattr\n(g0\nVsystem\ntR(Vtouch {c}\ntR."
+    ).encode(),
     # the issue's finding: an admitted prefix re-exports os
     "dcp.filesystem.os module + getattr": lambda c: (
         f"ctorch.distributed.checkpoint.filesystem\nos\np0\n0cbuiltins\ngetattr\n(g0\n"
-        f"Vsystem\ntR(Vtouch {c}\ntR.").encode(),
+        f"Vsystem\ntR(Vtouch {c}\ntR."
+    ).encode(),
     "dcp.filesystem os.system (dotted)": lambda c: glob4(
-        "torch.distributed.checkpoint.filesystem", "os.system", shell(f"touch {c}")),
+        "torch.distributed.checkpoint.filesystem", "os.system", shell(f"touch {c}")
+    ),
     "dcp.metadata os.system (admitted module)": lambda c: glob4(
-        "torch.distributed.checkpoint.metadata", "os.system", shell(f"touch {c}")),
+        "torch.distributed.checkpoint.metadata", "os.system", shell(f"touch {c}")
+    ),
     "dcp.state_dict_loader os.system": lambda c: glob4(
-        "torch.distributed.checkpoint.state_dict_loader", "os.system", shell(f"touch {c}")),
+        "torch.distributed.checkpoint.state_dict_loader", "os.system", shell(f"touch {c}")
+    ),
     "_shard.checkpoint.filesystem os.system": lambda c: glob4(
-        "torch.distributed._shard.checkpoint.filesystem", "os.system", shell(f"touch {c}")),
-    "torch os.system (admitted module)": lambda c: glob4("torch", "os.system",
-                                                         shell(f"touch {c}")),
+        "torch.distributed._shard.checkpoint.filesystem", "os.system", shell(f"touch {c}")
+    ),
+    "torch os.system (admitted module)": lambda c: glob4("torch", "os.system", shell(f"touch {c}")),
     "torch.serialization os.system (admitted module)": lambda c: glob4(
-        "torch.serialization", "os.system", shell(f"touch {c}")),
-    "pathlib os.system (admitted module)": lambda c: glob4("pathlib", "os.system",
-                                                           shell(f"touch {c}")),
+        "torch.serialization", "os.system", shell(f"touch {c}")
+    ),
+    "pathlib os.system (admitted module)": lambda c: glob4(
+        "pathlib", "os.system", shell(f"touch {c}")
+    ),
     "pathlib PosixPath.touch (admitted class)": lambda c: glob4(
-        "pathlib", "PosixPath.touch", sbu("pathlib") + sbu("PosixPath") + b"\x93" + sbu(str(c))
-        + b"\x85R"),
+        "pathlib",
+        "PosixPath.touch",
+        sbu("pathlib") + sbu("PosixPath") + b"\x93" + sbu(str(c)) + b"\x85R",
+    ),
     "dcp.filesystem pickle.loads (re-entry)": lambda c: glob4(
-        "torch.distributed.checkpoint.filesystem", "pickle.loads",
-        b"C" + bytes([len(glob0("os", "system", f"touch {c}"))])
-        + glob0("os", "system", f"touch {c}")),
+        "torch.distributed.checkpoint.filesystem",
+        "pickle.loads",
+        b"C"
+        + bytes([len(glob0("os", "system", f"touch {c}"))])
+        + glob0("os", "system", f"touch {c}"),
+    ),
     "INST os.system": lambda c: f"(Vtouch {c}\nios\nsystem\n.".encode(),
 }
 
@@ -129,8 +138,11 @@ def meta_of(step: Path) -> dict:
 def rehash(step: Path, meta: dict | None = None) -> None:
     """What an attacker who can write the directory does: make the hash list match."""
     meta = meta or meta_of(step)
-    meta["files"] = {f: hashlib.sha256((step / f).read_bytes()).hexdigest()
-                     for f in meta["files"] if (step / f).is_file()}
+    meta["files"] = {
+        f: hashlib.sha256((step / f).read_bytes()).hexdigest()
+        for f in meta["files"]
+        if (step / f).is_file()
+    }
     (step / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -139,6 +151,7 @@ def edit_meta(fn):
         m = meta_of(step)
         fn(m)
         (step / "meta.json").write_text(json.dumps(m))
+
     return go
 
 
@@ -157,6 +170,7 @@ def edit_metadata(fn):
         md = real_metadata(step)
         fn(md, step, canary)
         set_metadata(step, pickle.dumps(md))
+
     return go
 
 
@@ -185,8 +199,8 @@ def bytes_item(md, step: Path, canary: Path) -> None:
         del md.storage_data[idx]
     info = next(iter(md.storage_data.values()))
     md.storage_data[MetadataIndex(fqn)] = dataclasses.replace(
-        info, relative_path="__0_1.distcp", offset=0,
-        length=(step / "__0_1.distcp").stat().st_size)
+        info, relative_path="__0_1.distcp", offset=0, length=(step / "__0_1.distcp").stat().st_size
+    )
 
 
 def not_a_tensor(md, step: Path, canary: Path) -> None:
@@ -206,9 +220,17 @@ def missing_item(md, step: Path, canary: Path) -> None:
 
 def build_on_class(ck: Path, step: Path, canary: Path, tmp: Path) -> None:
     """BUILD with a slot state on an admitted class object: would rebind Metadata.__repr__."""
-    set_metadata(step, b"\x80\x04" + sbu("torch.distributed.checkpoint.metadata")
-                 + sbu("Metadata") + b"\x93N}" + sbu("__repr__") + sbu("torch.serialization")
-                 + sbu("_get_layout") + b"\x93s\x86b.")
+    set_metadata(
+        step,
+        b"\x80\x04"
+        + sbu("torch.distributed.checkpoint.metadata")
+        + sbu("Metadata")
+        + b"\x93N}"
+        + sbu("__repr__")
+        + sbu("torch.serialization")
+        + sbu("_get_layout")
+        + b"\x93s\x86b.",
+    )
 
 
 def outside_copy(ck: Path, tmp: Path) -> Path:
@@ -222,6 +244,7 @@ def outside_copy(ck: Path, tmp: Path) -> Path:
 def latest(text: str):
     def go(ck, step, canary, tmp):
         (ck / "latest").write_text(text + "\n")
+
     return go
 
 
@@ -245,6 +268,7 @@ def fifo(rel: str):
         target = ck / rel
         target.unlink()
         os.mkfifo(target)  # a loader that opens it blockingly hangs here forever
+
     return go
 
 
@@ -255,6 +279,7 @@ def symlinked(rel: str):
         shutil.copy(target, copy)  # identical bytes: the hash still matches
         target.unlink()
         target.symlink_to(copy)
+
     return go
 
 
@@ -262,6 +287,7 @@ def directory_instead(rel: str):
     def go(ck, step, canary, tmp):
         (ck / rel).unlink()
         (ck / rel).mkdir()
+
     return go
 
 
@@ -271,12 +297,14 @@ def listed_file(name: str):
         m = meta_of(step)
         m["files"][name] = hashlib.sha256((tmp / "evil.distcp").read_bytes()).hexdigest()
         (step / "meta.json").write_text(json.dumps(m))
+
     return go
 
 
 def raw_meta(text: bytes):
     def go(ck, step, canary, tmp):
         (step / "meta.json").write_bytes(text)
+
     return go
 
 
@@ -311,6 +339,7 @@ def renamed_step(ck, step, canary, tmp):
 def hmac_text(text: str):
     def go(ck, step, canary, tmp):
         (step / HMAC_FILE).write_text(text)
+
     return go
 
 
@@ -321,37 +350,57 @@ def remove_hmac(ck, step, canary, tmp):
 def rng(v):
     def f(m):
         m["rng"] = [v]
+
     return f
 
 
 A = SimpleNamespace
 ATTACKS = {
     # pickle gadgets in .metadata, meta.json's hash list rewritten to match
-    **{f"gadget: {name}": A(do=lambda ck, step, canary, tmp, p=p: set_metadata(step, p(canary)),
-                            file=f"{STEP}/.metadata") for name, p in GADGETS.items()},
+    **{
+        f"gadget: {name}": A(
+            do=lambda ck, step, canary, tmp, p=p: set_metadata(step, p(canary)),
+            file=f"{STEP}/.metadata",
+        )
+        for name, p in GADGETS.items()
+    },
     "BUILD on an admitted class": A(do=build_on_class, file=f"{STEP}/.metadata"),
-    "bytes item (BytesStorageMetadata)": A(do=edit_metadata(bytes_item),
-                                           file=f"{STEP}/.metadata"),
-    "bytes item made of allowed classes": A(do=edit_metadata(not_a_tensor),
-                                            file=f"{STEP}/.metadata"),
-    "item schedc never writes": A(do=edit_metadata(
-        lambda md, s, c: md.state_dict_metadata.update(
-            rng_state=md.state_dict_metadata[first_item(md)])), file=f"{STEP}/.metadata"),
-    "storage file ../../x.distcp": A(do=edit_metadata(
-        lambda md, s, c: restore(md, first_item(md), relative_path="../../x.distcp")),
-        file=f"{STEP}/.metadata"),
-    "storage file absolute": A(do=edit_metadata(
-        lambda md, s, c: restore(md, first_item(md), relative_path="/etc/passwd")),
-        file=f"{STEP}/.metadata"),
-    "storage file .metadata": A(do=edit_metadata(
-        lambda md, s, c: restore(md, first_item(md), relative_path=".metadata")),
-        file=f"{STEP}/.metadata"),
-    "storage past the file's end": A(do=edit_metadata(
-        lambda md, s, c: restore(md, first_item(md), offset=1 << 40)),
-        file=f"{STEP}/.metadata"),
-    "storage stream transform": A(do=edit_metadata(
-        lambda md, s, c: restore(md, first_item(md), transform_descriptors=["zstd"])),
-        file=f"{STEP}/.metadata"),
+    "bytes item (BytesStorageMetadata)": A(do=edit_metadata(bytes_item), file=f"{STEP}/.metadata"),
+    "bytes item made of allowed classes": A(
+        do=edit_metadata(not_a_tensor), file=f"{STEP}/.metadata"
+    ),
+    "item schedc never writes": A(
+        do=edit_metadata(
+            lambda md, s, c: md.state_dict_metadata.update(
+                rng_state=md.state_dict_metadata[first_item(md)]
+            )
+        ),
+        file=f"{STEP}/.metadata",
+    ),
+    "storage file ../../x.distcp": A(
+        do=edit_metadata(
+            lambda md, s, c: restore(md, first_item(md), relative_path="../../x.distcp")
+        ),
+        file=f"{STEP}/.metadata",
+    ),
+    "storage file absolute": A(
+        do=edit_metadata(lambda md, s, c: restore(md, first_item(md), relative_path="/etc/passwd")),
+        file=f"{STEP}/.metadata",
+    ),
+    "storage file .metadata": A(
+        do=edit_metadata(lambda md, s, c: restore(md, first_item(md), relative_path=".metadata")),
+        file=f"{STEP}/.metadata",
+    ),
+    "storage past the file's end": A(
+        do=edit_metadata(lambda md, s, c: restore(md, first_item(md), offset=1 << 40)),
+        file=f"{STEP}/.metadata",
+    ),
+    "storage stream transform": A(
+        do=edit_metadata(
+            lambda md, s, c: restore(md, first_item(md), transform_descriptors=["zstd"])
+        ),
+        file=f"{STEP}/.metadata",
+    ),
     "DCP raises (an item missing)": A(do=edit_metadata(missing_item), file=STEP),
     # `latest`
     "latest ../outside": A(do=latest(f"../outside/{STEP}"), file="latest"),
@@ -365,63 +414,75 @@ ATTACKS = {
     "files: ../evil.distcp": A(do=listed_file("../evil.distcp"), file=f"{STEP}/meta.json"),
     "files: absolute path": A(do=listed_file("/tmp/evil.distcp"), file=f"{STEP}/meta.json"),
     "files: not a DCP name": A(do=listed_file("evil.pt"), file=f"{STEP}/meta.json"),
-    "data file is a symlink": A(do=symlinked(f"{STEP}/__0_0.distcp"),
-                                file=f"{STEP}/__0_0.distcp"),
+    "data file is a symlink": A(do=symlinked(f"{STEP}/__0_0.distcp"), file=f"{STEP}/__0_0.distcp"),
     ".metadata is a symlink": A(do=symlinked(f"{STEP}/.metadata"), file=f"{STEP}/.metadata"),
     "meta.json is a symlink": A(do=symlinked(f"{STEP}/meta.json"), file=f"{STEP}/meta.json"),
     "data file is a FIFO": A(do=fifo(f"{STEP}/__0_0.distcp"), file=f"{STEP}/__0_0.distcp"),
     "meta.json is a FIFO": A(do=fifo(f"{STEP}/meta.json"), file=f"{STEP}/meta.json"),
-    "data file is a directory": A(do=directory_instead(f"{STEP}/__0_0.distcp"),
-                                  file=f"{STEP}/__0_0.distcp"),
+    "data file is a directory": A(
+        do=directory_instead(f"{STEP}/__0_0.distcp"), file=f"{STEP}/__0_0.distcp"
+    ),
     # meta.json's schema
     "schema: no files": A(do=edit_meta(lambda m: m.pop("files")), file=f"{STEP}/meta.json"),
-    "schema: files a list": A(do=edit_meta(lambda m: m.update(files=[".metadata"])),
-                              file=f"{STEP}/meta.json"),
-    "schema: step a string": A(do=edit_meta(lambda m: m.update(step="1")),
-                               file=f"{STEP}/meta.json"),
-    "schema: step huge": A(do=edit_meta(lambda m: m.update(step=10**30)),
-                           file=f"{STEP}/meta.json"),
+    "schema: files a list": A(
+        do=edit_meta(lambda m: m.update(files=[".metadata"])), file=f"{STEP}/meta.json"
+    ),
+    "schema: step a string": A(
+        do=edit_meta(lambda m: m.update(step="1")), file=f"{STEP}/meta.json"
+    ),
+    "schema: step huge": A(do=edit_meta(lambda m: m.update(step=10**30)), file=f"{STEP}/meta.json"),
     "schema: world 0": A(do=edit_meta(lambda m: m.update(world=0)), file=f"{STEP}/meta.json"),
-    "schema: format 2": A(do=edit_meta(lambda m: m.update(format=2)),
-                          file=f"{STEP}/meta.json"),
-    "schema: extra key": A(do=edit_meta(lambda m: m.update(exec="os.system")),
-                           file=f"{STEP}/meta.json"),
-    "schema: model_config string": A(do=edit_meta(
-        lambda m: m["model_config"].update(n_layer="4")), file=f"{STEP}/meta.json"),
-    "schema: negative unit": A(do=edit_meta(lambda m: m.update(units={"u1": -1})),
-                               file=f"{STEP}/meta.json"),
-    "schema: hash not hex": A(do=edit_meta(lambda m: m["files"].update({".metadata": "x"})),
-                              file=f"{STEP}/meta.json"),
+    "schema: format 2": A(do=edit_meta(lambda m: m.update(format=2)), file=f"{STEP}/meta.json"),
+    "schema: extra key": A(
+        do=edit_meta(lambda m: m.update(exec="os.system")), file=f"{STEP}/meta.json"
+    ),
+    "schema: model_config string": A(
+        do=edit_meta(lambda m: m["model_config"].update(n_layer="4")), file=f"{STEP}/meta.json"
+    ),
+    "schema: negative unit": A(
+        do=edit_meta(lambda m: m.update(units={"u1": -1})), file=f"{STEP}/meta.json"
+    ),
+    "schema: hash not hex": A(
+        do=edit_meta(lambda m: m["files"].update({".metadata": "x"})), file=f"{STEP}/meta.json"
+    ),
     "schema: rng not base64": A(do=edit_meta(rng("not base64!")), file=f"{STEP}/meta.json"),
-    "schema: rng wrong length": A(do=edit_meta(rng(base64.b64encode(b"0" * 10).decode())),
-                                  file=f"{STEP}/meta.json"),
-    "schema: rng of two ranks": A(do=edit_meta(lambda m: m.update(rng=m["rng"] * 2)),
-                                  file=f"{STEP}/meta.json"),
+    "schema: rng wrong length": A(
+        do=edit_meta(rng(base64.b64encode(b"0" * 10).decode())), file=f"{STEP}/meta.json"
+    ),
+    "schema: rng of two ranks": A(
+        do=edit_meta(lambda m: m.update(rng=m["rng"] * 2)), file=f"{STEP}/meta.json"
+    ),
     "schema: malformed JSON": A(do=raw_meta(b'{"format": 1,'), file=f"{STEP}/meta.json"),
     "schema: a JSON array": A(do=raw_meta(b"[1, 2]"), file=f"{STEP}/meta.json"),
     "schema: not UTF-8": A(do=raw_meta(b"\xff\xfe{}"), file=f"{STEP}/meta.json"),
     "schema: over the size bound": A(do=huge_meta, file=f"{STEP}/meta.json"),
-    "schema: step not the directory's": A(do=edit_meta(lambda m: m.update(step=7)),
-                                          file=f"{STEP}/meta.json"),
+    "schema: step not the directory's": A(
+        do=edit_meta(lambda m: m.update(step=7)), file=f"{STEP}/meta.json"
+    ),
     # hashes and the key
-    "tensor altered, hashes kept": A(do=lambda ck, step, c, t: flip_tensor(ck, step),
-                                     file=f"{STEP}/__0_0.distcp"),
-    "keyed: tensor altered and rehashed": A(do=flip_and_rehash, file=f"{STEP}/{HMAC_FILE}",
-                                            src="keyed", key=KEY),
-    "keyed: gadget and rehashed": A(do=gadget_and_rehash, file=f"{STEP}/{HMAC_FILE}",
-                                    src="keyed", key=KEY),
-    "keyed: an older signed checkpoint renamed": A(do=renamed_step, file="step_00000005/meta.json",
-                                                   src="keyed", key=KEY),
-    "keyed: HMAC removed": A(do=remove_hmac, file=f"{STEP}/{HMAC_FILE}", src="keyed",
-                             key=KEY),
-    "keyed: HMAC garbage": A(do=hmac_text("hmac-sha256:" + "0" * 64),
-                             file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY),
-    "keyed: HMAC is a symlink": A(do=symlinked(f"{STEP}/{HMAC_FILE}"),
-                                  file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY),
-    "keyed: another key": A(do=lambda *a: None, file=f"{STEP}/{HMAC_FILE}", src="keyed",
-                            key=OTHER_KEY),
-    "keyed: loaded without a key": A(do=lambda *a: None, file=f"{STEP}/{HMAC_FILE}",
-                                     src="keyed"),
+    "tensor altered, hashes kept": A(
+        do=lambda ck, step, c, t: flip_tensor(ck, step), file=f"{STEP}/__0_0.distcp"
+    ),
+    "keyed: tensor altered and rehashed": A(
+        do=flip_and_rehash, file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY
+    ),
+    "keyed: gadget and rehashed": A(
+        do=gadget_and_rehash, file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY
+    ),
+    "keyed: an older signed checkpoint renamed": A(
+        do=renamed_step, file="step_00000005/meta.json", src="keyed", key=KEY
+    ),
+    "keyed: HMAC removed": A(do=remove_hmac, file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY),
+    "keyed: HMAC garbage": A(
+        do=hmac_text("hmac-sha256:" + "0" * 64), file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY
+    ),
+    "keyed: HMAC is a symlink": A(
+        do=symlinked(f"{STEP}/{HMAC_FILE}"), file=f"{STEP}/{HMAC_FILE}", src="keyed", key=KEY
+    ),
+    "keyed: another key": A(
+        do=lambda *a: None, file=f"{STEP}/{HMAC_FILE}", src="keyed", key=OTHER_KEY
+    ),
+    "keyed: loaded without a key": A(do=lambda *a: None, file=f"{STEP}/{HMAC_FILE}", src="keyed"),
     "plain: loaded with a key": A(do=lambda *a: None, file=f"{STEP}/{HMAC_FILE}", key=KEY),
 }
 
@@ -430,16 +491,22 @@ def copy(saved, src: str, tmp: Path) -> tuple[Path, Path]:
     """A copy of a saved checkpoint; its 16 MB tensor file hard-linked (attacks that change
     it replace it, never write into it)."""
     ck = tmp / "ck"
-    shutil.copytree(saved.base / src, ck, symlinks=True, copy_function=lambda a, b: (
-        os.link if a.endswith(".distcp") else shutil.copy2)(a, b))
+    shutil.copytree(
+        saved.base / src,
+        ck,
+        symlinks=True,
+        copy_function=lambda a, b: (os.link if a.endswith(".distcp") else shutil.copy2)(a, b),
+    )
     return ck, ck / STEP
 
 
 @pytest.fixture
 def bounded():
     """Fail, not hang, should a loader block (on a FIFO): SIGALRM after 60 s."""
+
     def boom(*_):
         raise TimeoutError("the loader blocked")
+
     old = signal.signal(signal.SIGALRM, boom)
     signal.alarm(60)
     yield
@@ -508,9 +575,25 @@ def test_the_cli_says_one_line_and_exits_1(saved, tmp_path, name):
     ATTACKS[name].do(ck, step, canary, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "schedc", "run", "schedules/tiny_1gpu.sched",
-                        "--steps", "2", "--resume", str(ck)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "schedc",
+            "run",
+            "schedules/tiny_1gpu.sched",
+            "--steps",
+            "2",
+            "--resume",
+            str(ck),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert p.returncode == 1, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("schedc: error: "), p.stderr

@@ -45,9 +45,12 @@ seed 7
 """
 SINGLE = HEAD
 DDP = HEAD + "ddp { bucket b1 = head, h.1  bucket b2 = h.0, embed  overlap on  no_sync on }\n"
-FSDP = HEAD + """fsdp { unit tied = wte.weight keep  unit u1 = wpe.weight, h.0  unit u2 = h.1, head
+FSDP = (
+    HEAD
+    + """fsdp { unit tied = wte.weight keep  unit u1 = wpe.weight, h.0  unit u2 = h.1, head
        prefetch forward 1  prefetch backward 1 }
 """
+)
 _tags = iter(range(10**6))
 
 
@@ -65,8 +68,11 @@ def world1():
 
 def run(text: str, *, compile: bool, steps: int = 2, trace: bool = False):
     c = compile_text(text, "t.sched", Overrides(steps=steps, compile=compile))
-    ex = Executor(c, Comm(0, 1, tag=f"compile{next(_tags)}"),
-                  RunOptions(device="cpu", record=True, log=False, trace=trace))
+    ex = Executor(
+        c,
+        Comm(0, 1, tag=f"compile{next(_tags)}"),
+        RunOptions(device="cpu", record=True, log=False, trace=trace),
+    )
     out = [ex.step() for _ in range(steps)]
     ex.close()
     return ex, out
@@ -161,8 +167,9 @@ def test_tf32_touches_cuda_only():
     assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == before
 
 
-@pytest.mark.parametrize("local,count,ok", [(1, 1, True), (8, 8, True), (2, 1, False),
-                                             (4, 0, False), (9, 8, False)])
+@pytest.mark.parametrize(
+    "local,count,ok", [(1, 1, True), (8, 8, True), (2, 1, False), (4, 0, False), (9, 8, False)]
+)
 def test_ranks_vs_gpus(local, count, ok):
     if ok:
         check_gpus(local, count)
@@ -178,11 +185,27 @@ def test_ranks_vs_gpus(local, count, ok):
 def test_device_cuda_without_cuda_is_one_line():
     with pytest.raises(RunError, match="--device cuda, but torch sees no CUDA device"):
         pick_device("cuda")
-    r = subprocess.run([sys.executable, "-m", "schedc", "run", "schedules/tiny_1gpu.sched",
-                        "--steps", "1", "--device", "cuda"], check=False, capture_output=True,
-                       text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "schedc",
+            "run",
+            "schedules/tiny_1gpu.sched",
+            "--steps",
+            "1",
+            "--device",
+            "cuda",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 1
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines == ["schedc: error on rank 0: --device cuda, but torch sees no CUDA device"], (
-        r.stderr)
+        r.stderr
+    )

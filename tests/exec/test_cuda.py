@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +67,14 @@ fsdp { unit tied = wte.weight keep  unit u1 = wpe.weight, h.0  unit u2 = h.1, he
 
 @pytest.mark.parametrize("text", [DDP, FSDP], ids=["ddp", "fsdp"])
 def test_cuda_step_matches_cpu_reference(text):
-    r = subprocess.run([sys.executable, "-c", CHECK], input=text, capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for s in res["steps"]:
@@ -81,20 +89,56 @@ def test_cuda_step_matches_cpu_reference(text):
 @pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
 def test_two_gpus_under_torchrun(sched, tmp_path):
     cpu = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "schedc", "run", f"schedules/{sched}", "--steps", "3", "--device", "cpu"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "schedc",
+            "run",
+            f"schedules/{sched}",
+            "--steps",
+            "3",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     gpu = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "schedc", "run", f"schedules/{sched}", "--steps", "3", "--device", "cuda",
-         "--trace", str(tmp_path / "t.json")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "schedc",
+            "run",
+            f"schedules/{sched}",
+            "--steps",
+            "3",
+            "--device",
+            "cuda",
+            "--trace",
+            str(tmp_path / "t.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert cpu.returncode == 0 and gpu.returncode == 0, (cpu.stderr, gpu.stderr)
 
     def losses(out):
-        return [float(x.split("loss ")[1].split()[0]) for x in out.splitlines()
-                if x.startswith("step ")]
+        return [
+            float(x.split("loss ")[1].split()[0]) for x in out.splitlines() if x.startswith("step ")
+        ]
 
     for a, b in zip(losses(cpu.stdout), losses(gpu.stdout)):
         assert abs(a - b) <= 1e-4 * abs(a)

@@ -23,35 +23,44 @@ optimizer adamw {{ lr = 1e-3  warmup = 1  clip = 1.0 }}
 
 
 def ddp(world: int, k: int, buckets: str, *, overlap=True, no_sync=True, micro=2) -> str:
-    return HEAD.format(world=world, seqs=micro * k * world, micro=micro) + f"""
+    return (
+        HEAD.format(world=world, seqs=micro * k * world, micro=micro)
+        + f"""
 ddp {{
   {buckets}
-  overlap {'on' if overlap else 'off'}
-  no_sync {'on' if no_sync else 'off'}
+  overlap {"on" if overlap else "off"}
+  no_sync {"on" if no_sync else "off"}
 }}
 """
+    )
 
 
-def fsdp(world: int, k: int, units: str, *, fwd=1, bwd=1, reshard=True, no_sync=False,
-         micro=2) -> str:
-    return HEAD.format(world=world, seqs=micro * k * world, micro=micro) + f"""
+def fsdp(
+    world: int, k: int, units: str, *, fwd=1, bwd=1, reshard=True, no_sync=False, micro=2
+) -> str:
+    return (
+        HEAD.format(world=world, seqs=micro * k * world, micro=micro)
+        + f"""
 fsdp {{
   {units}
   prefetch forward {fwd}
   prefetch backward {bwd}
-  reshard_after_forward {'on' if reshard else 'off'}
-  no_sync {'on' if no_sync else 'off'}
+  reshard_after_forward {"on" if reshard else "off"}
+  no_sync {"on" if no_sync else "off"}
 }}
 """
+    )
 
 
 ONE_BUCKET = "bucket all = embed .. head"
 TWO_BUCKETS = "bucket b1 = head, h.1\n  bucket b2 = h.0, embed"
-PER_PARAM = ("bucket b1 = head, h.1.mlp.c_proj.weight, h.1.mlp.c_proj.bias\n"
-             "  bucket b2 = h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias, h.1.ln_2.weight, "
-             "h.1.ln_2.bias, h.1.attn.c_proj.weight, h.1.attn.c_proj.bias, "
-             "h.1.attn.c_attn.weight, h.1.attn.c_attn.bias, h.1.ln_1.weight, h.1.ln_1.bias, h.0\n"
-             "  bucket b3 = wpe.weight\n  bucket b4 = wte.weight")
+PER_PARAM = (
+    "bucket b1 = head, h.1.mlp.c_proj.weight, h.1.mlp.c_proj.bias\n"
+    "  bucket b2 = h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias, h.1.ln_2.weight, "
+    "h.1.ln_2.bias, h.1.attn.c_proj.weight, h.1.attn.c_proj.bias, "
+    "h.1.attn.c_attn.weight, h.1.attn.c_attn.bias, h.1.ln_1.weight, h.1.ln_1.bias, h.0\n"
+    "  bucket b3 = wpe.weight\n  bucket b4 = wte.weight"
+)
 TIED_FIRST = "bucket b1 = head, wte.weight\n  bucket b2 = h.1 .. h.0, wpe.weight"
 CAP = "bucket_cap 8 KiB first 2 KiB"
 
@@ -72,8 +81,9 @@ DDP_CASES = {
     "w4-one-bucket-k4-overlap-off": ddp(4, 4, ONE_BUCKET, overlap=False, micro=1),
 }
 
-THREE_UNITS = ("unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
-               "  unit u2 = h.1\n  unit u3 = head")
+THREE_UNITS = (
+    "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n  unit u2 = h.1\n  unit u3 = head"
+)
 TWO_UNITS = "unit root = embed, head keep\n  unit blocks = h.0 .. h.1"
 ONE_UNIT = "unit all = embed .. head"
 
@@ -84,8 +94,7 @@ FSDP_CASES = {
     "w2-three-units-p1-k2": fsdp(2, 2, THREE_UNITS),
     "w2-three-units-p2-k2-no-sync": fsdp(2, 2, THREE_UNITS, fwd=2, bwd=2, no_sync=True),
     "w2-three-units-no-reshard-k2": fsdp(2, 2, THREE_UNITS, reshard=False),
-    "w2-two-units-p1-k3-no-sync-no-reshard": fsdp(2, 3, TWO_UNITS, reshard=False,
-                                                   no_sync=True),
+    "w2-two-units-p1-k3-no-sync-no-reshard": fsdp(2, 3, TWO_UNITS, reshard=False, no_sync=True),
     "w2-one-unit-k2": fsdp(2, 2, ONE_UNIT),
     "w4-three-units-p1": fsdp(4, 1, THREE_UNITS),
     "w4-three-units-p2-k2": fsdp(4, 2, THREE_UNITS, fwd=2, bwd=1, micro=1),
@@ -106,15 +115,22 @@ def test_fsdp_equals_reference(pool, reference, text):
     assert_matches(pool.run(text, world, steps=2), reference(text, 2))
 
 
-@pytest.mark.parametrize("text", [DDP_CASES["w2-two-buckets-k2"],
-                                  FSDP_CASES["w2-three-units-p1-k2"]], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "text",
+    [DDP_CASES["w2-two-buckets-k2"], FSDP_CASES["w2-three-units-p1-k2"]],
+    ids=["ddp", "fsdp"],
+)
 def test_float64_is_much_tighter(pool, reference, text):
-    assert_matches(pool.run(text, 2, steps=2, dtype="float64"), reference(text, 2, "float64"),
-                   "float64")
+    assert_matches(
+        pool.run(text, 2, steps=2, dtype="float64"), reference(text, 2, "float64"), "float64"
+    )
 
 
-@pytest.mark.parametrize("text", [DDP_CASES["w2-two-buckets-k2"],
-                                  FSDP_CASES["w2-three-units-p1-k2"]], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "text",
+    [DDP_CASES["w2-two-buckets-k2"], FSDP_CASES["w2-three-units-p1-k2"]],
+    ids=["ddp", "fsdp"],
+)
 def test_traced_runs_every_op_alone_and_computes_the_same(pool, reference, text):
     """With --trace the executor runs each op on its own (no fused segments)."""
     result = pool.run(text, 2, steps=2, trace=True)

@@ -22,12 +22,21 @@ def test_ddp_overlap_fuses_all_but_the_bucket_boundary_and_the_tied_head():
     by_mb = {mb: [(s.kind, s.layers) for s in segs if s.mb == mb] for mb in range(4)}
     body = ("embed", "h.0", "h.1", "h.2", "h.3")
     for mb in range(3):  # no_sync micro-steps: only the head, which re-reads wte, stands apart
-        assert by_mb[mb] == [(Kind.FWD, body), (Kind.FWD, ("head",)),
-                             (Kind.BWD, ("head",)), (Kind.BWD, body[::-1])]
+        assert by_mb[mb] == [
+            (Kind.FWD, body),
+            (Kind.FWD, ("head",)),
+            (Kind.BWD, ("head",)),
+            (Kind.BWD, body[::-1]),
+        ]
     # the last micro-step records an event after bwd[h.2] for bucket b1: cut there, both ways
-    assert by_mb[3] == [(Kind.FWD, ("embed", "h.0", "h.1")), (Kind.FWD, ("h.2", "h.3")),
-                        (Kind.FWD, ("head",)), (Kind.BWD, ("head",)),
-                        (Kind.BWD, ("h.3", "h.2")), (Kind.BWD, ("h.1", "h.0", "embed"))]
+    assert by_mb[3] == [
+        (Kind.FWD, ("embed", "h.0", "h.1")),
+        (Kind.FWD, ("h.2", "h.3")),
+        (Kind.FWD, ("head",)),
+        (Kind.BWD, ("head",)),
+        (Kind.BWD, ("h.3", "h.2")),
+        (Kind.BWD, ("h.1", "h.0", "embed")),
+    ]
 
 
 def test_no_backward_segment_holds_both_readers_of_the_tied_wte():
@@ -43,15 +52,24 @@ def test_fusion_keeps_every_op_once_and_in_plan_order():
         items = fuse(plan, c.spec.model)
         ops = []
         for it in items:
-            ops += list(it.ops) if isinstance(it, Segment) else (
-                [plan.instrs[it].op] if plan.instrs[it].kind is Action.RUN else [])
+            ops += (
+                list(it.ops)
+                if isinstance(it, Segment)
+                else ([plan.instrs[it].op] if plan.instrs[it].kind is Action.RUN else [])
+            )
         assert ops == plan.ops, f.name
 
 
 def test_fsdp_cuts_at_every_unit_boundary():
     for s in segments("tiny_fsdp_prefetch.sched"):
-        assert s.layers in {("embed", "h.0"), ("h.1", "h.2"), ("h.3",), ("head",),
-                            ("h.0", "embed"), ("h.2", "h.1")}, s
+        assert s.layers in {
+            ("embed", "h.0"),
+            ("h.1", "h.2"),
+            ("h.3",),
+            ("head",),
+            ("h.0", "embed"),
+            ("h.2", "h.1"),
+        }, s
 
 
 def test_disabled_fusion_runs_every_op_alone():

@@ -39,8 +39,10 @@ def FSDP(world: int, policy: str, **kw) -> str:
 CASES = {
     f"{kind}-w{w}-{p}": (DDP(w, p) if kind == "ddp" else FSDP(w, p), w)
     for w in (1, 2)
-    for kind, policies in (("ddp", ("bf16-compute", "bf16-reduce-ddp")),
-                           ("fsdp", ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp")))
+    for kind, policies in (
+        ("ddp", ("bf16-compute", "bf16-reduce-ddp")),
+        ("fsdp", ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp")),
+    )
     for p in policies
 }
 CASES["fsdp-w2-bf16-gather-no-sync"] = (FSDP(2, "bf16-gather", no_sync=True), 2)
@@ -73,8 +75,9 @@ def _bytes(result, rank: int = 0) -> dict[str, int]:
 
 
 def test_bf16_gathers_and_reductions_move_half_the_bytes(pool):
-    fp32, gather, both = (pool.run(FSDP(2, p), 2) for p in
-                          ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp"))
+    fp32, gather, both = (
+        pool.run(FSDP(2, p), 2) for p in ("bf16-compute", "bf16-gather", "bf16-reduce-fsdp")
+    )
     a, g, b = _bytes(fp32), _bytes(gather), _bytes(both)
     assert a.keys() == g.keys() == b.keys()
     for key in a:
@@ -83,8 +86,10 @@ def test_bf16_gathers_and_reductions_move_half_the_bytes(pool):
         else:  # reduce-scatters: fp32 unless the policy reduces in bf16
             assert key.startswith("reducescatter")
             assert g[key] == a[key] and b[key] * 2 == a[key], key
-    d32, d16 = _bytes(pool.run(DDP(2, "bf16-compute"), 2)), _bytes(
-        pool.run(DDP(2, "bf16-reduce-ddp"), 2))
+    d32, d16 = (
+        _bytes(pool.run(DDP(2, "bf16-compute"), 2)),
+        _bytes(pool.run(DDP(2, "bf16-reduce-ddp"), 2)),
+    )
     assert d32.keys() == d16.keys() and all(d16[k] * 2 == d32[k] for k in d32), (d32, d16)
 
 

@@ -63,8 +63,7 @@ def _summary(request):
 def equivalent(pool, reference, case, dtype: str = "float32", fault: str | None = None):
     """Run `case` on its ranks; its steps must equal the reference's (the property)."""
     text = case.text()
-    note(f"schedule (world {case.world}, {case.steps} step(s), {dtype}, {case.precision}):"
-         f"\n{text}")
+    note(f"schedule (world {case.world}, {case.steps} step(s), {dtype}, {case.precision}):\n{text}")
     result = pool.run(text, case.world, case.steps, dtype=dtype, fault=fault, timeout=JOB_S)
     assert_matches(result, reference(text, case.steps, dtype), dtype)
 
@@ -106,11 +105,14 @@ def test_schedules_that_agree_make_the_same_update(pool, pair):
     a, b = pair
     note(f"a (world {a.world}):\n{a.text()}\nb (world {b.world}):\n{b.text()}")
     steps = Overrides(steps=a.steps)
-    verdict = compare(compile_text(a.text(), "a.sched", steps).spec,
-                      compile_text(b.text(), "b.sched", steps).spec)
+    verdict = compare(
+        compile_text(a.text(), "a.sched", steps).spec, compile_text(b.text(), "b.sched", steps).spec
+    )
     assert verdict.agree, [d.message for d in verdict.diagnostics]
-    assert_same_update(pool.run(a.text(), a.world, a.steps, timeout=JOB_S),
-                       pool.run(b.text(), b.world, b.steps, timeout=JOB_S))
+    assert_same_update(
+        pool.run(a.text(), a.world, a.steps, timeout=JOB_S),
+        pool.run(b.text(), b.world, b.steps, timeout=JOB_S),
+    )
     tally("pairs", f"{a.kind}-w{a.world}", f"{b.kind}-w{b.world}")
 
 
@@ -131,8 +133,13 @@ def _wait(draw, progs, edits, who: str = "") -> None:
     g = run_graph(progs)
     s = draw(st.sampled_from([s for s in progs if progs[s]]))
     v = progs[s][draw(st.integers(0, len(progs[s]) - 1))]
-    others = [x.op for t in progs if t != s for x in progs[t]
-              if x.op not in v.after and not nx.has_path(g, v.op, x.op)]
+    others = [
+        x.op
+        for t in progs
+        if t != s
+        for x in progs[t]
+        if x.op not in v.after and not nx.has_path(g, v.op, x.op)
+    ]
     if others:
         u = draw(st.sampled_from(others))
         v.after.append(u)
@@ -173,8 +180,7 @@ def rewritten(draw):
         compiled = compile_text(text, "rewritten.sched")
     except CompileError:
         assume(False)
-    assume(compiled.plans.keys() != {None}
-           or compiled.plan() != compile_text(case.text()).plan())
+    assume(compiled.plans.keys() != {None} or compiled.plan() != compile_text(case.text()).plan())
     return case, text, [f"({how})", *edits]
 
 
@@ -185,8 +191,9 @@ def reduces_late(compiled) -> bool:
     spec = compiled.spec
     if spec.kind != "fsdp":
         return False
-    writers = {u.name: {w for p in u.params for w in spec.model.writers(p)}
-               for u in spec.strategy.units}
+    writers = {
+        u.name: {w for p in u.params for w in spec.model.writers(p)} for u in spec.strategy.units
+    }
     for plan in compiled.plans.values():
         seen: set[tuple[str, int]] = set()  # (unit, mb) written by a backward so far
         for op in plan.ops:
@@ -253,25 +260,33 @@ ddp {
 """
 
 
-@pytest.mark.parametrize("fault,kinds,precisions,smallest", [
-    # forgets the 1/k of accumulation: shows at k = 2, on one rank, one layer, one bucket
-    ("skip-accum-scale", ("ddp", "fsdp"), ("fp32",), MINIMAL),
-    # all-reduces after micro-step 0's backward instead of the last one's (needs world > 1)
-    ("reduce-first-micro-step", ("ddp",), ("fp32",), None),
-    # reduces in bf16 where the schedule says fp32: a 2^-9 rounding, far beyond fp32's
-    # tolerance, shows on one rank (a world-1 DDP bucket or FSDP unit is reduced too)
-    ("reduce-in-bf16", ("ddp", "fsdp"), ("fp32",), MINIMAL),
-    # the bf16 all-reduce's sum never copied back: each rank keeps its own gradient / D
-    # (at world 1 that is the sum, so it needs world > 1)
-    ("no-cast-back", ("ddp",), ("bf16-reduce",), None),
-], ids=["skip-accum-scale", "reduce-first-micro-step", "reduce-in-bf16", "no-cast-back"])
-def test_the_equivalence_property_catches_a_wrong_executor(pool, reference, fault, kinds,
-                                                            precisions, smallest):
+@pytest.mark.parametrize(
+    "fault,kinds,precisions,smallest",
+    [
+        # forgets the 1/k of accumulation: shows at k = 2, on one rank, one layer, one bucket
+        ("skip-accum-scale", ("ddp", "fsdp"), ("fp32",), MINIMAL),
+        # all-reduces after micro-step 0's backward instead of the last one's (needs world > 1)
+        ("reduce-first-micro-step", ("ddp",), ("fp32",), None),
+        # reduces in bf16 where the schedule says fp32: a 2^-9 rounding, far beyond fp32's
+        # tolerance, shows on one rank (a world-1 DDP bucket or FSDP unit is reduced too)
+        ("reduce-in-bf16", ("ddp", "fsdp"), ("fp32",), MINIMAL),
+        # the bf16 all-reduce's sum never copied back: each rank keeps its own gradient / D
+        # (at world 1 that is the sum, so it needs world > 1)
+        ("no-cast-back", ("ddp",), ("bf16-reduce",), None),
+    ],
+    ids=["skip-accum-scale", "reduce-first-micro-step", "reduce-in-bf16", "no-cast-back"],
+)
+def test_the_equivalence_property_catches_a_wrong_executor(
+    pool, reference, fault, kinds, precisions, smallest
+):
     """The same property, with the fault injected on every rank, must find a failing case,
     and hypothesis shrinks it to the smallest schedule that shows the fault."""
 
-    @settings(max_examples=examples(20), report_multiple_bugs=False,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink])
+    @settings(
+        max_examples=examples(20),
+        report_multiple_bugs=False,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    )
     @given(case=cases(kinds=kinds, precisions=precisions))
     def prop(case):
         equivalent(pool, reference, case, fault=fault)
@@ -328,8 +343,10 @@ def test_a_hung_job_times_out_with_its_plan_and_the_pool_recovers(pool, referenc
 
 # -- the counts the issue asks for ---------------------------------------------------------------
 
-PROPERTY_TESTS = ("test_ddp_schedules_equal_the_reference",
-                  "test_fsdp_schedules_equal_the_reference")
+PROPERTY_TESTS = (
+    "test_ddp_schedules_equal_the_reference",
+    "test_fsdp_schedules_equal_the_reference",
+)
 
 
 def test_the_ci_profile_ran_enough_generated_cases(request):

@@ -32,13 +32,27 @@ _port = [29600 + os.getpid() % 2000]
 def launch(world: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
     """`schedc run ARGS` as `world` processes, each its own rank."""
     _port[0] += 1
-    base = {**os.environ, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1", **(env or {})}
-    return [subprocess.Popen([sys.executable, "-m", "schedc", "run", *args],
-                             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world)]
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_port[0]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "schedc", "run", *args],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
 
 
 def finish(procs, timeout: float = 240) -> list[tuple[int, str, str]]:
@@ -73,8 +87,9 @@ def run(world: int, *args: str, env: dict | None = None) -> list[tuple[int, str,
 
 
 def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
-    procs = launch(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
-                   "--timeout", "20")
+    procs = launch(
+        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
+    )
     wait_for_step(procs[0], 2)
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -87,8 +102,9 @@ def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
 
 
 def test_a_stuck_rank_is_named_after_the_timeout():
-    procs = launch(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
-                   "--timeout", "8")
+    procs = launch(
+        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "8"
+    )
     wait_for_step(procs[0], 2)
     procs[1].send_signal(signal.SIGSTOP)  # alive, but answers nothing
     t0 = time.monotonic()
@@ -104,13 +120,31 @@ def test_a_stuck_rank_is_named_after_the_timeout():
 
 def test_torchrun_sees_the_failure():
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000",
-         "--timeout", "20"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "schedc",
+            "run",
+            str(SCHEDULES / "tiny_ddp_overlap.sched"),
+            "--steps",
+            "10000",
+            "--timeout",
+            "20",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
     wait_for_step(p, 2)
-    children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
-                              text=True).stdout.split()
+    children = subprocess.run(
+        ["pgrep", "-P", str(p.pid)], capture_output=True, text=True
+    ).stdout.split()
     workers = [c for c in children if c]
     os.kill(int(workers[-1]), signal.SIGKILL)
     _, err = p.communicate(timeout=90)
@@ -150,8 +184,11 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     verify(path)
     reader = SafeReader(str(path))
     md = reader.read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
@@ -162,20 +199,52 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
     f = str(SCHEDULES / sched)
     straight = tmp_path / "straight"
-    (code, _, err), _ = run(2, f, "--steps", "6", "--save", str(straight), "--save-every", "6",
-                            "--log-json", str(tmp_path / "straight.jsonl"))
+    (code, _, err), _ = run(
+        2,
+        f,
+        "--steps",
+        "6",
+        "--save",
+        str(straight),
+        "--save-every",
+        "6",
+        "--log-json",
+        str(tmp_path / "straight.jsonl"),
+    )
     assert code == 0, err
     ck = tmp_path / "ck"
-    procs = launch(2, f, "--steps", "6", "--save", str(ck), "--save-every", "2",
-                   "--log-json", str(tmp_path / "a.jsonl"))
+    procs = launch(
+        2,
+        f,
+        "--steps",
+        "6",
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+        "--log-json",
+        str(tmp_path / "a.jsonl"),
+    )
     deadline = time.monotonic() + 120
     while not (ck / "latest").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     for p in procs:
         p.kill()  # mid-run, after the first checkpoint
     finish(procs)
-    (code, out, err), _ = run(2, f, "--steps", "6", "--save", str(ck), "--save-every", "6",
-                              "--resume", str(ck), "--log-json", str(tmp_path / "b.jsonl"))
+    (code, out, err), _ = run(
+        2,
+        f,
+        "--steps",
+        "6",
+        "--save",
+        str(ck),
+        "--save-every",
+        "6",
+        "--resume",
+        str(ck),
+        "--log-json",
+        str(tmp_path / "b.jsonl"),
+    )
     assert code == 0, err
     assert "resumed from" in out
     want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "b.jsonl")
@@ -191,11 +260,29 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
     one = tmp_path / "one.sched"  # the same model, global batch and units, on one rank
     one.write_text(two.read_text().replace("world 2", "world 1").replace("micro 2", "micro 4"))
     ck = tmp_path / "ck"
-    (code, _, err), _ = run(2, str(two), "--steps", "4", "--save", str(ck), "--save-every", "2",
-                            "--log-json", str(tmp_path / "two.jsonl"))
+    (code, _, err), _ = run(
+        2,
+        str(two),
+        "--steps",
+        "4",
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+        "--log-json",
+        str(tmp_path / "two.jsonl"),
+    )
     assert code == 0, err
-    (code, out, err), = run(1, str(one), "--steps", "4", "--resume", str(ck / "step_00000002"),
-                            "--log-json", str(tmp_path / "one.jsonl"))
+    ((code, out, err),) = run(
+        1,
+        str(one),
+        "--steps",
+        "4",
+        "--resume",
+        str(ck / "step_00000002"),
+        "--log-json",
+        str(tmp_path / "one.jsonl"),
+    )
     assert code == 0, err
     want, got = losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl")
     assert sorted(got) == [2, 3]
@@ -203,21 +290,39 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
 
 
-@pytest.mark.parametrize("point", ["before-write", "after-write", "before-rename",
-                                   "before-latest"])
+@pytest.mark.parametrize("point", ["before-write", "after-write", "before-rename", "before-latest"])
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, point):
     f = str(SCHEDULES / "tiny_ddp_overlap.sched")
     ck = tmp_path / "ck"
-    (code, _, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "2", "--save",
-                          str(ck), "--save-every", "2")
+    ((code, _, err),) = run(
+        1,
+        str(SCHEDULES / "tiny_1gpu.sched"),
+        "--steps",
+        "2",
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+    )
     assert code == 0, err
     # the next save (step 4) dies at `point`
-    (code, _, _), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume",
-                        str(ck), "--save", str(ck), "--save-every", "2",
-                        env={CRASH_ENV: point})
+    ((code, _, _),) = run(
+        1,
+        str(SCHEDULES / "tiny_1gpu.sched"),
+        "--steps",
+        "4",
+        "--resume",
+        str(ck),
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+        env={CRASH_ENV: point},
+    )
     assert code != 0
-    (code, out, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume",
-                            str(ck))
+    ((code, out, err),) = run(
+        1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume", str(ck)
+    )
     assert code == 0, err
     resumed_at = int(out.split("at step ")[1].split()[0])
     assert resumed_at in (2, 4)  # the old one, or the new one if it was complete
@@ -245,19 +350,31 @@ def _corrupt(ck: Path, how: str) -> None:
         (path / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("how,message", [
-    ("truncate", "truncated or altered"),
-    ("flip", "truncated or altered"),
-    ("evil-metadata", "which a DCP checkpoint never does"),
-])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("truncate", "truncated or altered"),
+        ("flip", "truncated or altered"),
+        ("evil-metadata", "which a DCP checkpoint never does"),
+    ],
+)
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, how, message):
     ck = tmp_path / "ck"
-    (code, _, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "2", "--save",
-                          str(ck), "--save-every", "2")
+    ((code, _, err),) = run(
+        1,
+        str(SCHEDULES / "tiny_1gpu.sched"),
+        "--steps",
+        "2",
+        "--save",
+        str(ck),
+        "--save-every",
+        "2",
+    )
     assert code == 0, err
     _corrupt(ck, how)
-    (code, out, err), = run(1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "3", "--resume",
-                            str(ck))
+    ((code, out, err),) = run(
+        1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "3", "--resume", str(ck)
+    )
     assert code == 1
     assert message in err and "Traceback" not in err, err
     assert not (ck / "pwned").exists()
@@ -272,24 +389,41 @@ def test_a_schedule_is_data_never_code():
 
 def test_ranks_reading_different_data_refuse_to_start(tmp_path):
     """The same schedule text, but `data "text.txt"` is another file on each rank."""
-    text = (SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace(
-        "data corpus", 'data "text.txt"')
+    text = (
+        (SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace("data corpus", 'data "text.txt"')
+    )
     dirs = []
     for r in range(2):
         d = tmp_path / f"rank{r}"
         d.mkdir()
         (d / "run.sched").write_text(text)
-        (d / "text.txt").write_text(("In the beginning was the word. " * 400) if r == 0 else
-                                    ("Call me Ishmael. Some years ago. " * 400))
+        (d / "text.txt").write_text(
+            ("In the beginning was the word. " * 400)
+            if r == 0
+            else ("Call me Ishmael. Some years ago. " * 400)
+        )
         dirs.append(d)
     _port[0] += 1
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_port[0]), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", "run.sched", "--timeout",
-                               "60"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              cwd=dirs[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_port[0]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "schedc", "run", "run.sched", "--timeout", "60"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=dirs[r],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for code, out, err in finish(procs, timeout=120):
         assert code == 1, err
         assert "ranks disagree before step 1" in err and "data" in err

@@ -24,8 +24,17 @@ SCHEDULES = ROOT / "schedules"
 
 
 def torchrun(n: int, *args: str, timeout: float = 300, env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={n}", "-m", "schedc", "run", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+        "-m",
+        "schedc",
+        "run",
+        *args,
+    ]
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=e)
 
@@ -43,13 +52,14 @@ def overlap(a: tuple[float, float, dict], b: tuple[float, float, dict]) -> float
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-# -- traces -----------------------------------------------------------------------------------
+# -- traces ----------------------------------------------------------------------------------------
 
 
 def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
     trace = tmp_path / "ddp.json"
-    r = torchrun(2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "3",
-                 "--trace", str(trace))
+    r = torchrun(
+        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "3", "--trace", str(trace)
+    )
     assert r.returncode == 0, r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
@@ -69,8 +79,9 @@ def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
 
 def test_fsdp_trace_shows_prefetch_overlapping_compute(tmp_path):
     trace = tmp_path / "fsdp.json"
-    r = torchrun(2, str(SCHEDULES / "tiny_fsdp_prefetch.sched"), "--steps", "3",
-                 "--trace", str(trace))
+    r = torchrun(
+        2, str(SCHEDULES / "tiny_fsdp_prefetch.sched"), "--steps", "3", "--trace", str(trace)
+    )
     assert r.returncode == 0, r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):
@@ -96,34 +107,48 @@ def test_main_command_trains_and_writes_a_trace(tmp_path):
     trace = tmp_path / "run.json"
     r = torchrun(2, "--trace", str(trace))
     assert r.returncode == 0, r.stderr
-    losses = [float(line.split("loss ")[1].split()[0]) for line in r.stdout.splitlines()
-              if line.startswith("step ")]
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in r.stdout.splitlines()
+        if line.startswith("step ")
+    ]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses
     assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
 
 
-# -- memory and communication ---------------------------------------------------------------------
+# -- memory and communication ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fsdp_memory_matches_prediction_and_shards_scale(pool, world):
-    text = fsdp(world, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
-                "  unit u2 = h.1\n  unit u3 = head", micro=2)
+    text = fsdp(
+        world,
+        1,
+        "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+        "  unit u2 = h.1\n  unit u3 = head",
+        micro=2,
+    )
     predicted = compile_text(text).memory
     res = pool.run(text, world, steps=2)
     for measured in res.memory:
         # states after a step: shard, gradient shard, Adam m and v, all real tensors
         assert abs(measured["states"] - predicted.states) <= 0.10 * predicted.states
         assert abs(measured["gathered_peak"] - predicted.gathered_peak) <= (
-            0.10 * predicted.gathered_peak)
+            0.10 * predicted.gathered_peak
+        )
 
 
 def test_fsdp_sharded_state_scales_as_one_over_world():
     states = {}
     for world in (1, 2, 4):
-        text = fsdp(world, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
-                    "  unit u2 = h.1\n  unit u3 = head", micro=2)
+        text = fsdp(
+            world,
+            1,
+            "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+            "  unit u2 = h.1\n  unit u3 = head",
+            micro=2,
+        )
         states[world] = compile_text(text).memory.states
     for world in (2, 4):
         assert abs(states[world] * world - states[1]) <= 0.01 * states[1], states
@@ -131,8 +156,12 @@ def test_fsdp_sharded_state_scales_as_one_over_world():
 
 def test_fsdp_communicates_three_times_each_unit(pool):
     """Seed 004: per unit per step, AG (fwd) + AG (bwd) + RS = 3 x the unit's parameters."""
-    text = fsdp(2, 1, "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
-                "  unit u2 = h.1\n  unit u3 = head")
+    text = fsdp(
+        2,
+        1,
+        "unit tied = wte.weight keep\n  unit u1 = wpe.weight, h.0\n"
+        "  unit u2 = h.1\n  unit u3 = head",
+    )
     spec = compile_text(text).spec
     res = pool.run(text, 2, steps=1)
     for counted in res.comm_bytes:
@@ -155,8 +184,9 @@ def test_ddp_communicates_each_bucket_once_per_step_with_no_sync(pool):
         assert counted == {f"allreduce[{b.name}]": b.nbytes for b in spec.strategy.buckets}
 
 
-@pytest.mark.parametrize("text", [DDP_CASES["w2-two-buckets-k2"],
-                                  FSDP_CASES["w2-three-units-p1-k2"]])
+@pytest.mark.parametrize(
+    "text", [DDP_CASES["w2-two-buckets-k2"], FSDP_CASES["w2-three-units-p1-k2"]]
+)
 def test_measured_traffic_is_the_checkers_prediction(pool, text):
     """passes/memory.op_bytes, summed over a rank's plan, is what the executor counts."""
     from schedc.passes.memory import op_bytes
@@ -172,14 +202,17 @@ def test_measured_traffic_is_the_checkers_prediction(pool, text):
         assert counted == predicted, rank
 
 
-# -- faults are caught ------------------------------------------------------------------------------
+# -- faults are caught -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fault,text", [
-    ("skip-accum-scale", DDP_CASES["w2-two-buckets-k2"]),
-    ("skip-accum-scale", FSDP_CASES["w2-three-units-p1-k2"]),
-    ("reduce-first-micro-step", DDP_CASES["w2-two-buckets-k2"]),
-])
+@pytest.mark.parametrize(
+    "fault,text",
+    [
+        ("skip-accum-scale", DDP_CASES["w2-two-buckets-k2"]),
+        ("skip-accum-scale", FSDP_CASES["w2-three-units-p1-k2"]),
+        ("reduce-first-micro-step", DDP_CASES["w2-two-buckets-k2"]),
+    ],
+)
 def test_a_wrong_executor_is_caught(pool, reference, fault, text):
     result = pool.run(text, 2, steps=1, fault=fault)  # runs to the end, computing garbage
     with pytest.raises(AssertionError):
@@ -193,13 +226,17 @@ def test_a_failing_instruction_shows_the_plan(pool):
     assert "instruction" in msg and "bwd[h.0]@mb1" in msg and "<-- ERROR HERE" in msg
 
 
-# -- refusing to start ------------------------------------------------------------------------------
+# -- refusing to start -----------------------------------------------------------------------------
 
 
 def test_world_mismatch_without_torchrun_is_a_clear_error():
-    r = subprocess.run([sys.executable, "-m", "schedc", "run",
-                        str(SCHEDULES / "tiny_ddp_overlap.sched")],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 1
     assert "world-2 schedule, but this job has 1 rank" in r.stderr
     assert "nproc_per_node=2" in r.stderr and "Traceback" not in r.stderr
@@ -214,16 +251,32 @@ def test_world_mismatch_under_torchrun_fails_every_rank():
 def test_ranks_with_different_schedules_refuse_to_start(tmp_path):
     """Each rank is given another file: both stop before step 1, neither hangs."""
     other = tmp_path / "other.sched"
-    other.write_text((SCHEDULES / "tiny_ddp_overlap.sched").read_text().replace(
-        "bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3").replace(
-        "bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.2 .. h.0, embed"))
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29500 + os.getpid() % 1000), "OMP_NUM_THREADS": "1"}
+    other.write_text(
+        (SCHEDULES / "tiny_ddp_overlap.sched")
+        .read_text()
+        .replace("bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3")
+        .replace("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.2 .. h.0, embed")
+    )
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000),
+        "OMP_NUM_THREADS": "1",
+    }
     files = [SCHEDULES / "tiny_ddp_overlap.sched", other]
-    procs = [subprocess.Popen([sys.executable, "-m", "schedc", "run", str(f), "--timeout", "60"],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, f in enumerate(files)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "schedc", "run", str(f), "--timeout", "60"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, f in enumerate(files)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 1, err

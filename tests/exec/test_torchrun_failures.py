@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHED = str(ROOT / "schedules" / "tiny_ddp_overlap.sched")
 BOUND_S = 30  # the issue's bound: the job ends within 30 s of the kill or stop
 
-pytestmark = [pytest.mark.ranks,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+pytestmark = [
+    pytest.mark.ranks,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
 
 # the SIGTERM line: `... at step 4, instruction 55 (wait on stream compute for e2 =
 # allreduce[b2]@mb3)`, `(... (bwd[h.3]@mb1 on stream compute)`, `(record e0 on stream ...)`
@@ -33,16 +35,38 @@ OP = r"[\w.]+(\[[\w.]+\])?(@mb\d+)?(:\w+)?"
 INSTRUCTION = re.compile(
     rf"^schedc: rank (\d) terminated by SIGTERM at step \d+, instruction \d+ "
     rf"\(({OP} on stream \w+|wait on stream \w+ for e\d+ = {OP}"
-    rf"|record e\d+ on stream \w+ after {OP})\)[;,]")
+    rf"|record e\d+ on stream \w+ after {OP})\)[;,]"
+)
 
 
 def torchrun(timeout: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "schedc", "run", SCHED, "--steps", "100000", "--timeout", str(timeout)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "schedc",
+            "run",
+            SCHED,
+            "--steps",
+            "100000",
+            "--timeout",
+            str(timeout),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        },
+    )
 
 
 def running(p: subprocess.Popen, step: int = 1, timeout: float = 180) -> dict[int, int]:
@@ -58,8 +82,9 @@ def running(p: subprocess.Popen, step: int = 1, timeout: float = 180) -> dict[in
         p.kill()
         raise AssertionError(f"no step {step} within {timeout}s")
     ranks = {}
-    for pid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, check=False,
-                              text=True).stdout.split():
+    for pid in subprocess.run(
+        ["pgrep", "-P", str(p.pid)], capture_output=True, check=False, text=True
+    ).stdout.split():
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         local = [e for e in env if e.startswith(b"LOCAL_RANK=")]
         if local:
@@ -118,6 +143,10 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound():
     assert any("rank 1 stopped answering" in x for x in lines), err
     assert any("rank 1 was stopped (SIGSTOP); sent SIGCONT" in x for x in lines), err
     # continued, rank 1 names where it was: at torchrun's SIGTERM, or failing on its own
-    assert any(INSTRUCTION.match(x) and x.startswith("schedc: rank 1 ")
-               or x.startswith("schedc: error on rank 1") for x in lines), err
+    assert any(
+        INSTRUCTION.match(x)
+        and x.startswith("schedc: rank 1 ")
+        or x.startswith("schedc: error on rank 1")
+        for x in lines
+    ), err
     assert f'File "{ROOT / "schedc"}' not in err

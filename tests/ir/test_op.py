@@ -35,15 +35,18 @@ def test_equal_text_means_equal_ops(a, b):
     assert (str(a) == str(b)) == (a == b)  # the text is a faithful node key
 
 
-@pytest.mark.parametrize("text, op", [
-    ("fwd[h.3]@mb1", fwd("h.3", 1)),
-    ("bwd[embed]@mb0", bwd("embed", 0)),
-    ("allreduce[b1]@mb3", Op(Kind.ALLREDUCE, "b1", 3)),
-    ("allgather[u2]@mb0:fwd", Op(Kind.ALLGATHER, "u2", 0, Phase.FWD)),
-    ("free[u2]@mb0:bwd", Op(Kind.FREE, "u2", 0, Phase.BWD)),
-    ("reducescatter[u2]@mb1", Op(Kind.REDUCESCATTER, "u2", 1)),
-    ("optimizer.step", STEP),
-])
+@pytest.mark.parametrize(
+    "text, op",
+    [
+        ("fwd[h.3]@mb1", fwd("h.3", 1)),
+        ("bwd[embed]@mb0", bwd("embed", 0)),
+        ("allreduce[b1]@mb3", Op(Kind.ALLREDUCE, "b1", 3)),
+        ("allgather[u2]@mb0:fwd", Op(Kind.ALLGATHER, "u2", 0, Phase.FWD)),
+        ("free[u2]@mb0:bwd", Op(Kind.FREE, "u2", 0, Phase.BWD)),
+        ("reducescatter[u2]@mb1", Op(Kind.REDUCESCATTER, "u2", 1)),
+        ("optimizer.step", STEP),
+    ],
+)
 def test_the_documented_forms(text, op):
     assert Op.parse(text) == op and str(op) == text
 
@@ -56,26 +59,35 @@ def test_kinds_and_streams():
     assert Op(Kind.ALLREDUCE, "b1", 0).is_collective and not fwd("h.0", 0).is_collective
 
 
-@pytest.mark.parametrize("text, says, suggests", [
-    ("", "'' is not an op; ops read like bwd[h.3]@mb1, allgather[u2]@mb0:fwd or "
-         "optimizer.step", None),
-    ("bwd h.3", "'bwd h.3' is not an op", None),
-    ("fwd[h.0]@mb", "'fwd[h.0]@mb' is not an op", None),
-    ("fwd[h.0]@mbx", "is not an op", None),
-    ("fwd[h.0]@mb-1", "is not an op", None),
-    ("fwd[h 0]@mb0", "is not an op", None),
-    ("optimizer.stpe", "is not an op", None),
-    ("bwdd[h.3]@mb1", "unknown op kind 'bwdd'", "bwd"),
-    ("allreduc[b1]@mb0", "unknown op kind 'allreduc'", "allreduce"),
-    ("fwd[]@mb0", "'fwd[]@mb0' names no fwd target inside [...]", None),
-    ("bwd[h.3]", "'bwd[h.3]' names no micro-step; write @mb0, @mb1, ...", None),
-    ("allgather[u1]@mb0", "allgather needs a phase: 'allgather[u1]@mb0:fwd' or "
-                          "'allgather[u1]@mb0:bwd'", None),
-    ("free[u1]@mb2", "free needs a phase", None),
-    ("allreduce[b1]@mb0:fwd", "allreduce takes no phase; drop ':fwd'", None),
-    ("allgather[u1]@mb0:both", "phase 'both' is neither fwd nor bwd", None),
-    ("fwd[h.0]@mb" + "9" * 5000, "micro-step number 999999999999... is too large", None),
-])
+@pytest.mark.parametrize(
+    "text, says, suggests",
+    [
+        (
+            "",
+            "'' is not an op; ops read like bwd[h.3]@mb1, allgather[u2]@mb0:fwd or optimizer.step",
+            None,
+        ),
+        ("bwd h.3", "'bwd h.3' is not an op", None),
+        ("fwd[h.0]@mb", "'fwd[h.0]@mb' is not an op", None),
+        ("fwd[h.0]@mbx", "is not an op", None),
+        ("fwd[h.0]@mb-1", "is not an op", None),
+        ("fwd[h 0]@mb0", "is not an op", None),
+        ("optimizer.stpe", "is not an op", None),
+        ("bwdd[h.3]@mb1", "unknown op kind 'bwdd'", "bwd"),
+        ("allreduc[b1]@mb0", "unknown op kind 'allreduc'", "allreduce"),
+        ("fwd[]@mb0", "'fwd[]@mb0' names no fwd target inside [...]", None),
+        ("bwd[h.3]", "'bwd[h.3]' names no micro-step; write @mb0, @mb1, ...", None),
+        (
+            "allgather[u1]@mb0",
+            "allgather needs a phase: 'allgather[u1]@mb0:fwd' or 'allgather[u1]@mb0:bwd'",
+            None,
+        ),
+        ("free[u1]@mb2", "free needs a phase", None),
+        ("allreduce[b1]@mb0:fwd", "allreduce takes no phase; drop ':fwd'", None),
+        ("allgather[u1]@mb0:both", "phase 'both' is neither fwd nor bwd", None),
+        ("fwd[h.0]@mb" + "9" * 5000, "micro-step number 999999999999... is too large", None),
+    ],
+)
 def test_malformed_text_says_what_is_wrong(text, says, suggests):
     with pytest.raises(OpSyntaxError) as info:
         Op.parse(text)

@@ -37,8 +37,10 @@ program compute {
   optimizer.step after allreduce[b2]@mb1
 }
 """
-DDP_COMM = "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  " \
-           "allreduce[b2]@mb1 after bwd[embed]@mb1 }\n"
+DDP_COMM = (
+    "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  "
+    "allreduce[b2]@mb1 after bwd[embed]@mb1 }\n"
+)
 
 # FSDP's compute stream, written out
 FSDP_COMPUTE = """\
@@ -71,248 +73,610 @@ def test_the_written_programs_are_legal():
 
 FAIL = [
     # input
-    pytest.param("modle nano\nworld 1\n", "syntax", "unexpected 'modle'", "modle",
-                 "did you mean 'model'?", id="syntax-keyword-typo"),
-    pytest.param(NANO + "ddp { bucket b1 = head, h.1, h.0, embed  overlp on }", "syntax",
-                 "unexpected 'overlp'", "overlp", "did you mean 'overlap'?",
-                 id="syntax-typo-in-block"),
-    pytest.param(NANO + "ddp { bucket_cap 1 MiB  reshard_after_forward on }", "syntax",
-                 "unexpected 'reshard_after_forward'", "reshard_after_forward",
-                 "expected 'bucket', 'bucket_cap', 'first', 'no_sync', 'overlap', '}'",
-                 id="syntax-fsdp-keyword-in-ddp"),
-    pytest.param("model nano\nworld", "syntax", "unexpected end of file", "",
-                 "expected a number", id="syntax-eof"),
+    pytest.param(
+        "modle nano\nworld 1\n",
+        "syntax",
+        "unexpected 'modle'",
+        "modle",
+        "did you mean 'model'?",
+        id="syntax-keyword-typo",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1, h.0, embed  overlp on }",
+        "syntax",
+        "unexpected 'overlp'",
+        "overlp",
+        "did you mean 'overlap'?",
+        id="syntax-typo-in-block",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_cap 1 MiB  reshard_after_forward on }",
+        "syntax",
+        "unexpected 'reshard_after_forward'",
+        "reshard_after_forward",
+        "expected 'bucket', 'bucket_cap', 'first', 'no_sync', 'overlap', '}'",
+        id="syntax-fsdp-keyword-in-ddp",
+    ),
+    pytest.param(
+        "model nano\nworld",
+        "syntax",
+        "unexpected end of file",
+        "",
+        "expected a number",
+        id="syntax-eof",
+    ),
     pytest.param(NANO + "@", "syntax", "unexpected '@'", "@", "expected", id="syntax-char"),
-    pytest.param(DDP + "program comm { alreduce[b1]@mb1 }", "syntax",
-                 "unknown op kind 'alreduce'", "alreduce[b1]@mb1", "did you mean 'allreduce'?",
-                 id="syntax-op-kind"),
-    pytest.param(FSDP + "program comm { allgather[u1]@mb0 }", "syntax",
-                 "allgather needs a phase: 'allgather[u1]@mb0:fwd' or", "allgather[u1]@mb0",
-                 None, id="syntax-op-phase"),
-    pytest.param(NANO + "ddp {\n  bucket b1 = head, h.1, h.0, embed\n", "unclosed",
-                 "this '{' is never closed", "{", "add '}'", id="unclosed"),
+    pytest.param(
+        DDP + "program comm { alreduce[b1]@mb1 }",
+        "syntax",
+        "unknown op kind 'alreduce'",
+        "alreduce[b1]@mb1",
+        "did you mean 'allreduce'?",
+        id="syntax-op-kind",
+    ),
+    pytest.param(
+        FSDP + "program comm { allgather[u1]@mb0 }",
+        "syntax",
+        "allgather needs a phase: 'allgather[u1]@mb0:fwd' or",
+        "allgather[u1]@mb0",
+        None,
+        id="syntax-op-phase",
+    ),
+    pytest.param(
+        NANO + "ddp {\n  bucket b1 = head, h.1, h.0, embed\n",
+        "unclosed",
+        "this '{' is never closed",
+        "{",
+        "add '}'",
+        id="unclosed",
+    ),
     # names and values
-    pytest.param(NANO + "ddp { bucket b1 = head, h.1  bucket b2 = h.0, emb }", "unknown-name",
-                 "unknown layer or parameter 'emb'", "emb", "did you mean 'embed'?",
-                 id="unknown-layer"),
-    pytest.param(NANO + "ddp { bucket b1 = lm_head, head, h.1  bucket b2 = h.0, embed }",
-                 "unknown-name", "'lm_head' is not a parameter of its own", "lm_head",
-                 "lm_head is tied to the embedding", id="unknown-lm-head"),
-    pytest.param(DDP + "program comm { allreduce[b9]@mb1 }", "unknown-name",
-                 "unknown bucket 'b9' in allreduce[b9]@mb1", "allreduce[b9]@mb1",
-                 "buckets: b1, b2", id="unknown-bucket"),
-    pytest.param(DDP + "program side { allreduce[b1]@mb1 }", "unknown-name",
-                 "unknown stream 'side'", "side", "streams are compute, comm",
-                 id="unknown-stream"),
-    pytest.param(DDP + "stream allreduc = comm", "unknown-name", "unknown op kind 'allreduc'",
-                 "allreduc", "did you mean 'allreduce'?", id="unknown-op-kind"),
-    pytest.param(DDP + "optimizer sgd", "unknown-name", "unknown optimizer 'sgd'", "sgd",
-                 "adamw", id="unknown-optimizer"),
-    pytest.param(DDP + "data shakespeare", "unknown-name", "unknown data source 'shakespeare'",
-                 "shakespeare", "data corpus", id="unknown-data"),
-    pytest.param("model nano { n_layers = 2 }\nworld 1\nbatch 8 x 32\nmicro 2",
-                 "unknown-setting", "a model has no 'n_layers'", "n_layers",
-                 "did you mean 'n_layer'?", id="unknown-model-key"),
-    pytest.param(DDP + "optimizer adamw { lr = 1e-3  beta = 0.9 }", "unknown-setting",
-                 "adamw has no 'beta'", "beta", "did you mean 'betas'?", id="unknown-optim-key"),
-    pytest.param("model gpt3\nworld 1\nbatch 8 x 32\nmicro 2", "unknown-model",
-                 "unknown model 'gpt3'", "gpt3", "did you mean 'gpt2'?", id="unknown-model"),
-    pytest.param(DDP + "world 4", "duplicate", "'world' is given twice", "world 4",
-                 "keep one of them", id="duplicate-world"),
-    pytest.param(NANO + "ddp { bucket b1 = head, h.1  bucket b1 = h.0, embed }", "duplicate",
-                 "bucket 'b1' is defined twice", "b1", "give each bucket its own name",
-                 id="duplicate-bucket"),
-    pytest.param("model nano\nworld 1\nmicro 2", "missing-setting",
-                 "the schedule has no 'batch'", None, "add `batch 512 x 1024`",
-                 id="missing-batch"),
-    pytest.param("model nano\nworld 2\nbatch 8 x 32\nmicro 2", "missing-setting",
-                 "world 2 needs a ddp or fsdp block", "world 2", "bucket_cap",
-                 id="missing-strategy"),
-    pytest.param(NANO + "ddp { overlap on }", "missing-setting", "the ddp block has no buckets",
-                 "ddp", "bucket_cap 25 MiB", id="missing-buckets"),
-    pytest.param("model nano\nworld 0\nbatch 8 x 32\nmicro 2", "value-range",
-                 "world must be >= 1, got 0", "0", "number of data-parallel ranks",
-                 id="value-world-0"),
-    pytest.param("model nano\nworld 1e40\nbatch 8 x 32\nmicro 2", "value-range",
-                 "world must be a whole number written in digits, not 1e40", "1e40", None,
-                 id="value-exponent"),
-    pytest.param("model nano\nworld 1\nbatch 8 x 32\nmicro 2\nseed -1", "value-range",
-                 "seed must be >= 0, got -1", "-1", None, id="value-negative"),
-    pytest.param(f"model nano\nworld {10 ** 30}\nbatch 8 x 32\nmicro 2", "value-range",
-                 "world must be <= 65,536, got 1000000000000000000000000000000",
-                 str(10 ** 30), "number of data-parallel ranks", id="value-huge"),
-    pytest.param(DDP + "memory -1 GiB", "value-range",
-                 "memory must be a positive whole number of bytes, got -1 GiB", "-1 GiB", None,
-                 id="value-memory"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb7 }", "value-range",
-                 "allreduce[b1]@mb7 names micro-step 7, but this schedule has mb0 .. mb1",
-                 "allreduce[b1]@mb7", None, id="value-micro-step"),
-    pytest.param("model nano\nworld 1\nbatch 2000000 x 32\nmicro 1", "value-range",
-                 "2,000,000 micro-steps x 4 layers is 16,000,000 forward and backward ops",
-                 "micro 1", "larger `micro`", id="value-too-many-ops"),
-    pytest.param(NANO + "ddp { bucket b1 = head, h.99  bucket b2 = h.0, embed }", "layer-range",
-                 "the model has no layer h.99", "h.99", "its blocks are h.0 .. h.1",
-                 id="layer-range"),
-    pytest.param(NANO + "ddp { bucket all = embed .. h.7 }", "layer-range",
-                 "the model has no layer h.7", "h.7", "its blocks are h.0 .. h.1",
-                 id="layer-range-end"),
-    pytest.param("model nano { n_head = 3 }\nworld 1\nbatch 8 x 32\nmicro 2", "model-config",
-                 "n_embd=32 is not divisible by n_head=3", "model nano { n_head = 3 }",
-                 "n_embd must be a multiple of n_head", id="model-config"),
-    pytest.param(DDP + "fsdp { unit all = embed .. head }", "conflict",
-                 "a schedule is either DDP or FSDP, not both", "fsdp { unit all = embed .. head }",
-                 "keep one of the ddp and fsdp blocks", id="conflict-ddp-fsdp"),
-    pytest.param(NANO + "ddp { bucket all = embed .. head  bucket_cap 1 MiB }", "conflict",
-                 "give buckets or a bucket_cap, not both", "bucket_cap 1 MiB",
-                 "drop it or the buckets", id="conflict-bucket-cap"),
-    pytest.param(NANO + "ddp { bucket_cap 1 MiB  overlap off }\nstream allreduce = comm",
-                 "conflict", "overlap off keeps all-reduce on the compute stream",
-                 "stream allreduce = comm", "drop `overlap off`", id="conflict-overlap"),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1  bucket b2 = h.0, emb }",
+        "unknown-name",
+        "unknown layer or parameter 'emb'",
+        "emb",
+        "did you mean 'embed'?",
+        id="unknown-layer",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = lm_head, head, h.1  bucket b2 = h.0, embed }",
+        "unknown-name",
+        "'lm_head' is not a parameter of its own",
+        "lm_head",
+        "lm_head is tied to the embedding",
+        id="unknown-lm-head",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b9]@mb1 }",
+        "unknown-name",
+        "unknown bucket 'b9' in allreduce[b9]@mb1",
+        "allreduce[b9]@mb1",
+        "buckets: b1, b2",
+        id="unknown-bucket",
+    ),
+    pytest.param(
+        DDP + "program side { allreduce[b1]@mb1 }",
+        "unknown-name",
+        "unknown stream 'side'",
+        "side",
+        "streams are compute, comm",
+        id="unknown-stream",
+    ),
+    pytest.param(
+        DDP + "stream allreduc = comm",
+        "unknown-name",
+        "unknown op kind 'allreduc'",
+        "allreduc",
+        "did you mean 'allreduce'?",
+        id="unknown-op-kind",
+    ),
+    pytest.param(
+        DDP + "optimizer sgd",
+        "unknown-name",
+        "unknown optimizer 'sgd'",
+        "sgd",
+        "adamw",
+        id="unknown-optimizer",
+    ),
+    pytest.param(
+        DDP + "data shakespeare",
+        "unknown-name",
+        "unknown data source 'shakespeare'",
+        "shakespeare",
+        "data corpus",
+        id="unknown-data",
+    ),
+    pytest.param(
+        "model nano { n_layers = 2 }\nworld 1\nbatch 8 x 32\nmicro 2",
+        "unknown-setting",
+        "a model has no 'n_layers'",
+        "n_layers",
+        "did you mean 'n_layer'?",
+        id="unknown-model-key",
+    ),
+    pytest.param(
+        DDP + "optimizer adamw { lr = 1e-3  beta = 0.9 }",
+        "unknown-setting",
+        "adamw has no 'beta'",
+        "beta",
+        "did you mean 'betas'?",
+        id="unknown-optim-key",
+    ),
+    pytest.param(
+        "model gpt3\nworld 1\nbatch 8 x 32\nmicro 2",
+        "unknown-model",
+        "unknown model 'gpt3'",
+        "gpt3",
+        "did you mean 'gpt2'?",
+        id="unknown-model",
+    ),
+    pytest.param(
+        DDP + "world 4",
+        "duplicate",
+        "'world' is given twice",
+        "world 4",
+        "keep one of them",
+        id="duplicate-world",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1  bucket b1 = h.0, embed }",
+        "duplicate",
+        "bucket 'b1' is defined twice",
+        "b1",
+        "give each bucket its own name",
+        id="duplicate-bucket",
+    ),
+    pytest.param(
+        "model nano\nworld 1\nmicro 2",
+        "missing-setting",
+        "the schedule has no 'batch'",
+        None,
+        "add `batch 512 x 1024`",
+        id="missing-batch",
+    ),
+    pytest.param(
+        "model nano\nworld 2\nbatch 8 x 32\nmicro 2",
+        "missing-setting",
+        "world 2 needs a ddp or fsdp block",
+        "world 2",
+        "bucket_cap",
+        id="missing-strategy",
+    ),
+    pytest.param(
+        NANO + "ddp { overlap on }",
+        "missing-setting",
+        "the ddp block has no buckets",
+        "ddp",
+        "bucket_cap 25 MiB",
+        id="missing-buckets",
+    ),
+    pytest.param(
+        "model nano\nworld 0\nbatch 8 x 32\nmicro 2",
+        "value-range",
+        "world must be >= 1, got 0",
+        "0",
+        "number of data-parallel ranks",
+        id="value-world-0",
+    ),
+    pytest.param(
+        "model nano\nworld 1e40\nbatch 8 x 32\nmicro 2",
+        "value-range",
+        "world must be a whole number written in digits, not 1e40",
+        "1e40",
+        None,
+        id="value-exponent",
+    ),
+    pytest.param(
+        "model nano\nworld 1\nbatch 8 x 32\nmicro 2\nseed -1",
+        "value-range",
+        "seed must be >= 0, got -1",
+        "-1",
+        None,
+        id="value-negative",
+    ),
+    pytest.param(
+        f"model nano\nworld {10**30}\nbatch 8 x 32\nmicro 2",
+        "value-range",
+        "world must be <= 65,536, got 1000000000000000000000000000000",
+        str(10**30),
+        "number of data-parallel ranks",
+        id="value-huge",
+    ),
+    pytest.param(
+        DDP + "memory -1 GiB",
+        "value-range",
+        "memory must be a positive whole number of bytes, got -1 GiB",
+        "-1 GiB",
+        None,
+        id="value-memory",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb7 }",
+        "value-range",
+        "allreduce[b1]@mb7 names micro-step 7, but this schedule has mb0 .. mb1",
+        "allreduce[b1]@mb7",
+        None,
+        id="value-micro-step",
+    ),
+    pytest.param(
+        "model nano\nworld 1\nbatch 2000000 x 32\nmicro 1",
+        "value-range",
+        "2,000,000 micro-steps x 4 layers is 16,000,000 forward and backward ops",
+        "micro 1",
+        "larger `micro`",
+        id="value-too-many-ops",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.99  bucket b2 = h.0, embed }",
+        "layer-range",
+        "the model has no layer h.99",
+        "h.99",
+        "its blocks are h.0 .. h.1",
+        id="layer-range",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket all = embed .. h.7 }",
+        "layer-range",
+        "the model has no layer h.7",
+        "h.7",
+        "its blocks are h.0 .. h.1",
+        id="layer-range-end",
+    ),
+    pytest.param(
+        "model nano { n_head = 3 }\nworld 1\nbatch 8 x 32\nmicro 2",
+        "model-config",
+        "n_embd=32 is not divisible by n_head=3",
+        "model nano { n_head = 3 }",
+        "n_embd must be a multiple of n_head",
+        id="model-config",
+    ),
+    pytest.param(
+        DDP + "fsdp { unit all = embed .. head }",
+        "conflict",
+        "a schedule is either DDP or FSDP, not both",
+        "fsdp { unit all = embed .. head }",
+        "keep one of the ddp and fsdp blocks",
+        id="conflict-ddp-fsdp",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket all = embed .. head  bucket_cap 1 MiB }",
+        "conflict",
+        "give buckets or a bucket_cap, not both",
+        "bucket_cap 1 MiB",
+        "drop it or the buckets",
+        id="conflict-bucket-cap",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_cap 1 MiB  overlap off }\nstream allreduce = comm",
+        "conflict",
+        "overlap off keeps all-reduce on the compute stream",
+        "stream allreduce = comm",
+        "drop `overlap off`",
+        id="conflict-overlap",
+    ),
     # numerics
-    pytest.param(NANO.replace("world 2", "world 1") + "precision bf16 { compute = fp16 }", "dtype",
-                 "compute = fp16 needs dynamic loss scaling", "compute = fp16",
-                 "use `compute = bf16`: the same speed, fp32's range", id="dtype-fp16"),
-    pytest.param(NANO + "precision { gather = bf16 }\nfsdp { unit all = embed .. head }",
-                 "conflict", "gathering in bf16 rounds the weights to it, but compute is fp32",
-                 "gather = bf16", "compute in bf16 too, or gather in fp32",
-                 id="conflict-gather-without-compute"),
-    pytest.param(NANO + "precision bf16 { gather = bf16 }\nddp { bucket_cap 1 MiB }", "conflict",
-                 "gather is the dtype FSDP units are all-gathered in; a DDP schedule gathers none",
-                 "gather = bf16", "drop `gather`, or use an fsdp block", id="conflict-gather-ddp"),
-    pytest.param(NANO.replace("world 2", "world 1") + "precision bf17", "unknown-name", "unknown precision policy 'bf17'",
-                 "bf17", "did you mean 'bf16'?", id="unknown-precision"),
-    pytest.param(NANO.replace("world 2", "world 1") + "precision { reduce = fp8 }", "value-range",
-                 "reduce takes one dtype: fp32 or bf16", "reduce = fp8", None,
-                 id="precision-dtype-name"),
-    pytest.param(NANO.replace("world 2", "world 1") + "precision { recude = bf16 }", "unknown-setting",
-                 "precision has no 'recude'", "recude", "did you mean 'reduce'?",
-                 id="precision-key-typo"),
+    pytest.param(
+        NANO.replace("world 2", "world 1") + "precision bf16 { compute = fp16 }",
+        "dtype",
+        "compute = fp16 needs dynamic loss scaling",
+        "compute = fp16",
+        "use `compute = bf16`: the same speed, fp32's range",
+        id="dtype-fp16",
+    ),
+    pytest.param(
+        NANO + "precision { gather = bf16 }\nfsdp { unit all = embed .. head }",
+        "conflict",
+        "gathering in bf16 rounds the weights to it, but compute is fp32",
+        "gather = bf16",
+        "compute in bf16 too, or gather in fp32",
+        id="conflict-gather-without-compute",
+    ),
+    pytest.param(
+        NANO + "precision bf16 { gather = bf16 }\nddp { bucket_cap 1 MiB }",
+        "conflict",
+        "gather is the dtype FSDP units are all-gathered in; a DDP schedule gathers none",
+        "gather = bf16",
+        "drop `gather`, or use an fsdp block",
+        id="conflict-gather-ddp",
+    ),
+    pytest.param(
+        NANO.replace("world 2", "world 1") + "precision bf17",
+        "unknown-name",
+        "unknown precision policy 'bf17'",
+        "bf17",
+        "did you mean 'bf16'?",
+        id="unknown-precision",
+    ),
+    pytest.param(
+        NANO.replace("world 2", "world 1") + "precision { reduce = fp8 }",
+        "value-range",
+        "reduce takes one dtype: fp32 or bf16",
+        "reduce = fp8",
+        None,
+        id="precision-dtype-name",
+    ),
+    pytest.param(
+        NANO.replace("world 2", "world 1") + "precision { recude = bf16 }",
+        "unknown-setting",
+        "precision has no 'recude'",
+        "recude",
+        "did you mean 'reduce'?",
+        id="precision-key-typo",
+    ),
     # batch arithmetic
-    pytest.param(NANO.replace("micro 2", "micro 3") + "ddp { bucket_cap 1 MiB }",
-                 "batch-arithmetic",
-                 "global batch 8 is not micro 3 x world 2 x a whole number of micro-steps",
-                 "micro 3", "for example micro 1 (k=4), micro 2 (k=2), micro 4 (k=1)",
-                 id="batch-micro"),
-    pytest.param(NANO + "accumulate 4\nddp { bucket_cap 1 MiB }", "batch-arithmetic",
-                 "micro 2 x accumulate 4 x world 2 = 16 sequences, but the global batch is 8",
-                 "accumulate 4", "for example", id="batch-accumulate"),
-    pytest.param(NANO.replace("x 32", "x 65") + "ddp { bucket_cap 1 MiB }", "context-length",
-                 "sequences of 65 tokens do not fit the model's context of 64", "65",
-                 "use at most 64 tokens", id="context-length"),
+    pytest.param(
+        NANO.replace("micro 2", "micro 3") + "ddp { bucket_cap 1 MiB }",
+        "batch-arithmetic",
+        "global batch 8 is not micro 3 x world 2 x a whole number of micro-steps",
+        "micro 3",
+        "for example micro 1 (k=4), micro 2 (k=2), micro 4 (k=1)",
+        id="batch-micro",
+    ),
+    pytest.param(
+        NANO + "accumulate 4\nddp { bucket_cap 1 MiB }",
+        "batch-arithmetic",
+        "micro 2 x accumulate 4 x world 2 = 16 sequences, but the global batch is 8",
+        "accumulate 4",
+        "for example",
+        id="batch-accumulate",
+    ),
+    pytest.param(
+        NANO.replace("x 32", "x 65") + "ddp { bucket_cap 1 MiB }",
+        "context-length",
+        "sequences of 65 tokens do not fit the model's context of 64",
+        "65",
+        "use at most 64 tokens",
+        id="context-length",
+    ),
     # coverage and sharding
-    pytest.param(NANO + "ddp { bucket b1 = head, h.1  bucket b2 = embed }", "uncovered",
-                 "h.0 is in no bucket", "ddp", "add h.0 to one", id="uncovered-bucket"),
-    pytest.param(FSDP.replace("unit tied = wte.weight keep  ", ""), "uncovered",
-                 "wte.weight is in no unit", "fsdp", "add wte.weight to one",
-                 id="uncovered-unit"),
-    pytest.param(NANO + "ddp { bucket b1 = head, h.1, h.0  bucket b2 = h.0, embed }",
-                 "double-cover", "h.0 is in both bucket 'b1' and bucket 'b2'", "h.0",
-                 "exactly one bucket", id="double-cover"),
-    pytest.param(NANO + "fsdp { unit u1 = embed, h.0  unit u2 = h.1, head }", "tied-param",
-                 "unit 'u1' holds wte.weight, which embed and head both read",
-                 "unit u1 = embed, h.0", "`unit tied = wte.weight keep`", id="tied-param"),
-    pytest.param(FSDP.replace("wte.weight keep", "wte.weight"), "tied-param",
-                 "unit 'tied' holds wte.weight", "unit tied = wte.weight",
-                 "stays gathered", id="tied-param-alone"),
-    pytest.param(NANO + "fsdp { unit tied = wte.weight keep  unit u1 = h.0, head  "
-                 "unit u2 = wpe.weight, h.1 }", "unit-contiguous",
-                 "unit 'u1' is read by layers h.0, head, which are not adjacent",
-                 "unit u1 = h.0, head", "contiguous range of layers", id="unit-contiguous"),
-    pytest.param(DDP + "memory 1 KiB", "memory-budget",
-                 "predicted peak 686.00 KiB per rank (model states alone) exceeds the budget "
-                 "of 1.00 KiB", "memory 1 KiB", "raise `memory`", id="memory-ddp"),
-    pytest.param(FSDP + "memory 100 KiB", "memory-budget",
-                 "per rank (after reducescatter[u2]@mb0) exceeds the budget of 100.00 KiB",
-                 "memory 100 KiB", "lower `prefetch forward`", id="memory-fsdp"),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1  bucket b2 = embed }",
+        "uncovered",
+        "h.0 is in no bucket",
+        "ddp",
+        "add h.0 to one",
+        id="uncovered-bucket",
+    ),
+    pytest.param(
+        FSDP.replace("unit tied = wte.weight keep  ", ""),
+        "uncovered",
+        "wte.weight is in no unit",
+        "fsdp",
+        "add wte.weight to one",
+        id="uncovered-unit",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1, h.0  bucket b2 = h.0, embed }",
+        "double-cover",
+        "h.0 is in both bucket 'b1' and bucket 'b2'",
+        "h.0",
+        "exactly one bucket",
+        id="double-cover",
+    ),
+    pytest.param(
+        NANO + "fsdp { unit u1 = embed, h.0  unit u2 = h.1, head }",
+        "tied-param",
+        "unit 'u1' holds wte.weight, which embed and head both read",
+        "unit u1 = embed, h.0",
+        "`unit tied = wte.weight keep`",
+        id="tied-param",
+    ),
+    pytest.param(
+        FSDP.replace("wte.weight keep", "wte.weight"),
+        "tied-param",
+        "unit 'tied' holds wte.weight",
+        "unit tied = wte.weight",
+        "stays gathered",
+        id="tied-param-alone",
+    ),
+    pytest.param(
+        NANO + "fsdp { unit tied = wte.weight keep  unit u1 = h.0, head  "
+        "unit u2 = wpe.weight, h.1 }",
+        "unit-contiguous",
+        "unit 'u1' is read by layers h.0, head, which are not adjacent",
+        "unit u1 = h.0, head",
+        "contiguous range of layers",
+        id="unit-contiguous",
+    ),
+    pytest.param(
+        DDP + "memory 1 KiB",
+        "memory-budget",
+        "predicted peak 686.00 KiB per rank (model states alone) exceeds the budget of 1.00 KiB",
+        "memory 1 KiB",
+        "raise `memory`",
+        id="memory-ddp",
+    ),
+    pytest.param(
+        FSDP + "memory 100 KiB",
+        "memory-budget",
+        "per rank (after reducescatter[u2]@mb0) exceeds the budget of 100.00 KiB",
+        "memory 100 KiB",
+        "lower `prefetch forward`",
+        id="memory-fsdp",
+    ),
     # streams and events
-    pytest.param(DDP + DDP_COMPUTE.replace("bwd[head]@mb1 ", "bwd[head]@mb1 after "
-                                           "allreduce[b1]@mb1 ") + DDP_COMM, "cycle",
-                 "the schedule waits in a circle: bwd[head]@mb1 -> bwd[h.1]@mb1 -> "
-                 "allreduce[b1]@mb1 -> bwd[head]@mb1", "bwd[h.1]@mb1",
-                 "break one of the waits", id="cycle"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after allreduce[b2]@mb1  "
-                 "allreduce[b2]@mb1 after bwd[embed]@mb1 }", "deadlock",
-                 "allreduce[b1]@mb1 waits for allreduce[b2]@mb1, which comes later on stream "
-                 "'comm'", "allreduce[b2]@mb1", "a stream runs in order", id="deadlock"),
-    pytest.param(DDP + "stream fwd = comm", "compute-stream",
-                 "fwd is compute work and runs on the compute stream, not 'comm'", "comm",
-                 "only collectives can move", id="compute-stream-decl"),
-    pytest.param(DDP + "program comm { fwd[h.0]@mb0 }", "compute-stream",
-                 "fwd[h.0]@mb0 is compute work, written on stream 'comm'", "fwd[h.0]@mb0",
-                 "write it in `program compute`", id="compute-stream-program"),
-    pytest.param(FSDP + FSDP_COMPUTE.replace("fwd[embed]@mb0 after allgather[u1]@mb0:fwd",
-                                             "fwd[embed]@mb0"), "missing-event",
-                 "fwd[embed]@mb0 on stream 'compute' needs allgather[u1]@mb0:fwd on stream "
-                 "'comm' (gathered parameters) but nothing makes it wait", "fwd[embed]@mb0",
-                 "write `fwd[embed]@mb0 after allgather[u1]@mb0:fwd`", id="missing-event"),
-    pytest.param(DDP + DDP_COMPUTE.replace("fwd[embed]@mb0  fwd[h.0]@mb0",
-                                           "fwd[h.0]@mb0  fwd[embed]@mb0"), "out-of-order",
-                 "fwd[h.0]@mb0 comes before fwd[embed]@mb0 on stream 'compute', but needs its "
-                 "activation", "fwd[h.0]@mb0", "place fwd[embed]@mb0 first", id="out-of-order"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1 }", "missing-op",
-                 "bucket 'b2' is never all-reduced in micro-step 1",
-                 "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1 }",
-                 "add `allreduce[b2]@mb1` to `program comm`", id="missing-op"),
-    pytest.param(FSDP + "program comm { allreduce[b1]@mb0 }", "unexpected-op",
-                 "allreduce[b1]@mb0 has no place in a FSDP schedule", "allreduce[b1]@mb0",
-                 "FSDP schedules gather, free and reduce-scatter units", id="unexpected-kind"),
-    pytest.param(FSDP.replace("head }", "head  reshard_after_forward off }")
-                 + "program comm { allgather[tied]@mb0:fwd  allgather[u1]@mb0:fwd  "
-                 "allgather[u2]@mb0:fwd  allgather[u2]@mb0:bwd\n"
-                 "  reducescatter[u2]@mb0 after bwd[h.1]@mb0  reducescatter[tied]@mb0 after "
-                 "bwd[embed]@mb0  reducescatter[u1]@mb0 }", "unexpected-op",
-                 "allgather[u2]@mb0:bwd is not part of this schedule (reshard_after_forward is "
-                 "off, so u2 stays gathered for backward)", "allgather[u2]@mb0:bwd",
-                 "--dump program", id="unexpected-gather"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b2]@mb1 "
-                 "after bwd[embed]@mb1, allreduce[b2]@mb0 }", "unexpected-op",
-                 "this waits for allreduce[b2]@mb0, which is not part of this schedule (no_sync "
-                 "keeps mb0 local", "allreduce[b2]@mb0", "--dump program", id="unexpected-after"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b1]@mb1  "
-                 "allreduce[b2]@mb1 after bwd[embed]@mb1 }", "duplicate-op",
-                 "allreduce[b1]@mb1 is written twice", "allreduce[b1]@mb1",
-                 "each op runs once per step", id="duplicate-op"),
+    pytest.param(
+        DDP
+        + DDP_COMPUTE.replace("bwd[head]@mb1 ", "bwd[head]@mb1 after allreduce[b1]@mb1 ")
+        + DDP_COMM,
+        "cycle",
+        "the schedule waits in a circle: bwd[head]@mb1 -> bwd[h.1]@mb1 -> "
+        "allreduce[b1]@mb1 -> bwd[head]@mb1",
+        "bwd[h.1]@mb1",
+        "break one of the waits",
+        id="cycle",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after allreduce[b2]@mb1  "
+        "allreduce[b2]@mb1 after bwd[embed]@mb1 }",
+        "deadlock",
+        "allreduce[b1]@mb1 waits for allreduce[b2]@mb1, which comes later on stream 'comm'",
+        "allreduce[b2]@mb1",
+        "a stream runs in order",
+        id="deadlock",
+    ),
+    pytest.param(
+        DDP + "stream fwd = comm",
+        "compute-stream",
+        "fwd is compute work and runs on the compute stream, not 'comm'",
+        "comm",
+        "only collectives can move",
+        id="compute-stream-decl",
+    ),
+    pytest.param(
+        DDP + "program comm { fwd[h.0]@mb0 }",
+        "compute-stream",
+        "fwd[h.0]@mb0 is compute work, written on stream 'comm'",
+        "fwd[h.0]@mb0",
+        "write it in `program compute`",
+        id="compute-stream-program",
+    ),
+    pytest.param(
+        FSDP + FSDP_COMPUTE.replace("fwd[embed]@mb0 after allgather[u1]@mb0:fwd", "fwd[embed]@mb0"),
+        "missing-event",
+        "fwd[embed]@mb0 on stream 'compute' needs allgather[u1]@mb0:fwd on stream "
+        "'comm' (gathered parameters) but nothing makes it wait",
+        "fwd[embed]@mb0",
+        "write `fwd[embed]@mb0 after allgather[u1]@mb0:fwd`",
+        id="missing-event",
+    ),
+    pytest.param(
+        DDP + DDP_COMPUTE.replace("fwd[embed]@mb0  fwd[h.0]@mb0", "fwd[h.0]@mb0  fwd[embed]@mb0"),
+        "out-of-order",
+        "fwd[h.0]@mb0 comes before fwd[embed]@mb0 on stream 'compute', but needs its activation",
+        "fwd[h.0]@mb0",
+        "place fwd[embed]@mb0 first",
+        id="out-of-order",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1 }",
+        "missing-op",
+        "bucket 'b2' is never all-reduced in micro-step 1",
+        "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1 }",
+        "add `allreduce[b2]@mb1` to `program comm`",
+        id="missing-op",
+    ),
+    pytest.param(
+        FSDP + "program comm { allreduce[b1]@mb0 }",
+        "unexpected-op",
+        "allreduce[b1]@mb0 has no place in a FSDP schedule",
+        "allreduce[b1]@mb0",
+        "FSDP schedules gather, free and reduce-scatter units",
+        id="unexpected-kind",
+    ),
+    pytest.param(
+        FSDP.replace("head }", "head  reshard_after_forward off }")
+        + "program comm { allgather[tied]@mb0:fwd  allgather[u1]@mb0:fwd  "
+        "allgather[u2]@mb0:fwd  allgather[u2]@mb0:bwd\n"
+        "  reducescatter[u2]@mb0 after bwd[h.1]@mb0  reducescatter[tied]@mb0 after "
+        "bwd[embed]@mb0  reducescatter[u1]@mb0 }",
+        "unexpected-op",
+        "allgather[u2]@mb0:bwd is not part of this schedule (reshard_after_forward is "
+        "off, so u2 stays gathered for backward)",
+        "allgather[u2]@mb0:bwd",
+        "--dump program",
+        id="unexpected-gather",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b2]@mb1 "
+        "after bwd[embed]@mb1, allreduce[b2]@mb0 }",
+        "unexpected-op",
+        "this waits for allreduce[b2]@mb0, which is not part of this schedule (no_sync "
+        "keeps mb0 local",
+        "allreduce[b2]@mb0",
+        "--dump program",
+        id="unexpected-after",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b1]@mb1  "
+        "allreduce[b2]@mb1 after bwd[embed]@mb1 }",
+        "duplicate-op",
+        "allreduce[b1]@mb1 is written twice",
+        "allreduce[b1]@mb1",
+        "each op runs once per step",
+        id="duplicate-op",
+    ),
     # gradients
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after bwd[head]@mb1  "
-                 "allreduce[b2]@mb1 after bwd[embed]@mb1 }", "early-reduce",
-                 "allreduce[b1]@mb1 can start before bwd[h.1]@mb1 has written its gradients",
-                 "allreduce[b1]@mb1 after bwd[head]@mb1",
-                 "write `allreduce[b1]@mb1 after bwd[h.1]@mb1`", id="early-reduce"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  "
-                 "allreduce[b2]@mb1 after bwd[h.0]@mb1 }", "early-reduce",
-                 "before bwd[embed]@mb1 has written its gradients (the tied wte/lm_head weight "
-                 "gets its last gradient from bwd[embed])", "allreduce[b2]@mb1 after bwd[h.0]@mb1",
-                 "write `allreduce[b2]@mb1 after bwd[embed]@mb1`", id="early-reduce-tied"),
-    pytest.param(DDP + "program comm { allreduce[b1]@mb0 after bwd[h.1]@mb0  "
-                 "allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b2]@mb1 after bwd[embed]@mb1 }",
-                 "nosync-comm", "allreduce[b1]@mb0 communicates in micro-step 0, but no_sync "
-                 "keeps gradients local until the last (mb1)",
-                 "allreduce[b1]@mb0 after bwd[h.1]@mb0", "set `no_sync off`", id="nosync-comm"),
-    pytest.param(DDP + DDP_COMPUTE.replace("after allreduce[b2]@mb1", "after allreduce[b1]@mb1"),
-                 "optimizer-wait", "the optimizer step does not wait for allreduce[b2]@mb1",
-                 "optimizer.step after allreduce[b1]@mb1",
-                 "write `optimizer.step after allreduce[b2]@mb1`", id="optimizer-wait"),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[head]@mb1  "
+        "allreduce[b2]@mb1 after bwd[embed]@mb1 }",
+        "early-reduce",
+        "allreduce[b1]@mb1 can start before bwd[h.1]@mb1 has written its gradients",
+        "allreduce[b1]@mb1 after bwd[head]@mb1",
+        "write `allreduce[b1]@mb1 after bwd[h.1]@mb1`",
+        id="early-reduce",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[h.1]@mb1  "
+        "allreduce[b2]@mb1 after bwd[h.0]@mb1 }",
+        "early-reduce",
+        "before bwd[embed]@mb1 has written its gradients (the tied wte/lm_head weight "
+        "gets its last gradient from bwd[embed])",
+        "allreduce[b2]@mb1 after bwd[h.0]@mb1",
+        "write `allreduce[b2]@mb1 after bwd[embed]@mb1`",
+        id="early-reduce-tied",
+    ),
+    pytest.param(
+        DDP + "program comm { allreduce[b1]@mb0 after bwd[h.1]@mb0  "
+        "allreduce[b1]@mb1 after bwd[h.1]@mb1  allreduce[b2]@mb1 after bwd[embed]@mb1 }",
+        "nosync-comm",
+        "allreduce[b1]@mb0 communicates in micro-step 0, but no_sync "
+        "keeps gradients local until the last (mb1)",
+        "allreduce[b1]@mb0 after bwd[h.1]@mb0",
+        "set `no_sync off`",
+        id="nosync-comm",
+    ),
+    pytest.param(
+        DDP + DDP_COMPUTE.replace("after allreduce[b2]@mb1", "after allreduce[b1]@mb1"),
+        "optimizer-wait",
+        "the optimizer step does not wait for allreduce[b2]@mb1",
+        "optimizer.step after allreduce[b1]@mb1",
+        "write `optimizer.step after allreduce[b2]@mb1`",
+        id="optimizer-wait",
+    ),
     # sharding at run time
-    pytest.param(FSDP + FSDP_COMPUTE.replace("fwd[h.0]@mb0\n  free[u1]@mb0:fwd\n",
-                                             "free[u1]@mb0:fwd\n  fwd[h.0]@mb0\n"),
-                 "use-after-free", "free[u1]@mb0:fwd releases 'u1' while fwd[h.0]@mb0 may still "
-                 "read it", "free[u1]@mb0:fwd", "free a unit only after its last reader",
-                 id="use-after-free"),
+    pytest.param(
+        FSDP
+        + FSDP_COMPUTE.replace(
+            "fwd[h.0]@mb0\n  free[u1]@mb0:fwd\n", "free[u1]@mb0:fwd\n  fwd[h.0]@mb0\n"
+        ),
+        "use-after-free",
+        "free[u1]@mb0:fwd releases 'u1' while fwd[h.0]@mb0 may still read it",
+        "free[u1]@mb0:fwd",
+        "free a unit only after its last reader",
+        id="use-after-free",
+    ),
     # SPMD
-    pytest.param(DDP + "program comm on rank 1 { allreduce[b2]@mb1 after bwd[embed]@mb1  "
-                 "allreduce[b1]@mb1 after bwd[h.1]@mb1 }", "spmd",
-                 "rank 1 issues allreduce[b2]@mb1 as collective #1 on stream 'comm', where the "
-                 "other ranks issue allreduce[b1]@mb1", "allreduce[b2]@mb1 after bwd[embed]@mb1",
-                 "a mismatch hangs gloo and NCCL", id="spmd"),
+    pytest.param(
+        DDP + "program comm on rank 1 { allreduce[b2]@mb1 after bwd[embed]@mb1  "
+        "allreduce[b1]@mb1 after bwd[h.1]@mb1 }",
+        "spmd",
+        "rank 1 issues allreduce[b2]@mb1 as collective #1 on stream 'comm', where the "
+        "other ranks issue allreduce[b1]@mb1",
+        "allreduce[b2]@mb1 after bwd[embed]@mb1",
+        "a mismatch hangs gloo and NCCL",
+        id="spmd",
+    ),
 ]
 
 WARN = [
-    pytest.param(NANO + "ddp { bucket b1 = h.0  bucket b2 = head, h.1  bucket b3 = embed }",
-                 "bucket-order", "bucket 'b1' is complete after 'b2' but is listed first",
-                 "bucket b1 = h.0", "list buckets in reverse layer order", id="bucket-order"),
-    pytest.param(NANO + "ddp { bucket b1 = embed, h.0  bucket b2 = head, h.1 }", "tied-late",
-                 "bucket 'b1' holds wte.weight, whose gradient is complete only after bwd[embed]",
-                 "bucket b1 = embed, h.0", "move wte.weight to the last bucket", id="tied-late"),
+    pytest.param(
+        NANO + "ddp { bucket b1 = h.0  bucket b2 = head, h.1  bucket b3 = embed }",
+        "bucket-order",
+        "bucket 'b1' is complete after 'b2' but is listed first",
+        "bucket b1 = h.0",
+        "list buckets in reverse layer order",
+        id="bucket-order",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket b1 = embed, h.0  bucket b2 = head, h.1 }",
+        "tied-late",
+        "bucket 'b1' holds wte.weight, whose gradient is complete only after bwd[embed]",
+        "bucket b1 = embed, h.0",
+        "move wte.weight to the last bucket",
+        id="tied-late",
+    ),
 ]
 
 
@@ -397,10 +761,14 @@ def test_file_too_large(tmp_path):
     assert "one training step in a page of text" in d.hint
 
 
-@pytest.mark.parametrize("data, message, col", [
-    (b"model nano\nworld \xff\n", "byte 0xff at offset 17 is not UTF-8 text", 7),
-    (b"model nano\x00", "NUL byte in source", 11),
-], ids=["not-utf8", "nul"])
+@pytest.mark.parametrize(
+    "data, message, col",
+    [
+        (b"model nano\nworld \xff\n", "byte 0xff at offset 17 is not UTF-8 text", 7),
+        (b"model nano\x00", "NUL byte in source", 11),
+    ],
+    ids=["not-utf8", "nul"],
+)
 def test_encoding(data, message, col):
     with pytest.raises(CompileError) as info:
         source_from_bytes(data, "t.sched")
@@ -423,7 +791,8 @@ def test_disagree():
     assert note.path == "one.sched" and one.source.snippet(note.span) == "batch 8 x 32"
     assert d.render(two.source).startswith(
         "two.sched:1:20: error: the global batches differ: 16 x 32 here, 8 x 32 in one.sched"
-        "  [disagree]\n  1 | model nano world 2 batch 16 x 32 micro 2")
+        "  [disagree]\n  1 | model nano world 2 batch 16 x 32 micro 2"
+    )
 
 
 OUTSIDE_SNIPPETS = {"io", "file-too-large", "encoding", "disagree"}  # the tests just above
@@ -444,18 +813,25 @@ def test_warnings_are_warnings_and_errors_errors():
 
 
 def test_rendering_reads_like_a_compiler():
-    e = compile_error(DDP + "program comm { allreduce[b1]@mb1 after bwd[head]@mb1  "
-                      "allreduce[b2]@mb1 after bwd[embed]@mb1 }")
-    assert e.render() == """\
+    e = compile_error(
+        DDP + "program comm { allreduce[b1]@mb1 after bwd[head]@mb1  "
+        "allreduce[b2]@mb1 after bwd[embed]@mb1 }"
+    )
+    assert (
+        e.render()
+        == """\
 t.sched:3:16: error: allreduce[b1]@mb1 can start before bwd[h.1]@mb1 has written its gradients  [early-reduce]
   3 | program comm { allreduce[b1]@mb1 after bwd[head]@mb1  allreduce[b2]@mb1 after bwd[embed]@mb1 }
     |                ^~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-  hint: write `allreduce[b1]@mb1 after bwd[h.1]@mb1`"""  # noqa: E501
+  hint: write `allreduce[b1]@mb1 after bwd[h.1]@mb1`"""
+    )  # noqa: E501
 
 
 def test_notes_point_at_the_first_occurrence():
     e = compile_error("model nano\nworld 1\nworld 1\nbatch 8 x 32\nmicro 2")
-    assert e.render() == """\
+    assert (
+        e.render()
+        == """\
 t.sched:3:1: error: 'world' is given twice  [duplicate]
   3 | world 1
     | ^~~~~~~
@@ -463,16 +839,23 @@ t.sched:2:1: note: first given at line 2
   2 | world 1
     | ^~~~~~~
   hint: keep one of them"""
+    )
 
 
 def test_all_errors_are_collected_and_sorted_by_position():
     e = compile_error("model nano\nworld 0\nbatch 8 x 99999999\nmicro -2\nseed -1")
     assert [(d.code, d.span.line) for d in e.diagnostics] == [
-        ("value-range", 2), ("value-range", 3), ("value-range", 4), ("value-range", 5)]
+        ("value-range", 2),
+        ("value-range", 3),
+        ("value-range", 4),
+        ("value-range", 5),
+    ]
 
 
 def test_a_whole_file_diagnostic_has_no_caret():
     e = compile_error("")
     assert e.codes == ["missing-setting"] * 4
-    assert e.render().splitlines()[0] == "t.sched: error: the schedule has no 'batch'  " \
-                                         "[missing-setting]"
+    assert (
+        e.render().splitlines()[0] == "t.sched: error: the schedule has no 'batch'  "
+        "[missing-setting]"
+    )

@@ -31,8 +31,11 @@ LIMIT_S = 20.0
 
 # on top of the session's hypothesis profile (tests/conftest.py: `ci`, the default, is
 # derandomized; `long` is random and ten times larger), at least 150 examples per test
-FUZZ = settings(max_examples=max(150, settings().max_examples), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=max(150, settings().max_examples),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def outcome(text: str) -> str:
@@ -63,42 +66,56 @@ NANO = "model nano\nworld 1\nbatch 8 x 32\nmicro 2\n"
 # -- fixed cases --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, code", [
-    ("", "missing-setting"),
-    ("   \n\t\n", "missing-setting"),
-    ("# just a comment", "missing-setting"),
-    ("modle nano", "syntax"),
-    ("model nano world 1 batch 8 x 32 micro 2 ddp {", "unclosed"),
-    ("model nano world 1 batch 8 x 32 micro 2 ddp { bucket b = embed .. head", "unclosed"),
-    ("}", "syntax"),
-    ("{{{{", "syntax"),
-    ('data "unterminated', "syntax"),
-    ("model nano world 1e40 batch 8 x 32 micro 2", "value-range"),
-    (f"model nano world {10 ** 30} batch 8 x 32 micro 2", "value-range"),
-    (f"model nano world 1 batch {10 ** 30} x 32 micro 2", "value-range"),
-    ("model nano world 1 batch 8 x 32 micro 2 memory 1e400 GiB", "value-range"),
-    ("model nano world 1 batch 8 x 32 micro 2 optimizer adamw { lr = 1e400 }", "value-range"),
-    (f"model nano world {'9' * 5000} batch 8 x 32 micro 2", "value-range"),
-    (NANO + "program compute { fwd[embed]@mb" + "9" * 5000 + " }", "syntax"),
-    ("model nano world 0 batch 8 x 32 micro 2", "value-range"),
-    ("model nano world 1 batch 0 x 32 micro 2", "value-range"),
-    ("model nano world 1 batch 8 x 32 micro 0", "value-range"),
-    ("model nano world -2 batch 8 x 32 micro 2", "value-range"),
-    ("model nano world 1 batch -8 x -32 micro -2", "value-range"),
-    ("model nano { n_layer = 0 } world 1 batch 8 x 32 micro 2", "value-range"),
-    ("model nano world 1 batch 8 x 32 micro 2 memory 0 B", "value-range"),
-    ("model nano world 2 batch 8 x 32 micro 2 ddp { bucket_cap 0 MiB }", "value-range"),
-    ("model nano world 2 batch 8 x 32 micro 2 fsdp { unit all = embed .. head "
-     "prefetch forward -1 }", "value-range"),
-    ("model nano world 1 world 1 batch 8 x 32 micro 2", "duplicate"),
-    ("model nano world 2 batch 8 x 32 micro 2 ddp { bucket b = embed .. head "
-     "bucket b = head }", "duplicate"),
-    ("model nano world 1 batch 2147483647 x 1 micro 1", "value-range"),  # 2**31-1 micro-steps
-    ("model nano world 2 batch 2147483647 x 1 micro 1 ddp { bucket_cap 1 MiB }",
-     "batch-arithmetic"),
-    ("model nano world 1 batch 8 x 32 micro 2 program compute { fwd[h.0]@mb0 after "
-     "fwd[h.0]@mb0 }", "missing-op"),
-])
+@pytest.mark.parametrize(
+    "text, code",
+    [
+        ("", "missing-setting"),
+        ("   \n\t\n", "missing-setting"),
+        ("# just a comment", "missing-setting"),
+        ("modle nano", "syntax"),
+        ("model nano world 1 batch 8 x 32 micro 2 ddp {", "unclosed"),
+        ("model nano world 1 batch 8 x 32 micro 2 ddp { bucket b = embed .. head", "unclosed"),
+        ("}", "syntax"),
+        ("{{{{", "syntax"),
+        ('data "unterminated', "syntax"),
+        ("model nano world 1e40 batch 8 x 32 micro 2", "value-range"),
+        (f"model nano world {10**30} batch 8 x 32 micro 2", "value-range"),
+        (f"model nano world 1 batch {10**30} x 32 micro 2", "value-range"),
+        ("model nano world 1 batch 8 x 32 micro 2 memory 1e400 GiB", "value-range"),
+        ("model nano world 1 batch 8 x 32 micro 2 optimizer adamw { lr = 1e400 }", "value-range"),
+        (f"model nano world {'9' * 5000} batch 8 x 32 micro 2", "value-range"),
+        (NANO + "program compute { fwd[embed]@mb" + "9" * 5000 + " }", "syntax"),
+        ("model nano world 0 batch 8 x 32 micro 2", "value-range"),
+        ("model nano world 1 batch 0 x 32 micro 2", "value-range"),
+        ("model nano world 1 batch 8 x 32 micro 0", "value-range"),
+        ("model nano world -2 batch 8 x 32 micro 2", "value-range"),
+        ("model nano world 1 batch -8 x -32 micro -2", "value-range"),
+        ("model nano { n_layer = 0 } world 1 batch 8 x 32 micro 2", "value-range"),
+        ("model nano world 1 batch 8 x 32 micro 2 memory 0 B", "value-range"),
+        ("model nano world 2 batch 8 x 32 micro 2 ddp { bucket_cap 0 MiB }", "value-range"),
+        (
+            "model nano world 2 batch 8 x 32 micro 2 fsdp { unit all = embed .. head "
+            "prefetch forward -1 }",
+            "value-range",
+        ),
+        ("model nano world 1 world 1 batch 8 x 32 micro 2", "duplicate"),
+        (
+            "model nano world 2 batch 8 x 32 micro 2 ddp { bucket b = embed .. head "
+            "bucket b = head }",
+            "duplicate",
+        ),
+        ("model nano world 1 batch 2147483647 x 1 micro 1", "value-range"),  # 2**31-1 micro-steps
+        (
+            "model nano world 2 batch 2147483647 x 1 micro 1 ddp { bucket_cap 1 MiB }",
+            "batch-arithmetic",
+        ),
+        (
+            "model nano world 1 batch 8 x 32 micro 2 program compute { fwd[h.0]@mb0 after "
+            "fwd[h.0]@mb0 }",
+            "missing-op",
+        ),
+    ],
+)
 def test_nasty_input_is_a_diagnostic(text, code):
     start = time.perf_counter()
     assert code in codes_of(text)
@@ -141,11 +158,51 @@ def test_a_directory_is_an_io_error(tmp_path):
 
 # the grammar's own keywords and punctuation, and words that mean something to schedc
 KEYWORDS = sorted({t.pattern.value for t in parser().terminals if t.pattern.type == "str"})
-WORDS = ["nano", "tiny", "gpt2", "gpt2-xl", "embed", "head", "h.0", "h.1", "h.99", "wte.weight",
-         "wpe.weight", "b1", "b2", "u1", "tied", "compute", "comm", "corpus", "adamw", "lr",
-         "n_layer", "0", "1", "2", "8", "32", "-1", "0.5", "1e40", str(10 ** 30), "MiB", "KiB",
-         "B", '"data.txt"', "#", "\n", "fwd[h.0]@mb0", "bwd[embed]@mb1", "allreduce[b1]@mb1",
-         "allgather[u1]@mb0:fwd", "free[u1]@mb0:bwd", "reducescatter[u1]@mb0", "optimizer.step"]
+WORDS = [
+    "nano",
+    "tiny",
+    "gpt2",
+    "gpt2-xl",
+    "embed",
+    "head",
+    "h.0",
+    "h.1",
+    "h.99",
+    "wte.weight",
+    "wpe.weight",
+    "b1",
+    "b2",
+    "u1",
+    "tied",
+    "compute",
+    "comm",
+    "corpus",
+    "adamw",
+    "lr",
+    "n_layer",
+    "0",
+    "1",
+    "2",
+    "8",
+    "32",
+    "-1",
+    "0.5",
+    "1e40",
+    str(10**30),
+    "MiB",
+    "KiB",
+    "B",
+    '"data.txt"',
+    "#",
+    "\n",
+    "fwd[h.0]@mb0",
+    "bwd[embed]@mb1",
+    "allreduce[b1]@mb1",
+    "allgather[u1]@mb0:fwd",
+    "free[u1]@mb0:bwd",
+    "reducescatter[u1]@mb0",
+    "optimizer.step",
+]
 TOKENS = KEYWORDS + WORDS
 BUNDLED = [p.read_text() for p in bundled_schedules()]
 
@@ -184,8 +241,12 @@ def test_random_statements_after_a_valid_header(tokens):
     outcome(NANO + " ".join(tokens))
 
 
-EDIT = st.tuples(st.sampled_from(["delete", "duplicate", "swap", "insert"]),
-                 st.integers(0, 10 ** 6), st.integers(0, 10 ** 6), st.sampled_from(TOKENS))
+EDIT = st.tuples(
+    st.sampled_from(["delete", "duplicate", "swap", "insert"]),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.sampled_from(TOKENS),
+)
 
 
 @FUZZ
@@ -230,14 +291,20 @@ def _written(head: str) -> list[tuple[str, list[str]]]:
     return blocks
 
 
-PROGRAM_EDIT = st.tuples(st.sampled_from(["delete", "swap", "drop-after", "add-after", "insert",
-                                          "move-stream"]),
-                         st.integers(0, 10 ** 6), st.integers(0, 10 ** 6), st.integers(0, 10 ** 6))
+PROGRAM_EDIT = st.tuples(
+    st.sampled_from(["delete", "swap", "drop-after", "add-after", "insert", "move-stream"]),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+)
 
 
 @FUZZ
-@given(st.sampled_from(range(len(HEADS))), st.lists(PROGRAM_EDIT, min_size=1, max_size=5),
-       st.lists(st.sampled_from([None, 0, 1]), min_size=2, max_size=2))
+@given(
+    st.sampled_from(range(len(HEADS))),
+    st.lists(PROGRAM_EDIT, min_size=1, max_size=5),
+    st.lists(st.sampled_from([None, 0, 1]), min_size=2, max_size=2),
+)
 def test_random_edits_of_written_programs(which, edits, ranks):
     """The checker's rules on hand-edited programs: wrong order, waits, streams and ranks."""
     blocks = _written(HEADS[which])
@@ -269,19 +336,31 @@ def test_random_edits_of_written_programs(which, edits, ranks):
 # -- the command line ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("content", [
-    b"modle nano\n",
-    b"\xff\xfe\x00binary",
-    b"model nano world 1 batch 8 x 32 micro 2 ddp {",
-    b"model nano world 1 batch 1e40 x 32 micro 2",
-], ids=["typo", "binary", "unclosed", "huge"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"modle nano\n",
+        b"\xff\xfe\x00binary",
+        b"model nano world 1 batch 8 x 32 micro 2 ddp {",
+        b"model nano world 1 batch 1e40 x 32 micro 2",
+    ],
+    ids=["typo", "binary", "unclosed", "huge"],
+)
 def test_cli_on_bad_files_exits_1_without_a_traceback(tmp_path, content):
     bad = tmp_path / "bad.sched"
     bad.write_bytes(content)
-    for args in (["check", str(bad)], ["check", str(bad), "--dump", "plan"],
-                 ["check", "schedules/tiny_1gpu.sched", str(bad)]):
-        r = subprocess.run([sys.executable, "-m", "schedc", *args], cwd=REPO,
-                           capture_output=True, text=True, timeout=60)
+    for args in (
+        ["check", str(bad)],
+        ["check", str(bad), "--dump", "plan"],
+        ["check", "schedules/tiny_1gpu.sched", str(bad)],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "schedc", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1, r.stderr
         assert "Traceback" not in r.stderr and "internal error" not in r.stderr
         assert r.stderr.startswith(f"{bad}:")
@@ -289,8 +368,13 @@ def test_cli_on_bad_files_exits_1_without_a_traceback(tmp_path, content):
 
 
 def test_cli_on_a_missing_file_exits_1(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "schedc", "check", str(tmp_path / "nope.sched")],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "schedc", "check", str(tmp_path / "nope.sched")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "cannot read file: No such file or directory  [io]" in r.stderr
     assert "Traceback" not in r.stderr

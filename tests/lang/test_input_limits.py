@@ -76,14 +76,22 @@ def check_cli(path: str | Path, tmp_path: Path) -> tuple[int, str, float, float]
     env = dict(os.environ, PYTHONPATH=str(REPO), NO_COLOR="1")
     err = tmp_path / "stderr.txt"
     cmd = [sys.executable, "-m", "schedc", "check", str(path)]
-    r = subprocess.run([sys.executable, "-c", _SHIM, *cmd, str(err), str(TIME_LIMIT_S)],
-                       cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=TIME_LIMIT_S + 30, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", _SHIM, *cmd, str(err), str(TIME_LIMIT_S)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIME_LIMIT_S + 30,
+        check=True,
+    )
     rc, seconds, rss_kb = r.stdout.split()
     stderr = err.read_text(encoding="utf-8", errors="replace")
     rss_mb = int(rss_kb) / 1024  # KiB on Linux
-    print(f"\n  schedc check {path}: exit {rc}, {float(seconds):.2f} s, "
-          f"peak RSS {rss_mb:.0f} MB, {len(stderr):,} bytes of stderr")
+    print(
+        f"\n  schedc check {path}: exit {rc}, {float(seconds):.2f} s, "
+        f"peak RSS {rss_mb:.0f} MB, {len(stderr):,} bytes of stderr"
+    )
     return int(rc), stderr, float(seconds), rss_mb
 
 
@@ -107,14 +115,18 @@ def test_special_files_are_refused_at_once(kind, fifo, tmp_path):
         pytest.skip(f"no {path} here")
     rc, err, seconds, rss = check_cli(path, tmp_path)
     assert_bounded(rc, seconds, rss)
-    what = {"fifo": "a FIFO (named pipe)", "directory": "a directory"}.get(kind,
-                                                                          "a character device")
+    what = {"fifo": "a FIFO (named pipe)", "directory": "a directory"}.get(
+        kind, "a character device"
+    )
     assert err.splitlines() == [
-        f"{path}: error: cannot read file: it is {what}, not a regular file  [io]", "1 error"]
+        f"{path}: error: cannot read file: it is {what}, not a regular file  [io]",
+        "1 error",
+    ]
 
 
-def _fill(unit: str, head: str = "", tail: str = "", *, tokens: int | None = None,
-          per_unit: int = 1) -> str:
+def _fill(
+    unit: str, head: str = "", tail: str = "", *, tokens: int | None = None, per_unit: int = 1
+) -> str:
     """head + unit repeated to just under 1 MiB (or to `tokens` tokens) + tail, one line."""
     n = (MAX_SOURCE_BYTES - 64 - len(head) - len(tail)) // len(unit)
     if tokens is not None:
@@ -129,18 +141,31 @@ _NEAR = MAX_TOKENS - 50
 REPEATED = {
     "syntax-token": (_fill("world ? "), "unexpected '?'", 1),
     "duplicate-setting": (BASE + _fill("seed 1 "), "file-too-large", 1),
-    "unknown-name-past-the-limit": (BASE + _fill("x, ", "ddp { bucket b1 = ", "head }\n"),
-                                    "more than 50,000 tokens", 1),
+    "unknown-name-past-the-limit": (
+        BASE + _fill("x, ", "ddp { bucket b1 = ", "head }\n"),
+        "more than 50,000 tokens",
+        1,
+    ),
     "unknown-name-near-the-limit": (
         BASE + _fill("x, ", "ddp { bucket b1 = ", "head }\n", tokens=_NEAR, per_unit=2),
-        "unknown layer or parameter 'x'", _NEAR // 2),
-    "duplicate-near-the-limit": (OK + _fill("seed 1 ", tokens=_NEAR, per_unit=2),
-                                 "'seed' is given twice", _NEAR // 2 - 1),
+        "unknown layer or parameter 'x'",
+        _NEAR // 2,
+    ),
+    "duplicate-near-the-limit": (
+        OK + _fill("seed 1 ", tokens=_NEAR, per_unit=2),
+        "'seed' is given twice",
+        _NEAR // 2 - 1,
+    ),
     "distinct-ops-near-the-limit": (
         OK + "program compute { " + "".join(f"bwd[q{i}]@mb0 " for i in range(_NEAR)) + "}\n",
-        "unknown layer 'q0'", _NEAR),
-    "long-comment-line": ("#" + "a" * (MAX_SOURCE_BYTES - 100) + "\nworld ?\n",
-                          "unexpected '?'", 1),
+        "unknown layer 'q0'",
+        _NEAR,
+    ),
+    "long-comment-line": (
+        "#" + "a" * (MAX_SOURCE_BYTES - 100) + "\nworld ?\n",
+        "unexpected '?'",
+        1,
+    ),
     "megabyte-name": ("model " + "a" * (MAX_SOURCE_BYTES - 100) + "\n", "unknown model", 4),
 }
 
@@ -159,8 +184,10 @@ def test_one_mistake_repeated_on_one_line(name, tmp_path):
     shown = sum(1 for line in lines if ": error: " in line)
     assert shown == min(errors, MAX_SHOWN)
     if errors > MAX_SHOWN:
-        assert lines[-2] == (f"... and {errors - MAX_SHOWN:,} more errors "
-                             f"(the first {MAX_SHOWN} by position are shown)")
+        assert lines[-2] == (
+            f"... and {errors - MAX_SHOWN:,} more errors "
+            f"(the first {MAX_SHOWN} by position are shown)"
+        )
     # every line printed is short: excerpts are windows, messages are cut
     assert max(len(line) for line in lines) < EXCERPT_COLUMNS + 500
     assert len(err) < 100_000
@@ -179,8 +206,10 @@ def test_a_good_file_still_exits_0(tmp_path):
 @pytest.fixture
 def alarm():
     """Fail, not hang, if a read blocks (an open of a FIFO without O_NONBLOCK would)."""
+
     def ring(*_):
         raise TimeoutError("blocked reading a special file")
+
     old = signal.signal(signal.SIGALRM, ring)
     signal.alarm(10)
     yield
@@ -227,8 +256,10 @@ def test_the_size_limit_is_exact(tmp_path):
         read_source(path)
     [d] = info.value.diagnostics
     assert d.code == "file-too-large"
-    assert d.message == f"file is {MAX_SOURCE_BYTES + 1:,} bytes; a schedule is at most " \
-                        f"{MAX_SOURCE_BYTES:,}"
+    assert (
+        d.message == f"file is {MAX_SOURCE_BYTES + 1:,} bytes; a schedule is at most "
+        f"{MAX_SOURCE_BYTES:,}"
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/urandom", "directory", "socket"])
@@ -273,19 +304,21 @@ def test_a_stage_keeps_max_kept_and_counts_the_rest():
         diag.raise_if_any()
     e = info.value
     assert e.error_count == MAX_KEPT + 7
-    assert e.render().splitlines()[-1] == (f"... and {MAX_KEPT + 8 - MAX_SHOWN:,} more "
-                                           f"errors (the first {MAX_SHOWN} by position are "
-                                           "shown)")
+    assert e.render().splitlines()[-1] == (
+        f"... and {MAX_KEPT + 8 - MAX_SHOWN:,} more "
+        f"errors (the first {MAX_SHOWN} by position are "
+        "shown)"
+    )
 
 
 def test_rendering_waits_until_asked(monkeypatch):
     calls = []
     real = Diagnostic.render
-    monkeypatch.setattr(Diagnostic, "render", lambda self, *a, **k: calls.append(1) or real(
-        self, *a, **k))
+    monkeypatch.setattr(
+        Diagnostic, "render", lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+    )
     src = source_from_text(BASE)
-    e = CompileError([Diagnostic("syntax", f"m{i}", src.span(i, i + 1)) for i in range(500)],
-                     src)
+    e = CompileError([Diagnostic("syntax", f"m{i}", src.span(i, i + 1)) for i in range(500)], src)
     assert calls == []  # raising it rendered nothing
     text = str(e)
     assert len(calls) == MAX_SHOWN
@@ -311,7 +344,9 @@ def test_a_long_line_is_shown_as_a_window_around_the_caret():
     assert shown.startswith("  1 | world 1") and shown.endswith("...") and shown[caret] == "w"
     short = source_from_text(OK)  # a line under the limit is shown whole, as before
     assert _caret_column(Diagnostic("syntax", "x", short.span(6, 10)).render(short)) == (
-        f"  1 | {OK.rstrip()}", 12)
+        f"  1 | {OK.rstrip()}",
+        12,
+    )
 
 
 def test_control_characters_do_not_reach_the_terminal():
@@ -323,11 +358,12 @@ def test_control_characters_do_not_reach_the_terminal():
 
 def test_warnings_print_bounded():
     src = source_from_text(OK)
-    ws = [Diagnostic("bucket-order", f"w{i}", src.span(0, 1), severity=Severity.WARNING)
-          for i in range(60)]
+    ws = [
+        Diagnostic("bucket-order", f"w{i}", src.span(0, 1), severity=Severity.WARNING)
+        for i in range(60)
+    ]
     lines = render_all(ws, src).splitlines()
-    assert lines[-1] == f"... and 10 more diagnostics (the first {MAX_SHOWN} by position are " \
-                        "shown)"
+    assert lines[-1] == f"... and 10 more diagnostics (the first {MAX_SHOWN} by position are shown)"
 
 
 # -- lexical: byte-order mark, line endings, digits of other scripts ------------------------------
@@ -366,10 +402,15 @@ def test_line_endings_give_the_right_line_and_column(newline):
     assert info.value.render().splitlines()[1:3] == ["  5 |   micro ?", "    |         ^"]
 
 
-@pytest.mark.parametrize("digit", ["\uff12", "\u0662", "\u0968", "\U0001d7d0"],
-                         ids=["fullwidth", "arabic-indic", "devanagari", "math-bold"])
-@pytest.mark.parametrize("where", ["world {}", "world 1{}", "batch {} x 32", "memory {} MiB",
-                                   "model nano {{ n_layer = {} }}"])
+@pytest.mark.parametrize(
+    "digit",
+    ["\uff12", "\u0662", "\u0968", "\U0001d7d0"],
+    ids=["fullwidth", "arabic-indic", "devanagari", "math-bold"],
+)
+@pytest.mark.parametrize(
+    "where",
+    ["world {}", "world 1{}", "batch {} x 32", "memory {} MiB", "model nano {{ n_layer = {} }}"],
+)
 def test_digits_of_other_scripts_are_not_numbers(digit, where):
     stmt = where.format(digit)
     with pytest.raises(CompileError) as info:

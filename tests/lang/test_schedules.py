@@ -25,8 +25,13 @@ NAMES = [p.name for p in SCHEDULES]
 
 
 def schedc(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "schedc", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "schedc", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 _compiled: dict[str, Compiled] = {}
@@ -42,9 +47,16 @@ def compiled(name: str) -> Compiled:
 
 
 def test_the_bundle_is_what_the_seeds_describe():
-    assert set(NAMES) == {"ddp_overlap.sched", "fsdp_prefetch.sched", "gpt2_1gpu.sched",
-                          "gpt2_8gpu.sched", "tiny_1gpu.sched", "tiny_4gpu.sched",
-                          "tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"}
+    assert set(NAMES) == {
+        "ddp_overlap.sched",
+        "fsdp_prefetch.sched",
+        "gpt2_1gpu.sched",
+        "gpt2_8gpu.sched",
+        "tiny_1gpu.sched",
+        "tiny_4gpu.sched",
+        "tiny_ddp_overlap.sched",
+        "tiny_fsdp_prefetch.sched",
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -67,10 +79,14 @@ def test_gpt2_on_one_gpu_and_on_eight_agree():
     assert "schedules/gpt2_1gpu.sched: 524,288 tokens per update" in r.stdout
     assert "schedules/gpt2_8gpu.sched: 524,288 tokens per update" in r.stdout
     assert "split     world 1 x micro 16 x 32 micro-steps" in r.stdout
-    assert "split     world 8 x micro 16 x 4 micro-steps (no_sync: only the last communicates)" \
+    assert (
+        "split     world 8 x micro 16 x 4 micro-steps (no_sync: only the last communicates)"
         in r.stdout
-    assert "\nagree: same model, same 512 sequences each read once, every token weighted " \
-           "1/524288 in the loss" in r.stdout
+    )
+    assert (
+        "\nagree: same model, same 512 sequences each read once, every token weighted "
+        "1/524288 in the loss" in r.stdout
+    )
 
 
 def test_tiny_on_one_rank_and_on_four_agree():
@@ -80,13 +96,20 @@ def test_tiny_on_one_rank_and_on_four_agree():
     assert "\nagree: " in r.stdout
 
 
-@pytest.mark.parametrize("old, new, says", [
-    ("lr = 3e-3", "lr = 1e-3", "the optimizers differ in lr: lr=0.001 here, lr=0.003 in"),
-    ("batch 16 x 64\nmicro 2", "batch 32 x 64\nmicro 2",
-     "the global batches differ: 32 x 64 here, 16 x 64 in"),
-    ("model tiny", "model nano", "the models differ"),
-    ("seed 1337", "seed 1", "the seeds differ"),
-], ids=["lr", "batch", "model", "seed"])
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ("lr = 3e-3", "lr = 1e-3", "the optimizers differ in lr: lr=0.001 here, lr=0.003 in"),
+        (
+            "batch 16 x 64\nmicro 2",
+            "batch 32 x 64\nmicro 2",
+            "the global batches differ: 32 x 64 here, 16 x 64 in",
+        ),
+        ("model tiny", "model nano", "the models differ"),
+        ("seed 1337", "seed 1", "the seeds differ"),
+    ],
+    ids=["lr", "batch", "model", "seed"],
+)
 def test_a_pair_that_differs_is_reported(tmp_path, old, new, says):
     text = (REPO / "schedules/tiny_4gpu.sched").read_text()
     assert old in text
@@ -110,7 +133,7 @@ def _setting(text: str, key: str) -> re.Match:
 
 def _replace_line(text: str, key: str, value: str) -> str:
     m = _setting(text, key)
-    return text[: m.start(1)] + value + text[m.end(1):]
+    return text[: m.start(1)] + value + text[m.end(1) :]
 
 
 def _program_blocks(name: str) -> dict[str, list[str]]:
@@ -143,17 +166,29 @@ def generic_mutations(name: str) -> list[tuple[str, str, str]]:
     spec = compiled(name).spec
     out = [
         ("misspelled-keyword", re.sub(r"^micro ", "mirco ", text, flags=re.M), "syntax"),
-        ("micro-does-not-divide", _replace_line(text, "micro", str(spec.seqs + 1)),
-         "batch-arithmetic"),
-        ("tokens-past-context", _replace_line(
-            text, "batch", f"{spec.seqs} x {spec.model.block_size + 1}"), "context-length"),
+        (
+            "micro-does-not-divide",
+            _replace_line(text, "micro", str(spec.seqs + 1)),
+            "batch-arithmetic",
+        ),
+        (
+            "tokens-past-context",
+            _replace_line(text, "batch", f"{spec.seqs} x {spec.model.block_size + 1}"),
+            "context-length",
+        ),
         ("world-zero", _replace_line(text, "world", "0"), "value-range"),
         ("world-twice", text + f"\nworld {spec.world}\n", "duplicate"),
         ("no-batch", re.sub(r"^batch .*$", "", text, flags=re.M), "missing-setting"),
-        ("unknown-model", re.sub(r"^model (\S+)", r"model \1x", text, flags=re.M),
-         "unknown-model"),
-        ("tiny-memory-budget", (_replace_line(text, "memory", "1 KiB") if "\nmemory " in text
-                                else text + "\nmemory 1 KiB\n"), "memory-budget"),
+        ("unknown-model", re.sub(r"^model (\S+)", r"model \1x", text, flags=re.M), "unknown-model"),
+        (
+            "tiny-memory-budget",
+            (
+                _replace_line(text, "memory", "1 KiB")
+                if "\nmemory " in text
+                else text + "\nmemory 1 KiB\n"
+            ),
+            "memory-budget",
+        ),
         ("compute-on-comm", text + "\nstream bwd = comm\n", "compute-stream"),
         ("unclosed-block", text + "\nddp {\n  overlap on\n", "unclosed"),
     ]
@@ -164,16 +199,18 @@ def generic_mutations(name: str) -> list[tuple[str, str, str]]:
     comm = progs.get("comm")
     if comm:
         # a reduction launched after an earlier backward than its last writer
-        k = next(i for i, x in enumerate(comm)
-                 if x.startswith(("allreduce", "reducescatter")) and " after bwd[" in x)
+        k = next(
+            i
+            for i, x in enumerate(comm)
+            if x.startswith(("allreduce", "reducescatter")) and " after bwd[" in x
+        )
         op, after = comm[k].split(" after ")
         layer, mb = re.fullmatch(r"bwd\[(.+)\]@(mb\d+)", after).groups()
-        early = comm[:k] + [f"{op} after bwd[{_earlier_layer(name, layer)}]@{mb}"] + comm[k + 1:]
+        early = comm[:k] + [f"{op} after bwd[{_earlier_layer(name, layer)}]@{mb}"] + comm[k + 1 :]
         out.append(("reduce-early", text + _block("comm", early), "early-reduce"))
         # the optimizer that waits for nothing on the comm stream
         step = [x.split(" after ")[0] if x.startswith("optimizer.step") else x for x in compute]
-        out.append(("optimizer-does-not-wait", text + _block("compute", step),
-                    "optimizer-wait"))
+        out.append(("optimizer-does-not-wait", text + _block("compute", step), "optimizer-wait"))
         # rank 1 issues its first two collectives the other way round
         ops = [x.split(" after ")[0] for x in comm]
         other = [comm[1].split(" after ")[0], comm[0].split(" after ")[0]] + comm[2:]
@@ -185,52 +222,67 @@ def generic_mutations(name: str) -> list[tuple[str, str, str]]:
         out.append(("collective-missing", text + _block("comm", comm[:-1]), "missing-op"))
         if spec.no_sync and spec.accum > 1:
             extra = [comm[k].replace(f"@mb{spec.accum - 1}", "@mb0")]
-            out.append(("reduce-under-no-sync", text + _block("comm", extra + comm),
-                        "nosync-comm"))
+            out.append(("reduce-under-no-sync", text + _block("comm", extra + comm), "nosync-comm"))
     if spec.kind == "fsdp":
         # free a unit before the last op that reads it
         i = next(i for i, x in enumerate(compute) if x.startswith("free["))
-        moved = compute[: i - 1] + [compute[i], compute[i - 1]] + compute[i + 1:]
-        out.append(("free-before-last-reader", text + _block("compute", moved),
-                    "use-after-free"))
+        moved = compute[: i - 1] + [compute[i], compute[i - 1]] + compute[i + 1 :]
+        out.append(("free-before-last-reader", text + _block("compute", moved), "use-after-free"))
     return out
 
 
 # explicit edits of each file: (id, [(old, new), ...], code); an empty `old` appends `new`
 DDP_BUCKETS = [
-    ("layer-dropped", [("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.1 .. h.0")],
-     "uncovered"),
-    ("layer-in-two-buckets", [("bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3 .. h.1")],
-     "double-cover"),
-    ("layer-past-the-model", [("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.99 .. h.0, embed")],
-     "layer-range"),
+    ("layer-dropped", [("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.1 .. h.0")], "uncovered"),
+    (
+        "layer-in-two-buckets",
+        [("bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3 .. h.1")],
+        "double-cover",
+    ),
+    (
+        "layer-past-the-model",
+        [("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.99 .. h.0, embed")],
+        "layer-range",
+    ),
     ("layer-misspelled", [(".. h.0, embed", ".. h.0, embd")], "unknown-name"),
     ("buckets-and-cap", [("  overlap on", "  bucket_cap 25 MiB\n  overlap on")], "conflict"),
     ("bucket-twice", [("  bucket b2 =", "  bucket b1 =")], "duplicate"),
 ]
 DDP_CAP = [
-    ("cap-zero", [("bucket_cap 25 MiB", "bucket_cap 0 MiB"), ("bucket_cap 256 KiB",
-                                                              "bucket_cap 0 KiB")],
-     "value-range"),
-    ("cap-and-buckets", [("  overlap on", "  bucket all = embed .. head\n  overlap on")],
-     "conflict"),
-    ("overlap-off-on-comm", [("overlap on", "overlap off"), ("", "stream allreduce = comm")],
-     "conflict"),
+    (
+        "cap-zero",
+        [("bucket_cap 25 MiB", "bucket_cap 0 MiB"), ("bucket_cap 256 KiB", "bucket_cap 0 KiB")],
+        "value-range",
+    ),
+    (
+        "cap-and-buckets",
+        [("  overlap on", "  bucket all = embed .. head\n  overlap on")],
+        "conflict",
+    ),
+    (
+        "overlap-off-on-comm",
+        [("overlap on", "overlap off"), ("", "stream allreduce = comm")],
+        "conflict",
+    ),
     ("ddp-and-fsdp", [("", "fsdp { unit all = embed .. head }")], "conflict"),
     ("setting-misspelled", [("overlap on", "ovrlap on")], "syntax"),
 ]
 SINGLE = [
     ("ranks-without-strategy", [("world 1", "world 8")], "missing-setting"),
-    ("ddp-without-buckets", [("data corpus", "data corpus\nddp { overlap on }")],
-     "missing-setting"),
+    (
+        "ddp-without-buckets",
+        [("data corpus", "data corpus\nddp { overlap on }")],
+        "missing-setting",
+    ),
     ("optimizer-key-misspelled", [("warmup = ", "warmpu = ")], "unknown-setting"),
     ("lr-zero", [("{ lr = 6e-4", "{ lr = 0"), ("{ lr = 3e-3", "{ lr = 0")], "value-range"),
     ("unknown-data", [("data corpus", "data corpse")], "unknown-name"),
 ]
 
 
-def _fsdp_units(u1: str, u1_new_tied: str, u2: str, u2_dup: str, u3: str, u3_no_head: str,
-                u3_h99: str):
+def _fsdp_units(
+    u1: str, u1_new_tied: str, u2: str, u2_dup: str, u3: str, u3_no_head: str, u3_h99: str
+):
     return [
         ("param-dropped", [(u1, u1.replace("wpe.weight, ", ""))], "uncovered"),
         ("layer-in-two-units", [(u2, u2_dup)], "double-cover"),
@@ -253,13 +305,23 @@ EXPLICIT = {
     "gpt2_1gpu.sched": SINGLE,
     "tiny_1gpu.sched": SINGLE,
     "fsdp_prefetch.sched": _fsdp_units(
-        "unit u1 = wpe.weight, h.0 .. h.1", "unit u1 = wte.weight, wpe.weight, h.0 .. h.1",
-        "unit u2 = h.2 .. h.3", "unit u2 = h.1 .. h.3",
-        "unit u3 = h.4 .. h.5, head", "unit u3 = h.4 .. h.5", "unit u3 = h.4 .. h.99, head"),
+        "unit u1 = wpe.weight, h.0 .. h.1",
+        "unit u1 = wte.weight, wpe.weight, h.0 .. h.1",
+        "unit u2 = h.2 .. h.3",
+        "unit u2 = h.1 .. h.3",
+        "unit u3 = h.4 .. h.5, head",
+        "unit u3 = h.4 .. h.5",
+        "unit u3 = h.4 .. h.99, head",
+    ),
     "tiny_fsdp_prefetch.sched": _fsdp_units(
-        "unit u1 = wpe.weight, h.0", "unit u1 = wte.weight, wpe.weight, h.0",
-        "unit u2 = h.1 .. h.2", "unit u2 = h.0 .. h.2",
-        "unit u3 = h.3, head", "unit u3 = h.3", "unit u3 = h.99, head"),
+        "unit u1 = wpe.weight, h.0",
+        "unit u1 = wte.weight, wpe.weight, h.0",
+        "unit u2 = h.1 .. h.2",
+        "unit u2 = h.0 .. h.2",
+        "unit u3 = h.3, head",
+        "unit u3 = h.3",
+        "unit u3 = h.99, head",
+    ),
 }
 
 
@@ -281,9 +343,11 @@ def explicit_mutations(name: str) -> list[tuple[str, str, str]]:
     return out
 
 
-MUTANTS = [pytest.param(name, mid, code, id=f"{name.removesuffix('.sched')}-{mid}")
-           for name in NAMES
-           for mid, _text, code in generic_mutations(name) + explicit_mutations(name)]
+MUTANTS = [
+    pytest.param(name, mid, code, id=f"{name.removesuffix('.sched')}-{mid}")
+    for name in NAMES
+    for mid, _text, code in generic_mutations(name) + explicit_mutations(name)
+]
 
 
 def _mutant(name: str, mid: str) -> str:
@@ -296,11 +360,17 @@ def test_every_schedule_has_mutants_of_its_own_kind():
         codes.setdefault(p.values[0], set()).add(p.values[2])
     for name in NAMES:
         spec = compiled(name).spec
-        assert {"syntax", "batch-arithmetic", "context-length", "memory-budget",
-                "out-of-order"} <= codes[name], name
+        assert {
+            "syntax",
+            "batch-arithmetic",
+            "context-length",
+            "memory-budget",
+            "out-of-order",
+        } <= codes[name], name
         if spec.world > 1:
-            assert {"early-reduce", "optimizer-wait", "spmd", "missing-op",
-                    "conflict"} <= codes[name], name
+            assert {"early-reduce", "optimizer-wait", "spmd", "missing-op", "conflict"} <= codes[
+                name
+            ], name
         if "bucket b1" in spec.source.text or spec.kind == "fsdp":
             assert {"uncovered", "double-cover", "layer-range"} <= codes[name], name
         if spec.kind == "fsdp":

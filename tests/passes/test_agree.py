@@ -53,8 +53,12 @@ def test_different_compute_dtypes_agree_on_the_batch_and_say_so():
 def test_every_dtype_that_differs_is_named():
     r = compare(spec(FSDP), spec(FSDP, "precision bf16 { reduce = bf16 }\ncompile on"))
     assert r.agree
-    assert r.numerics == ("compute fp32 vs bf16", "gather fp32 vs bf16", "reduce fp32 vs bf16",
-                          "compile off vs on")
+    assert r.numerics == (
+        "compute fp32 vs bf16",
+        "gather fp32 vs bf16",
+        "reduce fp32 vs bf16",
+        "compile off vs on",
+    )
 
 
 def test_only_the_arithmetic_a_schedule_does_counts():
@@ -63,21 +67,24 @@ def test_only_the_arithmetic_a_schedule_does_counts():
     assert compare(spec(ONE, "precision bf16"), spec(DDP, "precision bf16")).numerics == ()
     # but an FSDP unit gathered in bf16 is computed with bf16-rounded weights
     assert compare(spec(ONE, "precision bf16"), spec(FSDP, "precision bf16")).numerics == (
-        "gather fp32 vs bf16",)
+        "gather fp32 vs bf16",
+    )
     # a bf16 all-reduce rounds even at world 1; one process has none to round
-    assert compare(spec(ONE, "precision bf16"),
-                   spec(DDP, "precision bf16 { reduce = bf16 }")).numerics == (
-        "reduce fp32 vs bf16",)
+    assert compare(
+        spec(ONE, "precision bf16"), spec(DDP, "precision bf16 { reduce = bf16 }")
+    ).numerics == ("reduce fp32 vs bf16",)
     # tf32 unset is on (CUDA) or moot (CPU); off differs, but only for fp32 matmuls
     assert compare(spec(ONE, "tf32 on"), spec(ONE)).numerics == ()
     assert compare(spec(ONE, "tf32 off"), spec(ONE)).numerics == ("tf32 off vs on",)
-    assert compare(spec(ONE, "precision bf16\ntf32 off"), spec(ONE, "precision bf16")
-                   ).numerics == ()
+    assert (
+        compare(spec(ONE, "precision bf16\ntf32 off"), spec(ONE, "precision bf16")).numerics == ()
+    )
     # compiling fp32 layers reorders sums, as another world size does; below fp32 it moves
     # the points where values are rounded
     assert compare(spec(ONE, "compile on"), spec(ONE)).numerics == ()
-    assert compare(spec(ONE, "precision bf16\ncompile on"), spec(ONE, "precision bf16")
-                   ).numerics == ("compile on vs off",)
+    assert compare(
+        spec(ONE, "precision bf16\ncompile on"), spec(ONE, "precision bf16")
+    ).numerics == ("compile on vs off",)
 
 
 def test_a_batch_that_differs_still_fails_whatever_the_numerics():

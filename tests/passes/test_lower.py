@@ -49,8 +49,9 @@ def test_golden(name, dump):
 
 def test_no_stale_golden_files():
     expected = {f"{n.removesuffix('.sched')}.{d}" for n in NAMES for d in ("plan", "program")}
-    assert {p.name for p in GOLDEN.glob("*.plan")} | {p.name for p in GOLDEN.glob("*.program")} \
-        == expected
+    assert {p.name for p in GOLDEN.glob("*.plan")} | {
+        p.name for p in GOLDEN.glob("*.program")
+    } == expected
 
 
 # -- the program round trip ----------------------------------------------------------------------
@@ -146,9 +147,13 @@ def test_the_replay_sees_a_missing_wait():
     started, at = replay(plan)
     assert before(started, at, bwd("h.2", 3), b1)
     e = next(e for e, op in plan.producers.items() if op == bwd("h.2", 3))
-    broken = Plan(plan.rank, plan.streams,
-                  tuple(i for i in plan.instrs if not (i.kind is Action.WAIT and i.event == e)),
-                  plan.producers, plan.consumers)
+    broken = Plan(
+        plan.rank,
+        plan.streams,
+        tuple(i for i in plan.instrs if not (i.kind is Action.WAIT and i.event == e)),
+        plan.producers,
+        plan.consumers,
+    )
     started, at = replay(broken)
     assert not before(started, at, bwd("h.2", 3), b1)
 
@@ -163,12 +168,15 @@ def test_compute_on_compute_collectives_on_comm(name):
 
 
 def test_overlap_off_runs_all_reduce_on_the_compute_stream():
-    text = (REPO / "schedules/tiny_ddp_overlap.sched").read_text().replace("overlap on",
-                                                                           "overlap off")
+    text = (
+        (REPO / "schedules/tiny_ddp_overlap.sched").read_text().replace("overlap on", "overlap off")
+    )
     plan = compile_text(text, "off.sched").plan()
     assert plan.streams == (COMPUTE,) and not plan.producers
-    assert [str(op) for op in plan.collectives(COMPUTE)] == ["allreduce[b1]@mb3",
-                                                             "allreduce[b2]@mb3"]
+    assert [str(op) for op in plan.collectives(COMPUTE)] == [
+        "allreduce[b1]@mb3",
+        "allreduce[b2]@mb3",
+    ]
 
 
 # -- seed 003: DDP, bucketed all-reduce overlapped with backward ----------------------------------
@@ -217,14 +225,24 @@ FIRST_LAYER = {"u1": "embed", "u2": "h.2", "u3": "h.4"}  # embed reads u1's wpe.
 def test_seed_004_fsdp_backward_reads_like_the_picture():
     plan = compiled("fsdp_prefetch.sched").plan()
     comm = plan.collectives(COMM)
-    backward = comm[comm.index(ag("u3", Phase.BWD)):]
+    backward = comm[comm.index(ag("u3", Phase.BWD)) :]
     # AG U3, AG U2, RS U3, AG U1, RS U2, ..., RS U1 (the tied weight reduces with u1's end)
-    assert backward == [ag("u3", Phase.BWD), ag("u2", Phase.BWD), rs("u3"), ag("u1", Phase.BWD),
-                        rs("u2"), rs("tied"), rs("u1")]
+    assert backward == [
+        ag("u3", Phase.BWD),
+        ag("u2", Phase.BWD),
+        rs("u3"),
+        ag("u1", Phase.BWD),
+        rs("u2"),
+        rs("tied"),
+        rs("u1"),
+    ]
     # per unit per step: 1 all-gather (fwd) + 1 all-gather (bwd) + 1 reduce-scatter
     for u in FSDP_UNITS:
         assert [op.kind for op in comm if op.target == u] == [
-            Kind.ALLGATHER, Kind.ALLGATHER, Kind.REDUCESCATTER]
+            Kind.ALLGATHER,
+            Kind.ALLGATHER,
+            Kind.REDUCESCATTER,
+        ]
 
 
 def test_seed_004_fsdp_forward_prefetches_the_next_unit():
@@ -243,8 +261,9 @@ def test_seed_004_fsdp_forward_prefetches_the_next_unit():
 def test_without_forward_prefetch_each_gather_waits_for_the_previous_free():
     text = (REPO / "schedules/fsdp_prefetch.sched").read_text()
     assert "prefetch forward 1" in text
-    plan = compile_text(text.replace("prefetch forward 1", "prefetch forward 0"),
-                        "no-prefetch.sched").plan()
+    plan = compile_text(
+        text.replace("prefetch forward 1", "prefetch forward 0"), "no-prefetch.sched"
+    ).plan()
     order = {op: i for i, op in enumerate(plan.ops)}
     started, at = replay(plan)
     for prev, u in zip(FSDP_UNITS, FSDP_UNITS[1:]):
@@ -258,7 +277,13 @@ def test_tiny_fsdp_matches_the_picture_too():
     plan = compiled("tiny_fsdp_prefetch.sched").plan()
     comm = plan.collectives(COMM)
     last = [op for op in comm if op.mb == 1]
-    backward = last[last.index(Op(Kind.ALLGATHER, "u3", 1, Phase.BWD)):]
+    backward = last[last.index(Op(Kind.ALLGATHER, "u3", 1, Phase.BWD)) :]
     assert [(op.kind.value, op.target) for op in backward] == [
-        ("allgather", "u3"), ("allgather", "u2"), ("reducescatter", "u3"), ("allgather", "u1"),
-        ("reducescatter", "u2"), ("reducescatter", "tied"), ("reducescatter", "u1")]
+        ("allgather", "u3"),
+        ("allgather", "u2"),
+        ("reducescatter", "u3"),
+        ("allgather", "u1"),
+        ("reducescatter", "u2"),
+        ("reducescatter", "tied"),
+        ("reducescatter", "u1"),
+    ]

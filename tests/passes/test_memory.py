@@ -65,8 +65,9 @@ def test_the_plan_does_not_depend_on_the_policy():
 
 
 def test_a_bf16_gather_halves_the_gathered_units_and_their_gradients():
-    fp32, bf16 = (predict(c.spec, c.plan()) for c in (compiled(FSDP, "fp32"),
-                                                       compiled(FSDP, "bf16")))
+    fp32, bf16 = (
+        predict(c.spec, c.plan()) for c in (compiled(FSDP, "fp32"), compiled(FSDP, "bf16"))
+    )
     assert bf16.gathered_peak * 2 == fp32.gathered_peak > 0
     assert bf16.grads_peak * 2 == fp32.grads_peak > 0
     assert bf16.states == fp32.states  # master weights, gradient shards, m, v: fp32 always
@@ -74,17 +75,20 @@ def test_a_bf16_gather_halves_the_gathered_units_and_their_gradients():
     assert fp32.states == sum(16 * n // 2 for n in P.values())  # 16 bytes/param / D
 
 
-@pytest.mark.parametrize("policy,expected", [
-    # fp32: only a unit's second reduce-scatter of the step needs a temporary, S x 4
-    ("fp32", lambda P: max(n // 2 * 4 for n in P.values())),
-    # bf16 gradients reduced in fp32: the fp32 copy of the full gradient, P x 4, plus the
-    # fp32 output of a second reduce-scatter, S x 4 (the first writes the gradient shard)
-    ("bf16", lambda P: max(n * 4 + n // 2 * 4 for n in P.values())),
-    # bf16 gradients reduced in bf16: no input cast, a bf16 output shard S x 2 each time
-    ("bf16-reduce", lambda P: max(n // 2 * 2 for n in P.values())),
-    # fp32 gradients reduced in bf16: the bf16 input P x 2 and its bf16 output S x 2
-    ("fp32-gather", lambda P: max(n * 2 + n // 2 * 2 for n in P.values())),
-])
+@pytest.mark.parametrize(
+    "policy,expected",
+    [
+        # fp32: only a unit's second reduce-scatter of the step needs a temporary, S x 4
+        ("fp32", lambda P: max(n // 2 * 4 for n in P.values())),
+        # bf16 gradients reduced in fp32: the fp32 copy of the full gradient, P x 4, plus the
+        # fp32 output of a second reduce-scatter, S x 4 (the first writes the gradient shard)
+        ("bf16", lambda P: max(n * 4 + n // 2 * 4 for n in P.values())),
+        # bf16 gradients reduced in bf16: no input cast, a bf16 output shard S x 2 each time
+        ("bf16-reduce", lambda P: max(n // 2 * 2 for n in P.values())),
+        # fp32 gradients reduced in bf16: the bf16 input P x 2 and its bf16 output S x 2
+        ("fp32-gather", lambda P: max(n * 2 + n // 2 * 2 for n in P.values())),
+    ],
+)
 def test_reduce_buffers_follow_the_reduce_dtype(policy, expected):
     c = compiled(FSDP, policy)
     assert predict(c.spec, c.plan()).comm_peak == expected(sizes(c))
@@ -116,8 +120,12 @@ def test_ddp_buckets_reduced_in_bf16_need_a_bf16_copy(policy):
 
 
 def test_traffic_per_collective_follows_the_gather_and_reduce_dtypes():
-    for policy, (g, r) in {"fp32": (4, 4), "bf16": (2, 4), "bf16-reduce": (2, 2),
-                           "fp32-gather": (4, 2)}.items():
+    for policy, (g, r) in {
+        "fp32": (4, 4),
+        "bf16": (2, 4),
+        "bf16-reduce": (2, 2),
+        "fp32-gather": (4, 2),
+    }.items():
         c = compiled(FSDP, policy)
         P = sizes(c)
         for op in c.plan().ops:

@@ -115,7 +115,7 @@ def layer_set(case: Case, items) -> set[str]:
     cfg = case.cfg
     params = set()
     for it in items:
-        params |= ({p.name for p in cfg.layer_params(it)} if it in cfg.layers else {it})
+        params |= {p.name for p in cfg.layer_params(it)} if it in cfg.layers else {it}
     return {layer for p in params for layer in cfg.users(p)}
 
 
@@ -128,8 +128,9 @@ def uncovered(draw):
     gs = groups(case.layout)
     i = draw(st.integers(0, len(gs) - 1))
     item = gs[i].pop(draw(st.integers(0, len(gs[i]) - 1)))
-    return declared(case, "uncovered", f"drop {item} from its group",
-                    layout=with_groups(case.layout, gs))
+    return declared(
+        case, "uncovered", f"drop {item} from its group", layout=with_groups(case.layout, gs)
+    )
 
 
 @st.composite
@@ -139,8 +140,12 @@ def double_cover(draw):
     i, j = (draw(st.integers(0, len(gs) - 1)) for _ in range(2))
     item = pick(draw, gs[i])
     gs[j].append(item)
-    return declared(case, "double-cover", f"add {item} to group {j + 1} too",
-                    layout=with_groups(case.layout, gs))
+    return declared(
+        case,
+        "double-cover",
+        f"add {item} to group {j + 1} too",
+        layout=with_groups(case.layout, gs),
+    )
 
 
 @st.composite
@@ -148,10 +153,19 @@ def unknown_layer(draw):
     case = draw(cases(max_k=4, explicit=True))
     gs = groups(case.layout)
     past = f"h.{case.n_layer + draw(st.integers(0, 9))}"
-    name, code = draw(st.sampled_from([
-        (past, "layer-range"), (f"h.0 .. {past}", "layer-range"),
-        ("lm_head", "unknown-name"), ("wte", "unknown-name"), ("ln_f", "unknown-name"),
-        ("h.0.attn.c_atn.weight", "unknown-name"), ("blocks", "unknown-name")]))
+    name, code = draw(
+        st.sampled_from(
+            [
+                (past, "layer-range"),
+                (f"h.0 .. {past}", "layer-range"),
+                ("lm_head", "unknown-name"),
+                ("wte", "unknown-name"),
+                ("ln_f", "unknown-name"),
+                ("h.0.attn.c_atn.weight", "unknown-name"),
+                ("blocks", "unknown-name"),
+            ]
+        )
+    )
     gs[draw(st.integers(0, len(gs) - 1))].append(name)
     return declared(case, code, f"name {name}", layout=with_groups(case.layout, gs))
 
@@ -171,8 +185,11 @@ def tied_param(draw):
         what = "split the one unit into embed and the rest"
     else:  # move wte.weight into a unit that does not span every block
         blocks = {x for x in case.cfg.layers if x.startswith("h.")}
-        targets = [i for i, u in enumerate(units[1:], 1)
-                   if not u.keep and not blocks <= layer_set(case, u.items)]
+        targets = [
+            i
+            for i, u in enumerate(units[1:], 1)
+            if not u.keep and not blocks <= layer_set(case, u.items)
+        ]
         i = pick(draw, targets)
         units[i] = replace(units[i], items=units[i].items + (TIED,))
         units = units[1:]
@@ -201,8 +218,12 @@ def unit_contiguous(draw):
     gs = groups(case.layout)
     gs[j].remove(item)
     gs[i].append(item)
-    return declared(case, "unit-contiguous", f"move {item} into unit {units[i].name}",
-                    layout=with_groups(case.layout, gs))
+    return declared(
+        case,
+        "unit-contiguous",
+        f"move {item} into unit {units[i].name}",
+        layout=with_groups(case.layout, gs),
+    )
 
 
 # -- batch arithmetic and settings ---------------------------------------------------------------
@@ -212,7 +233,7 @@ def edit_line(case: Case, prefix: str, new: str | None) -> str:
     """The case's text with the line starting with `prefix` replaced (or dropped)."""
     lines = case.lines()
     i = next(k for k, x in enumerate(lines) if x.startswith(prefix))
-    lines[i:i + 1] = [] if new is None else [new]
+    lines[i : i + 1] = [] if new is None else [new]
     return "\n".join(lines) + "\n"
 
 
@@ -221,12 +242,17 @@ def batch_arithmetic(draw):
     case = draw(cases(max_k=4)).with_(stated="both")
     d = draw(st.integers(1, 3))
     which = draw(st.sampled_from(["batch", "micro", "accumulate", "world"]))
-    value = {"batch": case.seqs, "micro": case.micro, "accumulate": case.k,
-             "world": case.world}[which]
+    value = {"batch": case.seqs, "micro": case.micro, "accumulate": case.k, "world": case.world}[
+        which
+    ]
     new = value + d if value - d < 1 or draw(st.booleans()) else value - d
     line = f"batch {new} x {case.seq_len}" if which == "batch" else f"{which} {new}"
-    return Mutant("batch-arithmetic", edit_line(case, which + " ", line),
-                  f"{which} {value} -> {new}", case.text())
+    return Mutant(
+        "batch-arithmetic",
+        edit_line(case, which + " ", line),
+        f"{which} {value} -> {new}",
+        case.text(),
+    )
 
 
 @st.composite
@@ -235,12 +261,15 @@ def context_length(draw):
     block = case.cfg.block_size
     if draw(st.booleans()):
         tokens = block + draw(st.integers(1, 2 * block))
-        return Mutant("context-length", edit_line(case, "batch ", f"batch {case.seqs} x {tokens}"),
-                      f"sequences of {tokens} tokens", case.text())
+        return Mutant(
+            "context-length",
+            edit_line(case, "batch ", f"batch {case.seqs} x {tokens}"),
+            f"sequences of {tokens} tokens",
+            case.text(),
+        )
     small = draw(st.integers(1, case.seq_len - 1))
     line = f"model nano {{ n_layer = {case.n_layer}  block = {small} }}"
-    return Mutant("context-length", edit_line(case, "model ", line), f"block {small}",
-                  case.text())
+    return Mutant("context-length", edit_line(case, "model ", line), f"block {small}", case.text())
 
 
 @st.composite
@@ -260,10 +289,14 @@ def value_range(draw):
 @st.composite
 def unknown_setting(draw):
     case = draw(cases(max_k=4))
-    prefix, line = draw(st.sampled_from([
-        ("model ", f"model nano {{ n_layer = {case.n_layer}  n_layers = 2 }}"),
-        ("optimizer ", "optimizer adamw { lr = 1e-3  warmup = 1  clip = 1  wd = 0.1 }"),
-    ]))
+    prefix, line = draw(
+        st.sampled_from(
+            [
+                ("model ", f"model nano {{ n_layer = {case.n_layer}  n_layers = 2 }}"),
+                ("optimizer ", "optimizer adamw { lr = 1e-3  warmup = 1  clip = 1  wd = 0.1 }"),
+            ]
+        )
+    )
     return Mutant("unknown-setting", edit_line(case, prefix, line), line, case.text())
 
 
@@ -272,8 +305,9 @@ def missing_setting(draw):
     case = draw(cases(max_k=4))
     which = draw(st.sampled_from(["model ", "world ", "batch ", "micro/accumulate"]))
     if which == "micro/accumulate":
-        text = "".join(x + "\n" for x in case.lines()
-                       if not x.startswith(("micro ", "accumulate ")))
+        text = "".join(
+            x + "\n" for x in case.lines() if not x.startswith(("micro ", "accumulate "))
+        )
     else:
         text = edit_line(case, which, None)
     return Mutant("missing-setting", text, f"no {which.strip()}", case.text())
@@ -282,7 +316,9 @@ def missing_setting(draw):
 @st.composite
 def duplicate(draw):
     case = draw(cases(max_k=4))
-    line = pick(draw, [x for x in case.lines() if x.startswith(("world", "seed", "batch", "model"))])
+    line = pick(
+        draw, [x for x in case.lines() if x.startswith(("world", "seed", "batch", "model"))]
+    )
     return declared(case, "duplicate", f"state `{line}` twice", extra=(line,))
 
 
@@ -290,10 +326,14 @@ def duplicate(draw):
 def conflict(draw):
     case = draw(cases(max_k=4))
     if isinstance(case.layout, DDP) and not case.layout.overlap and draw(st.booleans()):
-        return declared(case, "conflict", "overlap off, all-reduce on comm",
-                        extra=("stream allreduce = comm",))
-    other = ("fsdp { unit all = embed .. head }" if isinstance(case.layout, DDP)
-             else "ddp { bucket b = head .. embed }")
+        return declared(
+            case, "conflict", "overlap off, all-reduce on comm", extra=("stream allreduce = comm",)
+        )
+    other = (
+        "fsdp { unit all = embed .. head }"
+        if isinstance(case.layout, DDP)
+        else "ddp { bucket b = head .. embed }"
+    )
     return declared(case, "conflict", "a ddp and an fsdp block", extra=(other,))
 
 
@@ -301,8 +341,9 @@ def conflict(draw):
 def compute_stream(draw):
     case = draw(cases(max_k=3))
     k = draw(st.sampled_from(["fwd", "bwd", "free"]))
-    return declared(case, "compute-stream", f"{k} on the comm stream",
-                    extra=(f"stream {k} = comm",))
+    return declared(
+        case, "compute-stream", f"{k} on the comm stream", extra=(f"stream {k} = comm",)
+    )
 
 
 @st.composite
@@ -317,12 +358,18 @@ def memory_budget(draw):
         budget = compile_text(lean.text()).memory.peak
         if budget < peak:
             line = f"memory {budget} B"
-            return Mutant("memory-budget", case.with_(extra=(line,)).text(),
-                          f"prefetch {fs.prefetch} past the budget that fits prefetch 0",
-                          lean.with_(extra=(line,)).text())
-    return Mutant("memory-budget", case.with_(extra=(f"memory {peak - 1} B",)).text(),
-                  f"memory {peak - 1} B, one under the peak",
-                  case.with_(extra=(f"memory {peak} B",)).text())
+            return Mutant(
+                "memory-budget",
+                case.with_(extra=(line,)).text(),
+                f"prefetch {fs.prefetch} past the budget that fits prefetch 0",
+                lean.with_(extra=(line,)).text(),
+            )
+    return Mutant(
+        "memory-budget",
+        case.with_(extra=(f"memory {peak - 1} B",)).text(),
+        f"memory {peak - 1} B, one under the peak",
+        case.with_(extra=(f"memory {peak} B",)).text(),
+    )
 
 
 # -- written programs ---------------------------------------------------------------------------
@@ -363,15 +410,22 @@ def spmd(draw):
         rank, ranks = draw(st.integers(0, case.world - 1)), list(range(case.world))
     mutant = [x for r in ranks for x in program_lines({s: (new if r == rank else progs)[s]}, r)]
     control = [x for r in ranks for x in program_lines({s: progs[s]}, r)]
-    return Mutant("spmd", case.with_(extra=tuple(mutant)).text(),
-                  f"rank {rank} swaps {progs[s][a].op} and {progs[s][b].op}"
-                  + (" (every rank writes its program)" if len(ranks) > 1 else ""),
-                  case.with_(extra=tuple(control)).text())
+    return Mutant(
+        "spmd",
+        case.with_(extra=tuple(mutant)).text(),
+        f"rank {rank} swaps {progs[s][a].op} and {progs[s][b].op}"
+        + (" (every rank writes its program)" if len(ranks) > 1 else ""),
+        case.with_(extra=tuple(control)).text(),
+    )
 
 
 def _written(case: Case, base: Programs, new: Programs, code: str, what: str) -> Mutant:
-    return Mutant(code, case.with_(extra=program_lines(new)).text(), what,
-                  case.with_(extra=program_lines(base)).text())
+    return Mutant(
+        code,
+        case.with_(extra=program_lines(new)).text(),
+        what,
+        case.with_(extra=program_lines(base)).text(),
+    )
 
 
 @st.composite
@@ -435,8 +489,9 @@ def use_after_free(draw):
     new = copy(progs)
     new["compute"].insert(j, new["compute"].pop(i))
     where = "before" if j < i else "after"
-    return _written(case, progs, new, "use-after-free",
-                    f"{compute[i].op} moved {where} {compute[j].op}")
+    return _written(
+        case, progs, new, "use-after-free", f"{compute[i].op} moved {where} {compute[j].op}"
+    )
 
 
 @st.composite
@@ -450,8 +505,14 @@ def nosync_comm(draw):
     stream = spec.streams[Op.parse(op).kind]
     new = copy(progs)
     if stream == "compute":
-        at = max(i for i, x in enumerate(new["compute"]) if x.op.startswith("bwd[")
-                 and x.op.endswith("@mb0")) + 1
+        at = (
+            max(
+                i
+                for i, x in enumerate(new["compute"])
+                if x.op.startswith("bwd[") and x.op.endswith("@mb0")
+            )
+            + 1
+        )
     else:
         at = 0
     new.setdefault(stream, []).insert(at, Line(op, []))
@@ -482,8 +543,9 @@ def deadlock(draw):
     j = draw(st.integers(i + 1, len(progs[s]) - 1))
     new = copy(progs)
     new[s][i].after.append(progs[s][j].op)
-    return _written(case, progs, new, "deadlock",
-                    f"{progs[s][i].op} after {progs[s][j].op}, later on '{s}'")
+    return _written(
+        case, progs, new, "deadlock", f"{progs[s][i].op} after {progs[s][j].op}, later on '{s}'"
+    )
 
 
 @st.composite
@@ -545,15 +607,15 @@ def out_of_order(draw):
     swaps = []
     for i in range(len(lines) - 1):
         u, v = lines[i].op, lines[i + 1].op
-        if kind(u) in (Kind.FWD, Kind.BWD) and kind(v) in (Kind.FWD, Kind.BWD) \
-                and (u, v) in needs:
+        if kind(u) in (Kind.FWD, Kind.BWD) and kind(v) in (Kind.FWD, Kind.BWD) and (u, v) in needs:
             new = copy(progs)
             new["compute"][i], new["compute"][i + 1] = new["compute"][i + 1], new["compute"][i]
             if nx.is_directed_acyclic_graph(run_graph(new)):
                 swaps.append((i, new))
     i, new = pick(draw, swaps)
-    return _written(case, progs, new, "out-of-order",
-                    f"{lines[i + 1].op} placed before {lines[i].op}")
+    return _written(
+        case, progs, new, "out-of-order", f"{lines[i + 1].op} placed before {lines[i].op}"
+    )
 
 
 @st.composite
@@ -671,16 +733,22 @@ def cross_rank_cycle(draw):
     case = case.with_(layout=replace(case.layout, streams=(("reducescatter", "rs"),)))
     progs = programs_of(case.text())
     g = run_graph(progs)
-    pairs = [(x.op, y.op) for x in progs["comm"] for y in progs["rs"]
-             if not nx.has_path(g, x.op, y.op) and not nx.has_path(g, y.op, x.op)]
+    pairs = [
+        (x.op, y.op)
+        for x in progs["comm"]
+        for y in progs["rs"]
+        if not nx.has_path(g, x.op, y.op) and not nx.has_path(g, y.op, x.op)
+    ]
     gather, rs = pick(draw, pairs)
     mine, theirs = copy(progs), copy(progs)
     mine["rs"][[x.op for x in mine["rs"]].index(rs)].after.append(gather)
     theirs["comm"][[x.op for x in theirs["comm"]].index(gather)].after.append(rs)
-    text = case.with_(extra=program_lines({"rs": mine["rs"]}, 0)
-                      + program_lines({"comm": theirs["comm"]}, 1)).text()
-    return Mutant("spmd", text, f"rank 0: {rs} after {gather}; rank 1: {gather} after {rs}",
-                  case.text())
+    text = case.with_(
+        extra=program_lines({"rs": mine["rs"]}, 0) + program_lines({"comm": theirs["comm"]}, 1)
+    ).text()
+    return Mutant(
+        "spmd", text, f"rank 0: {rs} after {gather}; rank 1: {gather} after {rs}", case.text()
+    )
 
 
 def test_generated_cross_rank_wait_cycles_are_rejected():
@@ -767,13 +835,70 @@ def test_written_out_programs_compile_back_to_the_same_plan(case):
 # -- parser fuzz: edits of generated schedules ------------------------------------------------
 
 VOCAB = [
-    "model", "world", "batch", "micro", "accumulate", "steps", "seed", "memory", "data",
-    "optimizer", "ddp", "fsdp", "stream", "program", "bucket", "bucket_cap", "first", "overlap",
-    "no_sync", "unit", "keep", "prefetch", "forward", "backward", "reshard_after_forward", "on",
-    "off", "after", "rank", "text", "tokens", "x", "{", "}", "=", ",", "..", "#", '"', "KiB",
-    "MiB", "B", "embed", "head", "h.0", "h.9", TIED, "0", "-1", "1e9", "3.5", "1" * 30,
-    "fwd[h.0]@mb0", "allreduce[b1]@mb9", "allgather[u1]@mb0:fwd", "optimizer.step",
-    "bwd[]@mb", "free[x]@mb0:side", "\t", "\n", "\u00e9", "\x00", "\ufeff", "\r",
+    "model",
+    "world",
+    "batch",
+    "micro",
+    "accumulate",
+    "steps",
+    "seed",
+    "memory",
+    "data",
+    "optimizer",
+    "ddp",
+    "fsdp",
+    "stream",
+    "program",
+    "bucket",
+    "bucket_cap",
+    "first",
+    "overlap",
+    "no_sync",
+    "unit",
+    "keep",
+    "prefetch",
+    "forward",
+    "backward",
+    "reshard_after_forward",
+    "on",
+    "off",
+    "after",
+    "rank",
+    "text",
+    "tokens",
+    "x",
+    "{",
+    "}",
+    "=",
+    ",",
+    "..",
+    "#",
+    '"',
+    "KiB",
+    "MiB",
+    "B",
+    "embed",
+    "head",
+    "h.0",
+    "h.9",
+    TIED,
+    "0",
+    "-1",
+    "1e9",
+    "3.5",
+    "1" * 30,
+    "fwd[h.0]@mb0",
+    "allreduce[b1]@mb9",
+    "allgather[u1]@mb0:fwd",
+    "optimizer.step",
+    "bwd[]@mb",
+    "free[x]@mb0:side",
+    "\t",
+    "\n",
+    "\u00e9",
+    "\x00",
+    "\ufeff",
+    "\r",
 ]
 
 
@@ -787,8 +912,9 @@ def edited_schedules(draw):
         n = len(text)
         a = draw(st.integers(0, n))
         b = draw(st.integers(a, min(n, a + 40)))
-        how = draw(st.sampled_from(["delete", "duplicate", "insert", "replace", "swap-lines",
-                                    "truncate"]))
+        how = draw(
+            st.sampled_from(["delete", "duplicate", "insert", "replace", "swap-lines", "truncate"])
+        )
         if how == "delete":
             text = text[:a] + text[b:]
         elif how == "duplicate":
@@ -798,7 +924,7 @@ def edited_schedules(draw):
             sep = draw(st.sampled_from(["", " "]))
             text = text[:a] + sep + tok + sep + text[a:]
         elif how == "replace":
-            text = text[:a] + draw(st.characters(codec="utf-8")) + text[a + 1:]
+            text = text[:a] + draw(st.characters(codec="utf-8")) + text[a + 1 :]
         elif how == "swap-lines":
             lines = text.split("\n")
             i, j = (draw(st.integers(0, len(lines) - 1)) for _ in range(2))
@@ -812,6 +938,7 @@ def edited_schedules(draw):
 @contextmanager
 def time_limit(seconds: float):
     """Raise TimeoutError if the block runs longer (a hang is a failure, not a stall)."""
+
     def expire(signum, frame):
         raise TimeoutError(f"still running after {seconds}s")
 
@@ -860,8 +987,22 @@ def test_the_ci_profile_ran_enough_mutation_cases(request):
         pytest.skip("not every mutation was selected in this session")
     mut = {k[1]: n for k, n in TALLY.items() if k[0] == "mutation"}
     assert sum(mut.values()) >= examples(200), mut
-    codes = {"uncovered", "double-cover", "spmd", "early-reduce", "use-after-free",
-             "memory-budget", "batch-arithmetic", "context-length", "tied-param",
-             "layer-range", "unknown-name", "nosync-comm", "optimizer-wait", "deadlock",
-             "cycle", "missing-op"}
+    codes = {
+        "uncovered",
+        "double-cover",
+        "spmd",
+        "early-reduce",
+        "use-after-free",
+        "memory-budget",
+        "batch-arithmetic",
+        "context-length",
+        "tied-param",
+        "layer-range",
+        "unknown-name",
+        "nosync-comm",
+        "optimizer-wait",
+        "deadlock",
+        "cycle",
+        "missing-op",
+    }
     assert codes <= set(mut), sorted(codes - set(mut))

@@ -130,7 +130,8 @@ def test_cost_model_durations():
     assert duration(spec, Op.parse("bwd[h.1]@mb0"), cost) == pytest.approx(2 * f / 300e12)
     b1 = next(b for b in spec.strategy.buckets if b.name == "b1")
     assert duration(spec, Op.parse("allreduce[b1]@mb3"), cost) == pytest.approx(
-        10e-6 + 2 * 7 / 8 * b1.nbytes / 100e9)
+        10e-6 + 2 * 7 / 8 * b1.nbytes / 100e9
+    )
 
 
 def test_cost_model_rates_and_bytes_follow_the_numerics():
@@ -178,8 +179,9 @@ def _fsdp(prefetch: int):
 def _gathers(c):
     tl = simulate(c)
     kept = {u.name for u in c.spec.strategy.units if u.keep}
-    return {str(x.interval.op): x for x in overlap(tl)[0].items
-            if x.interval.op.kind is Kind.ALLGATHER}, kept
+    return {
+        str(x.interval.op): x for x in overlap(tl)[0].items if x.interval.op.kind is Kind.ALLGATHER
+    }, kept
 
 
 def test_fsdp_without_prefetch_every_gather_is_exposed():
@@ -199,8 +201,7 @@ def test_fsdp_prefetch_hides_all_gathers_but_the_step_start():
     Every other gather is entirely hidden behind the previous unit's compute."""
     gathers, _ = _gathers(_fsdp(1))
     exposed = {k for k, x in gathers.items() if x.exposed > 1e-12}
-    assert exposed == {"allgather[tied]@mb0:fwd", "allgather[u1]@mb0:fwd",
-                       "allgather[u3]@mb0:bwd"}
+    assert exposed == {"allgather[tied]@mb0:fwd", "allgather[u1]@mb0:fwd", "allgather[u3]@mb0:bwd"}
     for k in exposed:
         assert gathers[k].hidden == 0, k
     for k in set(gathers) - exposed:
@@ -271,8 +272,23 @@ def test_calibrate_cli_writes_params_that_render_reads(tmp_path, capsys):
     assert "80 TFLOP/s" in out and "40 GB/s" in out and "20 us" in out
     assert CostModel.load(params).flops_tf32 == pytest.approx(80e12)  # fsdp_prefetch: fp32
     # flags win over the file, the file over the defaults
-    assert main(["render", str(REPO / "schedules" / "fsdp_prefetch.sched"), "--view", "timeline",
-                 "--cost", str(params), "--bandwidth", "10G", "-o", str(tmp_path / "x.dot")]) == 0
+    assert (
+        main(
+            [
+                "render",
+                str(REPO / "schedules" / "fsdp_prefetch.sched"),
+                "--view",
+                "timeline",
+                "--cost",
+                str(params),
+                "--bandwidth",
+                "10G",
+                "-o",
+                str(tmp_path / "x.dot"),
+            ]
+        )
+        == 0
+    )
     dot = (tmp_path / "x.dot").read_text()
     assert "80 TFLOP/s compute, 10 GB/s bus bandwidth, 20 us per collective" in dot
 
@@ -310,8 +326,14 @@ def real_trace(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     (d / "w1.sched").write_text(WORLD1_DDP)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
-                   cwd=d, env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
+        cwd=d,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return d
 
 
@@ -332,21 +354,52 @@ def test_measured_timeline_from_a_real_trace(real_trace):
 @pytest.mark.torch
 def test_render_and_calibrate_cli_on_a_real_trace(real_trace, capsys):
     d = real_trace
-    assert main(["render", str(d / "w1.sched"), "--trace", str(d / "t.json"), "--compare",
-                 "-o", str(d / "m.dot")]) == 0
+    assert (
+        main(
+            [
+                "render",
+                str(d / "w1.sched"),
+                "--trace",
+                str(d / "t.json"),
+                "--compare",
+                "-o",
+                str(d / "m.dot"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "measured: rank 0: step" in out and "predicted: rank 0" in out
     assert main(["calibrate", str(d / "t.json"), "--schedule", str(d / "w1.sched")]) == 0
     assert "world 1: collectives move no data" in capsys.readouterr().out
     if HAVE_DOT:
-        assert main(["render", str(d / "w1.sched"), "--trace", str(d / "t.json"),
-                     "-o", str(d / "m.svg")]) == 0
+        assert (
+            main(
+                [
+                    "render",
+                    str(d / "w1.sched"),
+                    "--trace",
+                    str(d / "t.json"),
+                    "-o",
+                    str(d / "m.svg"),
+                ]
+            )
+            == 0
+        )
 
 
 @pytest.mark.torch
 def test_a_trace_of_another_schedule_is_refused(real_trace, capsys):
-    code = main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), "--trace",
-                 str(real_trace / "t.json"), "-o", str(real_trace / "x.dot")])
+    code = main(
+        [
+            "render",
+            str(REPO / "schedules" / "ddp_overlap.sched"),
+            "--trace",
+            str(real_trace / "t.json"),
+            "-o",
+            str(real_trace / "x.dot"),
+        ]
+    )
     assert code == 1
     assert "plan does not hold" in capsys.readouterr().err
 
@@ -365,16 +418,19 @@ def test_without_graphviz_images_fail_cleanly_and_dot_text_works(tmp_path, monke
     assert (tmp_path / "t.dot").read_text().startswith("digraph timeline")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-o", "x.jpg"], "use one of .svg, .png, .pdf, .dot"),
-    (["-o", "x.dot", "--view", "graph", "--trace", "t.json"], "drop --view graph"),
-    (["-o", "x.dot", "--compare"], "add --trace"),
-    (["-o", "x.dot", "--step", "2"], "add --trace"),
-    (["-o", "x.dot", "--window", "mb1:"], "add --view timeline"),
-    (["-o", "x.dot", "--view", "timeline", "--window", "mb7:"], "no micro-step mb7"),
-    (["-o", "x.dot", "--rank", "8"], "has ranks 0..7"),
-    (["-o", "x.dot", "--view", "timeline", "--flops", "fast"], "cost model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-o", "x.jpg"], "use one of .svg, .png, .pdf, .dot"),
+        (["-o", "x.dot", "--view", "graph", "--trace", "t.json"], "drop --view graph"),
+        (["-o", "x.dot", "--compare"], "add --trace"),
+        (["-o", "x.dot", "--step", "2"], "add --trace"),
+        (["-o", "x.dot", "--window", "mb1:"], "add --view timeline"),
+        (["-o", "x.dot", "--view", "timeline", "--window", "mb7:"], "no micro-step mb7"),
+        (["-o", "x.dot", "--rank", "8"], "has ranks 0..7"),
+        (["-o", "x.dot", "--view", "timeline", "--flops", "fast"], "cost model"),
+    ],
+)
 def test_usage_errors(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), *argv]) == 1
@@ -382,7 +438,18 @@ def test_usage_errors(argv, message, tmp_path, capsys, monkeypatch):
 
 
 def test_render_prints_hidden_and_exposed(tmp_path, capsys):
-    assert main(["render", str(REPO / "schedules" / "ddp_overlap.sched"), "--view", "timeline",
-                 "-o", str(tmp_path / "t.dot")]) == 0
+    assert (
+        main(
+            [
+                "render",
+                str(REPO / "schedules" / "ddp_overlap.sched"),
+                "--view",
+                "timeline",
+                "-o",
+                str(tmp_path / "t.dot"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "communication 4.76 ms: 1 ms hidden behind compute (21%), 3.76 ms exposed" in out

@@ -50,8 +50,14 @@ def real(tmp_path_factory):
     d = tmp_path_factory.mktemp("trace")
     (d / "w1.sched").write_text(W1)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
-                   cwd=d, env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
+        cwd=d,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return d
 
 
@@ -99,48 +105,73 @@ def deleter(key):
 
 # name -> (JSON text from the real trace dir, what the error must say)
 CRAFTED = {
-    "traceEvents of ints": (lambda d: '{"traceEvents": [1, 2, 3]}',
-                            "t.json: traceEvents[0]: expected an object, got 1"),
+    "traceEvents of ints": (
+        lambda d: '{"traceEvents": [1, 2, 3]}',
+        "t.json: traceEvents[0]: expected an object, got 1",
+    ),
     "missing ts": (lambda d: with_event(d, first_x, deleter("ts")), ".ts: expected a finite "),
-    "string ts": (lambda d: with_event(d, first_x, setter("ts", "abc")),
-                  '.ts: expected a finite number >= 0 (microseconds, at most 1e+18), got "abc"'),
-    "NaN ts": (lambda d: with_event(d, first_x, setter("ts", math.nan)),
-               ".ts: expected a finite number >= 0 (microseconds, at most 1e+18), got NaN"),
+    "string ts": (
+        lambda d: with_event(d, first_x, setter("ts", "abc")),
+        '.ts: expected a finite number >= 0 (microseconds, at most 1e+18), got "abc"',
+    ),
+    "NaN ts": (
+        lambda d: with_event(d, first_x, setter("ts", math.nan)),
+        ".ts: expected a finite number >= 0 (microseconds, at most 1e+18), got NaN",
+    ),
     "inf ts": (lambda d: with_event(d, first_x, setter("ts", math.inf)), "got Infinity"),
     "-inf dur": (lambda d: with_event(d, first_x, setter("dur", -math.inf)), ".dur: expected"),
     "bool ts": (lambda d: with_event(d, first_x, setter("ts", True)), ".ts: expected"),
-    "string pid": (lambda d: with_event(d, first_x, setter("pid", "0")),
-                   '.pid: expected a rank, an integer >= 0, got "0"'),
-    "pid past the world": (lambda d: with_event(d, last_x, setter("pid", 7)),
-                           ".pid: rank 7, but "),
-    "negative dur": (lambda d: with_event(d, first_x, setter("dur", -1.5)),
-                     ".dur: expected a finite number >= 0"),
+    "string pid": (
+        lambda d: with_event(d, first_x, setter("pid", "0")),
+        '.pid: expected a rank, an integer >= 0, got "0"',
+    ),
+    "pid past the world": (lambda d: with_event(d, last_x, setter("pid", 7)), ".pid: rank 7, but "),
+    "negative dur": (
+        lambda d: with_event(d, first_x, setter("dur", -1.5)),
+        ".dur: expected a finite number >= 0",
+    ),
     "huge ts": (lambda d: with_event(d, first_x, setter("ts", 1e300)), "got 1e+300"),
     "huge int ts": (lambda d: with_event(d, first_x, setter("ts", 10**400)), "(401 digits)"),
     "5000-digit int": (lambda d: '{"traceEvents": [' + "9" * 5000 + "]}", "t.json: not JSON"),
-    "1e999 literal": (lambda d: with_event(d, first_x, setter("dur", 1)).replace(
-        '"dur": 1,', '"dur": 1e999,'), ".dur: expected a finite number >= 0"),
-    "args a list": (lambda d: with_event(d, first_x, setter("args", [1])),
-                    ".args: expected an object, got a list"),
-    "string step": (lambda d: with_event(d, last_x, lambda e: e["args"].update(step="1")),
-                    '.args.step: expected an integer >= 0, got "1"'),
-    "stream a number": (lambda d: with_event(d, first_x, lambda e: e["args"].update(stream=3)),
-                        ".args.stream: expected a name"),
-    "unknown stream": (lambda d: with_event(d, last_x, lambda e: e["args"].update(
-        stream="nccl")), "stream 'nccl' is none of"),
-    "a lone surrogate in an op": (lambda d: with_event(d, last_x, setter(
-        "name", "fwd[\ud800]@mb0")), "rank 0 ran fwd[\\ud800]@mb0, which"),
+    "1e999 literal": (
+        lambda d: with_event(d, first_x, setter("dur", 1)).replace('"dur": 1,', '"dur": 1e999,'),
+        ".dur: expected a finite number >= 0",
+    ),
+    "args a list": (
+        lambda d: with_event(d, first_x, setter("args", [1])),
+        ".args: expected an object, got a list",
+    ),
+    "string step": (
+        lambda d: with_event(d, last_x, lambda e: e["args"].update(step="1")),
+        '.args.step: expected an integer >= 0, got "1"',
+    ),
+    "stream a number": (
+        lambda d: with_event(d, first_x, lambda e: e["args"].update(stream=3)),
+        ".args.stream: expected a name",
+    ),
+    "unknown stream": (
+        lambda d: with_event(d, last_x, lambda e: e["args"].update(stream="nccl")),
+        "stream 'nccl' is none of",
+    ),
+    "a lone surrogate in an op": (
+        lambda d: with_event(d, last_x, setter("name", "fwd[\ud800]@mb0")),
+        "rank 0 ran fwd[\\ud800]@mb0, which",
+    ),
     "missing ph": (lambda d: with_event(d, first_x, deleter("ph")), ".ph: expected a string"),
-    "thread_name without args": (lambda d: with_event(d, lambda evs: 2, deleter("args")),
-                                 "traceEvents[2].args: expected an object, got nothing"),
+    "thread_name without args": (
+        lambda d: with_event(d, lambda evs: 2, deleter("args")),
+        "traceEvents[2].args: expected an object, got nothing",
+    ),
     "deep lists": (lambda d: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
     "deep objects": (lambda d: '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
     "empty file": (lambda d: "", "t.json: not JSON"),
     "not JSON": (lambda d: "this is not a trace\n", "t.json: not JSON"),
     "a list of garbage": (lambda d: '[1, "x", null, []]', "t.json: [0]: expected an object"),
     "a string": (lambda d: '"traceEvents"', "expected a JSON object with a traceEvents list"),
-    "no traceEvents": (lambda d: '{"events": []}',
-                       "traceEvents: expected a list of events, got nothing"),
+    "no traceEvents": (
+        lambda d: '{"events": []}',
+        "traceEvents: expected a list of events, got nothing",
+    ),
     "traceEvents an object": (lambda d: '{"traceEvents": {}}', "got an object"),
     "no op spans": (lambda d: '{"traceEvents": []}', "holds no op spans"),
 }
@@ -152,9 +183,11 @@ def test_a_crafted_trace_is_one_clear_error(real, tmp_path, capsys, case):
     t = tmp_path / "t.json"
     t.write_text(make(real))
     sched, out = real / "w1.sched", tmp_path / "m.dot"
-    for argv in (["render", sched, "--trace", t, "-o", out],
-                 ["render", sched, "--trace", t, "--compare", "-o", out],
-                 ["calibrate", t, "--schedule", sched]):
+    for argv in (
+        ["render", sched, "--trace", t, "-o", out],
+        ["render", sched, "--trace", t, "--compare", "-o", out],
+        ["calibrate", t, "--schedule", sched],
+    ):
         code, err = cli(capsys, *argv)
         assert code == 1, (argv, err)
         assert err.startswith("schedc: error: ") and says in err, err
@@ -165,10 +198,12 @@ def test_a_crafted_trace_is_one_clear_error(real, tmp_path, capsys, case):
 
 def test_a_schedule_name_in_the_trace_is_checked(real, tmp_path, capsys):
     data = json.loads((real / "t.json").read_text())
-    for bad, says in ((5, "otherData.schedule: expected a file name, got 5"),
-                      ("a\0b", "otherData.schedule: expected a file name"),
-                      (str(tmp_path), "[io]"),  # the compiler's error: a directory
-                      (str(tmp_path / "gone.sched"), "which is not here")):
+    for bad, says in (
+        (5, "otherData.schedule: expected a file name, got 5"),
+        ("a\0b", "otherData.schedule: expected a file name"),
+        (str(tmp_path), "[io]"),  # the compiler's error: a directory
+        (str(tmp_path / "gone.sched"), "which is not here"),
+    ):
         data["otherData"]["schedule"] = bad
         (tmp_path / "t.json").write_text(json.dumps(data))
         code, err = cli(capsys, "calibrate", tmp_path / "t.json")
@@ -178,14 +213,18 @@ def test_a_schedule_name_in_the_trace_is_checked(real, tmp_path, capsys):
 def test_special_files_as_traces_return_at_once(real, tmp_path, capsys):
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
-    for path, says in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
-                       (tmp_path, "cannot read trace"), (tmp_path / "nothing.json",
-                                                        "No such file")):
+    for path, says in (
+        (fifo, "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        (tmp_path, "cannot read trace"),
+        (tmp_path / "nothing.json", "No such file"),
+    ):
         t0 = time.monotonic()
         code, err = cli(capsys, "calibrate", path, "--schedule", real / "w1.sched")
         assert code == 1 and says in err, err
-        code, err = cli(capsys, "render", real / "w1.sched", "--trace", path, "-o",
-                        tmp_path / "m.dot")
+        code, err = cli(
+            capsys, "render", real / "w1.sched", "--trace", path, "-o", tmp_path / "m.dot"
+        )
         assert code == 1 and says in err, err
         assert time.monotonic() - t0 < 30  # generous: a FIFO used to block forever
 
@@ -196,11 +235,13 @@ def bad_outputs(tmp_path) -> list[tuple[str, str]]:
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    out = [(tmp_path / "adir.dot", "is a directory"),
-           (tmp_path / "missing" / "m.dot", "no such directory"),
-           (tmp_path / "afile" / "m.dot", "not a directory"),
-           # root writes anywhere os.access says; /proc refuses even root a new file
-           ("/proc/schedc-test.dot" if os.geteuid() == 0 else ro / "m.dot", "cannot write")]
+    out = [
+        (tmp_path / "adir.dot", "is a directory"),
+        (tmp_path / "missing" / "m.dot", "no such directory"),
+        (tmp_path / "afile" / "m.dot", "not a directory"),
+        # root writes anywhere os.access says; /proc refuses even root a new file
+        ("/proc/schedc-test.dot" if os.geteuid() == 0 else ro / "m.dot", "cannot write"),
+    ]
     return [(str(p), says) for p, says in out]
 
 
@@ -220,8 +261,15 @@ def test_bad_calibrate_outputs_are_refused_before_any_work(real, tmp_path, capsy
         code, err = cli(capsys, "calibrate", tmp_path / "none.json", "-o", out)
         assert code == 1 and err.startswith(f"schedc: error: -o {out}: {says}"), err
         assert "Traceback" not in err
-    code, err = cli(capsys, "calibrate", real / "t.json", "--schedule", real / "w1.sched",
-                    "-o", tmp_path / "p.json")
+    code, err = cli(
+        capsys,
+        "calibrate",
+        real / "t.json",
+        "--schedule",
+        real / "w1.sched",
+        "-o",
+        tmp_path / "p.json",
+    )
     fitted = json.loads((tmp_path / "p.json").read_text())  # the traced dtype's rate
     assert code == 0 and any(k.startswith("flops") and (v or 0) > 0 for k, v in fitted.items())
 
@@ -229,10 +277,42 @@ def test_bad_calibrate_outputs_are_refused_before_any_work(real, tmp_path, capsy
 # -- the fuzz --------------------------------------------------------------------------------------
 
 CASES = 2000
-ODD = [None, True, False, 0, -1, -1e-9, 1, 2**31, 10**30, 1e18, 1e19, 1e308, 5e-324,
-       math.nan, math.inf, -math.inf, "", "abc", "12", "compute", "comm", "fwd[h.0]@mb0",
-       "allreduce[b1]@mb1", "bwd[h.9]@mb0", "optimizer.step", "free[b1]@mb0:fwd", [], [1],
-       {}, {"step": 1}, {"name": 3}, [[[[[]]]]], "fwd[\ud800\u202e]@mb0", "x" * 300]
+ODD = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    -1e-9,
+    1,
+    2**31,
+    10**30,
+    1e18,
+    1e19,
+    1e308,
+    5e-324,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "abc",
+    "12",
+    "compute",
+    "comm",
+    "fwd[h.0]@mb0",
+    "allreduce[b1]@mb1",
+    "bwd[h.9]@mb0",
+    "optimizer.step",
+    "free[b1]@mb0:fwd",
+    [],
+    [1],
+    {},
+    {"step": 1},
+    {"name": 3},
+    [[[[[]]]]],
+    "fwd[\ud800\u202e]@mb0",
+    "x" * 300,
+]
 
 
 def mutate(rng: random.Random, data: dict) -> str:
@@ -246,8 +326,10 @@ def mutate(rng: random.Random, data: dict) -> str:
         what = rng.randrange(10)
         if isinstance(e, dict) and what < 5:  # a field, or a field of args, gets an odd value
             target = e["args"] if what == 4 and isinstance(e.get("args"), dict) else e
-            key = rng.choice(sorted(target, key=str) + ["ts", "dur", "pid", "tid", "step",
-                                                        "stream", "name", "args"])
+            key = rng.choice(
+                sorted(target, key=str)
+                + ["ts", "dur", "pid", "tid", "step", "stream", "name", "args"]
+            )
             target[key] = copy.deepcopy(rng.choice(ODD))
         elif isinstance(e, dict) and what == 5 and e:  # a key deleted
             e.pop(rng.choice(sorted(e, key=str)))
@@ -264,20 +346,23 @@ def mutate(rng: random.Random, data: dict) -> str:
         elif isinstance(e, dict) and what == 8 and isinstance(e.get("ts"), (int, float)):
             e[rng.choice(["ts", "dur"])] = rng.choice([0, 1e-300, 1e17, 3.7e5, 1e15])
         elif what == 9 and isinstance(data, dict):  # the envelope
-            rng.choice([lambda: data.pop("otherData", None),
-                        lambda: data.__setitem__("traceEvents", copy.deepcopy(rng.choice(ODD))),
-                        lambda: data.__setitem__("otherData", copy.deepcopy(rng.choice(ODD))),
-                        lambda: data.__setitem__("displayTimeUnit", rng.choice(ODD))])()
-    if isinstance(data, dict) and isinstance(data.get("traceEvents"), list) and \
-            rng.random() < 0.05:
+            rng.choice(
+                [
+                    lambda: data.pop("otherData", None),
+                    lambda: data.__setitem__("traceEvents", copy.deepcopy(rng.choice(ODD))),
+                    lambda: data.__setitem__("otherData", copy.deepcopy(rng.choice(ODD))),
+                    lambda: data.__setitem__("displayTimeUnit", rng.choice(ODD)),
+                ]
+            )()
+    if isinstance(data, dict) and isinstance(data.get("traceEvents"), list) and rng.random() < 0.05:
         data = data["traceEvents"]  # Chrome's JSON Array Format, which schedc also reads
     text = json.dumps(data)
     cut = rng.random()
     if cut < 0.08:  # truncated, as a run killed mid-write leaves it
-        text = text[:rng.randrange(len(text))]
+        text = text[: rng.randrange(len(text))]
     elif cut < 0.14:  # one character overwritten
         k = rng.randrange(len(text))
-        text = text[:k] + rng.choice('0-.e"[]{},:N\\ x\u00e9') + text[k + 1:]
+        text = text[:k] + rng.choice('0-.e"[]{},:N\\ x\u00e9') + text[k + 1 :]
     return text
 
 
@@ -291,9 +376,10 @@ def test_fuzzed_traces_never_crash(real, tmp_path, capsys, cached_compile):
     t0 = time.monotonic()
     for n in range(CASES):
         t.write_text(mutate(rng, copy.deepcopy(base)))
-        runs = {"render": ["render", sched, "--trace", t, "-o", out,
-                           *(["--compare"] if n % 2 else [])],
-                "calibrate": ["calibrate", t, "--schedule", sched]}
+        runs = {
+            "render": ["render", sched, "--trace", t, "-o", out, *(["--compare"] if n % 2 else [])],
+            "calibrate": ["calibrate", t, "--schedule", sched],
+        }
         if n % 7 == 0:
             runs["render"] += ["--step", rng.choice(["0", "1", "5"])]
         for verb, argv in runs.items():
@@ -305,8 +391,10 @@ def test_fuzzed_traces_never_crash(real, tmp_path, capsys, cached_compile):
             counts[verb][code] += 1
     took = time.monotonic() - t0
     with capsys.disabled():
-        print(f"\nfuzz: {CASES} traces in {took:.1f} s; " + "; ".join(
-            f"{v}: {ok} accepted, {bad} rejected" for v, (ok, bad) in counts.items()))
+        print(
+            f"\nfuzz: {CASES} traces in {took:.1f} s; "
+            + "; ".join(f"{v}: {ok} accepted, {bad} rejected" for v, (ok, bad) in counts.items())
+        )
     assert all(sum(c) == CASES for c in counts.values())
     # the mutations must reach both sides: traces drawn and traces refused
     assert min(c[0] for c in counts.values()) >= 100
