@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -303,38 +300,6 @@ def test_rates_and_times_parse():
 
 
 # -- a measured timeline from a real run -----------------------------------------------------------
-
-WORLD1_DDP = """\
-model nano
-world 1
-batch 4 x 32
-micro 2
-steps 2
-data corpus
-ddp {
-  bucket b1 = head, h.1
-  bucket b2 = h.0, embed
-  overlap on
-  no_sync on
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def real_trace(tmp_path_factory):
-    """Two steps of a world-1 DDP schedule (real collectives, no torchrun) with --trace."""
-    d = tmp_path_factory.mktemp("run")
-    (d / "w1.sched").write_text(WORLD1_DDP)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run(
-        [sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
-        cwd=d,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return d
 
 
 @pytest.mark.torch

@@ -16,8 +16,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -26,39 +24,6 @@ import schedc.cli.calibrate
 import schedc.cli.render
 import schedc.compiler
 from schedc.cli.main import main
-from tests.goldens import REPO
-
-W1 = """\
-model nano
-world 1
-batch 4 x 32
-micro 2
-steps 2
-data corpus
-ddp {
-  bucket b1 = head, h.1
-  bucket b2 = h.0, embed
-  overlap on
-  no_sync on
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    """A directory with w1.sched and t.json, the trace `schedc run --trace` wrote for it."""
-    d = tmp_path_factory.mktemp("trace")
-    (d / "w1.sched").write_text(W1)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run(
-        [sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
-        cwd=d,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return d
 
 
 @pytest.fixture()
@@ -69,8 +34,8 @@ def cached_compile(monkeypatch):
         monkeypatch.setattr(verb, "compile_file", cached)
 
 
-def events(real) -> list[dict]:
-    return json.loads((real / "t.json").read_text())["traceEvents"]
+def events(real_trace) -> list[dict]:
+    return json.loads((real_trace / "t.json").read_text())["traceEvents"]
 
 
 def first_x(evs) -> int:
@@ -87,9 +52,9 @@ def cli(capsys, *argv) -> tuple[int, str]:
     return code, cap.err
 
 
-def with_event(real, index, change) -> str:
+def with_event(real_trace, index, change) -> str:
     """The real trace as JSON text with `change(event)` applied to one event (first_x/last_x)."""
-    data = json.loads((real / "t.json").read_text())
+    data = json.loads((real_trace / "t.json").read_text())
     evs = data["traceEvents"]
     change(evs[index(evs)])
     return json.dumps(data)  # NaN and Infinity as JavaScript literals, which json accepts
@@ -178,11 +143,11 @@ CRAFTED = {
 
 
 @pytest.mark.parametrize("case", sorted(CRAFTED))
-def test_a_crafted_trace_is_one_clear_error(real, tmp_path, capsys, case):
+def test_a_crafted_trace_is_one_clear_error(real_trace, tmp_path, capsys, case):
     make, says = CRAFTED[case]
     t = tmp_path / "t.json"
-    t.write_text(make(real))
-    sched, out = real / "w1.sched", tmp_path / "m.dot"
+    t.write_text(make(real_trace))
+    sched, out = real_trace / "w1.sched", tmp_path / "m.dot"
     for argv in (
         ["render", sched, "--trace", t, "-o", out],
         ["render", sched, "--trace", t, "--compare", "-o", out],
@@ -196,8 +161,8 @@ def test_a_crafted_trace_is_one_clear_error(real, tmp_path, capsys, case):
     assert not out.exists()  # the -o check's probe leaves nothing behind
 
 
-def test_a_schedule_name_in_the_trace_is_checked(real, tmp_path, capsys):
-    data = json.loads((real / "t.json").read_text())
+def test_a_schedule_name_in_the_trace_is_checked(real_trace, tmp_path, capsys):
+    data = json.loads((real_trace / "t.json").read_text())
     for bad, says in (
         (5, "otherData.schedule: expected a file name, got 5"),
         ("a\0b", "otherData.schedule: expected a file name"),
@@ -210,7 +175,7 @@ def test_a_schedule_name_in_the_trace_is_checked(real, tmp_path, capsys):
         assert code == 1 and says in err and "Traceback" not in err, err
 
 
-def test_special_files_as_traces_return_at_once(real, tmp_path, capsys):
+def test_special_files_as_traces_return_at_once(real_trace, tmp_path, capsys):
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     for path, says in (
@@ -220,10 +185,10 @@ def test_special_files_as_traces_return_at_once(real, tmp_path, capsys):
         (tmp_path / "nothing.json", "No such file"),
     ):
         t0 = time.monotonic()
-        code, err = cli(capsys, "calibrate", path, "--schedule", real / "w1.sched")
+        code, err = cli(capsys, "calibrate", path, "--schedule", real_trace / "w1.sched")
         assert code == 1 and says in err, err
         code, err = cli(
-            capsys, "render", real / "w1.sched", "--trace", path, "-o", tmp_path / "m.dot"
+            capsys, "render", real_trace / "w1.sched", "--trace", path, "-o", tmp_path / "m.dot"
         )
         assert code == 1 and says in err, err
         assert time.monotonic() - t0 < 30  # generous: a FIFO used to block forever
@@ -245,18 +210,18 @@ def bad_outputs(tmp_path) -> list[tuple[str, str]]:
     return [(str(p), says) for p, says in out]
 
 
-def test_bad_render_outputs_are_refused_before_any_work(real, tmp_path, capsys):
+def test_bad_render_outputs_are_refused_before_any_work(real_trace, tmp_path, capsys):
     # the schedule and the trace do not exist: the -o check must come first to be seen
     for out, says in bad_outputs(tmp_path):
         for extra in ([], ["--trace", tmp_path / "none.json"]):
             code, err = cli(capsys, "render", tmp_path / "none.sched", *extra, "-o", out)
             assert code == 1 and err.startswith(f"schedc: error: -o {out}: {says}"), err
             assert "Traceback" not in err and "none.sched" not in err
-    code, err = cli(capsys, "render", real / "w1.sched", "-o", tmp_path / "m.txt")
+    code, err = cli(capsys, "render", real_trace / "w1.sched", "-o", tmp_path / "m.txt")
     assert code == 1 and "the extension says the format" in err  # as before
 
 
-def test_bad_calibrate_outputs_are_refused_before_any_work(real, tmp_path, capsys):
+def test_bad_calibrate_outputs_are_refused_before_any_work(real_trace, tmp_path, capsys):
     for out, says in bad_outputs(tmp_path):
         code, err = cli(capsys, "calibrate", tmp_path / "none.json", "-o", out)
         assert code == 1 and err.startswith(f"schedc: error: -o {out}: {says}"), err
@@ -264,9 +229,9 @@ def test_bad_calibrate_outputs_are_refused_before_any_work(real, tmp_path, capsy
     code, err = cli(
         capsys,
         "calibrate",
-        real / "t.json",
+        real_trace / "t.json",
         "--schedule",
-        real / "w1.sched",
+        real_trace / "w1.sched",
         "-o",
         tmp_path / "p.json",
     )
@@ -366,12 +331,12 @@ def mutate(rng: random.Random, data: dict) -> str:
     return text
 
 
-def test_fuzzed_traces_never_crash(real, tmp_path, capsys, cached_compile):
+def test_fuzzed_traces_never_crash(real_trace, tmp_path, capsys, cached_compile):
     """2,000 mutated traces through render --trace (timeline, --compare every other time)
     and calibrate: exit 0 or 1, never 2, no traceback; the counts are printed."""
     rng = random.Random(14)
-    base = json.loads((real / "t.json").read_text())
-    sched, t, out = real / "w1.sched", tmp_path / "t.json", tmp_path / "m.dot"
+    base = json.loads((real_trace / "t.json").read_text())
+    sched, t, out = real_trace / "w1.sched", tmp_path / "t.json", tmp_path / "m.dot"
     counts = {"render": [0, 0], "calibrate": [0, 0]}
     t0 = time.monotonic()
     for n in range(CASES):
