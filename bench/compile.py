@@ -78,7 +78,7 @@ def compile_timed(text: str, path: str, gc_on: bool = False) -> tuple[dict[str, 
 
     As compile_source does, the cyclic GC is paused unless `gc_on` (how it was before).
     """
-    with (contextlib.nullcontext() if gc_on else no_cyclic_gc()):
+    with contextlib.nullcontext() if gc_on else no_cyclic_gc():
         return _stages(text, path)
 
 
@@ -101,13 +101,11 @@ def _stages(text: str, path: str) -> tuple[dict[str, float], int]:
     check_plans(spec, graphs, plans, memory, diag)
     diag.raise_if_any()
     t6 = time.process_time()
-    t.update(parse=t1 - t0, resolve=t2 - t1, graph=t3 - t2, check=t4 - t3 + t6 - t5,
-             lower=t5 - t4)
+    t.update(parse=t1 - t0, resolve=t2 - t1, graph=t3 - t2, check=t4 - t3 + t6 - t5, lower=t5 - t4)
     return t, len(plans[None].ops)
 
 
-def best_of(text: str, path: str, repeat: int, gc_on: bool = False
-            ) -> tuple[dict[str, float], int]:
+def best_of(text: str, path: str, repeat: int, gc_on: bool = False) -> tuple[dict[str, float], int]:
     runs = [compile_timed(text, path, gc_on) for _ in range(repeat)]
     return min(runs, key=lambda r: sum(r[0].values()))
 
@@ -122,20 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     cases += [(f"gpt2-xl fsdp k={k}", xl_fsdp(k), k) for k in MICRO_STEPS]
 
     compile_timed(cases[0][1], "warmup.sched")  # build the Lark parser once, outside the timing
-    print(f"# schedc compile benchmark: python {platform.python_version()}, "
-          f"{platform.machine()}, {os.cpu_count()} cores, CPU time, best of {args.repeat}")
-    head = (f"| {'schedule':<20} | {'k':>4} | {'ops':>6} | "
-            + " | ".join(f"{s + ' ms':>10}" for s in STAGES)
-            + f" | {'total ms':>9} | {'us/op':>6} | {'GC on ms':>9} | {'us/op':>6} |")
+    print(
+        f"# schedc compile benchmark: python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, CPU time, best of {args.repeat}"
+    )
+    head = (
+        f"| {'schedule':<20} | {'k':>4} | {'ops':>6} | "
+        + " | ".join(f"{s + ' ms':>10}" for s in STAGES)
+        + f" | {'total ms':>9} | {'us/op':>6} | {'GC on ms':>9} | {'us/op':>6} |"
+    )
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for name, text, k in cases:
         t, ops = best_of(text, name, args.repeat)
         total = sum(t.values())
         gc_total = sum(best_of(text, name, args.repeat, gc_on=True)[0].values())
-        print(f"| {name:<20} | {k:>4} | {ops:>6} | " + " | ".join(
-            f"{t[s] * 1e3:>10.1f}" for s in STAGES) + f" | {total * 1e3:>9.1f} | "
-            f"{total / ops * 1e6:>6.1f} | {gc_total * 1e3:>9.1f} | {gc_total / ops * 1e6:>6.1f} |")
+        print(
+            f"| {name:<20} | {k:>4} | {ops:>6} | "
+            + " | ".join(f"{t[s] * 1e3:>10.1f}" for s in STAGES)
+            + f" | {total * 1e3:>9.1f} | "
+            f"{total / ops * 1e6:>6.1f} | {gc_total * 1e3:>9.1f} | {gc_total / ops * 1e6:>6.1f} |"
+        )
     return 0
 
 

@@ -72,7 +72,8 @@ def schedule_texts(a) -> dict[str, str]:
     return {
         "single": head,
         "ddp": head + "ddp {\n  bucket_cap 25 MiB\n  overlap on\n  no_sync on\n}\n",
-        "fsdp": head + "fsdp {\n  unit root = embed, head keep\n"
+        "fsdp": head
+        + "fsdp {\n  unit root = embed, head keep\n"
         + "".join(f"  unit u{i} = h.{i}\n" for i in range(n))
         + "  prefetch forward 1\n  prefetch backward 1\n  reshard_after_forward on\n"
         f"  no_sync {'on' if a.accum > 1 else 'off'}\n}}\n",
@@ -104,8 +105,11 @@ class Loop:
         for j in range(k):
             x, y = self.batches.micro_batch(self.index, 0, j, s.micro, 1)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            ctx = (torch.autocast(dev.type, dtype=torch.bfloat16) if self.bf16
-                   else contextlib.nullcontext())
+            ctx = (
+                torch.autocast(dev.type, dtype=torch.bfloat16)
+                if self.bf16
+                else contextlib.nullcontext()
+            )
             with ctx:
                 _, loss = self.forward(x, y)
             loss = loss / k
@@ -132,11 +136,13 @@ class Schedc:
     def __init__(self, compiled, device: torch.device, tag: str, outer_autocast: bool = False):
         self.spec = compiled.spec
         self.tf32 = device.type == "cuda" and compiled.spec.numerics.tf32 is not False
-        self.ex = Executor(compiled, Comm(0, 1, tag=tag),
-                           RunOptions(device=device.type, log=False))
+        self.ex = Executor(compiled, Comm(0, 1, tag=tag), RunOptions(device=device.type, log=False))
         bf16 = str(compiled.spec.numerics.compute) == "bf16"
-        self.ctx = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-                    if outer_autocast and bf16 else contextlib.nullcontext)
+        self.ctx = (
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+            if outer_autocast and bf16
+            else contextlib.nullcontext
+        )
 
     def step(self) -> float:
         with self.ctx():
@@ -164,16 +170,30 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cases", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop rounds after this")
-    ap.add_argument("--autocast-step", action="store_true",
-                    help="wrap each bf16 schedc step in autocast (see Schedc)")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the rounds, profile one step per case: aten ops dispatched "
-                    "and host time per op")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes: nano, batch 4 x 32, micro 2, 1 round of 1 step "
-                    "(--steps, --rounds still apply)")
-    ap.add_argument("--write-docs", nargs="?", const=str(ROOT / "docs" / "benchmarks.md"),
-                    metavar="MD", help="record the table in docs/benchmarks.md's GPU section")
+    ap.add_argument(
+        "--autocast-step",
+        action="store_true",
+        help="wrap each bf16 schedc step in autocast (see Schedc)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the rounds, profile one step per case: aten ops dispatched "
+        "and host time per op",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes: nano, batch 4 x 32, micro 2, 1 round of 1 step "
+        "(--steps, --rounds still apply)",
+    )
+    ap.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(ROOT / "docs" / "benchmarks.md"),
+        metavar="MD",
+        help="record the table in docs/benchmarks.md's GPU section",
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         a.model, a.seq, a.micro, a.accum = "nano", 32, 2, 2
@@ -187,14 +207,22 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     t_start = time.monotonic()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+        )
 
     texts = schedule_texts(a)
     # what the issue must show first (a short budget builds these and skips the rest)
-    names = (["nanogpt"] + [f"schedc-{shape}-bf16+compile" for shape in ("single", "fsdp", "ddp")]
-             + ["loop-fp32"] + [f"schedc-{shape}-{pol}" for pol in ("bf16", "fp32")
-                                for shape in texts] + ["loop-bf16"])
+    names = (
+        ["nanogpt"]
+        + [f"schedc-{shape}-bf16+compile" for shape in ("single", "fsdp", "ddp")]
+        + ["loop-fp32"]
+        + [f"schedc-{shape}-{pol}" for pol in ("bf16", "fp32") for shape in texts]
+        + ["loop-bf16"]
+    )
     if a.cases:
         names = [n for n in names if n in a.cases.split(",")]
     cases, resident, first_loss, build_s, errors = {}, {}, {}, {}, {}
@@ -216,8 +244,10 @@ def main(argv=None) -> int:
         resident[name] = _allocated(device) - before
         cases[name] = case
         build_s[name] = time.monotonic() - t0
-        print(f"{name:<26} built, first step {build_s[name]:6.1f} s, loss "
-              f"{first_loss[name]:.4f}", flush=True)
+        print(
+            f"{name:<26} built, first step {build_s[name]:6.1f} s, loss {first_loss[name]:.4f}",
+            flush=True,
+        )
 
     times: dict[str, list[float]] = {n: [] for n in cases}
     peaks: dict[str, int] = dict.fromkeys(cases, 0)
@@ -226,7 +256,7 @@ def main(argv=None) -> int:
         if a.budget_s and time.monotonic() - t_start > a.budget_s:
             print(f"budget of {a.budget_s:.0f} s spent: {r} of {a.rounds} rounds ran", flush=True)
             break
-        rot = order[r % len(order):] + order[: r % len(order)] if order else []
+        rot = order[r % len(order) :] + order[: r % len(order)] if order else []
         for name in rot:
             if a.budget_s and time.monotonic() - t_start > a.budget_s:
                 break  # the table says how many steps each case ran
@@ -239,8 +269,13 @@ def main(argv=None) -> int:
                 case.step()  # .item() of the loss: the device has finished the step
                 times[name].append(time.perf_counter() - t0)
             peaks[name] = max(peaks[name], _peak(device) - base)
-        print(f"round {r}: " + ", ".join(f"{n} {1e3 * statistics.median(times[n]):.0f} ms"
-                                         for n in order if times[n]), flush=True)
+        print(
+            f"round {r}: "
+            + ", ".join(
+                f"{n} {1e3 * statistics.median(times[n]):.0f} ms" for n in order if times[n]
+            ),
+            flush=True,
+        )
 
     table = summarize(a, device, cases, times, peaks, resident, first_loss, errors)
     if a.profile:
@@ -263,8 +298,9 @@ def make_case(name: str, texts: dict[str, str], a, device: torch.device, i: int)
         return Loop(spec, device, bf16=name != "loop-fp32", compile=name == "nanogpt")
     _, shape, pol = name.split("-", 2)
     precision, comp = POLICIES[pol]
-    compiled = compile_text(texts[shape], f"{shape}.sched",
-                            Overrides(precision=precision, compile=comp))
+    compiled = compile_text(
+        texts[shape], f"{shape}.sched", Overrides(precision=precision, compile=comp)
+    )
     return Schedc(compiled, device, tag=f"gpu{i}", outer_autocast=a.autocast_step)
 
 
@@ -284,16 +320,23 @@ def profile(cases, device: torch.device) -> str:
     from torch.profiler import profile as prof_
 
     us = dispatch_us(device)
-    lines = [f"dispatch: {us:.1f} us per op on this host ({device.type})", "",
-             "| case | aten ops/step | host ms/step at least (ops x dispatch) |",
-             "|---|---|---|"]
+    lines = [
+        f"dispatch: {us:.1f} us per op on this host ({device.type})",
+        "",
+        "| case | aten ops/step | host ms/step at least (ops x dispatch) |",
+        "|---|---|---|",
+    ]
     for name, case in cases.items():
         set_tf32(device, case.tf32)
         _sync(device)
         with prof_(activities=[ProfilerActivity.CPU]) as p:
             case.step()
-        ops = sum(1 for e in p.events() if e.name.startswith("aten::") and not (
-            e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+        ops = sum(
+            1
+            for e in p.events()
+            if e.name.startswith("aten::")
+            and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+        )
         lines.append(f"| {name} | {ops} | {ops * us / 1e3:.2f} |")
     return "\n".join(lines)
 
@@ -316,9 +359,13 @@ def dispatch_us(device: torch.device, n: int = 2000, repeats: int = 7) -> float:
 def summarize(a, device, cases, times, peaks, resident, first_loss, errors) -> str:
     base = statistics.median(times["nanogpt"]) if times.get("nanogpt") else None
     cuda = device.type == "cuda"
-    lines = [("| case | TF32 | steps timed | step ms (median) | tokens/s | MFU | peak GiB "
-              "| loss step 0 | vs nanogpt tokens/s |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| case | TF32 | steps timed | step ms (median) | tokens/s | MFU | peak GiB "
+            "| loss step 0 | vs nanogpt tokens/s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, case in cases.items():
         ts = times[name]
         if not ts:
@@ -329,10 +376,12 @@ def summarize(a, device, cases, times, peaks, resident, first_loss, errors) -> s
         m = mfu(case.spec, tok, device)
         peak = (resident[name] + peaks[name]) / 2**30 if cuda else None
         ratio = f"{base / med:.3f}x" if base else ""
-        lines.append(f"| {name} | {'on' if case.tf32 else 'off'} | {len(ts)} | {1e3 * med:.1f} "
-                     f"| {tok:,.0f} | {f'{100 * m:.1f}%' if m else 'n/a'} "
-                     f"| {f'{peak:.1f}' if peak is not None else 'n/a'} "
-                     f"| {first_loss[name]:.4f} | {ratio} |")
+        lines.append(
+            f"| {name} | {'on' if case.tf32 else 'off'} | {len(ts)} | {1e3 * med:.1f} "
+            f"| {tok:,.0f} | {f'{100 * m:.1f}%' if m else 'n/a'} "
+            f"| {f'{peak:.1f}' if peak is not None else 'n/a'} "
+            f"| {first_loss[name]:.4f} | {ratio} |"
+        )
     for name, why in errors.items():
         lines.append(f"| {name} | | failed: {why.replace('|', '/')} | | | | | | |")
     return "\n".join(lines)
@@ -342,15 +391,17 @@ def record(path: Path, table: str, a, device: torch.device, secs: float) -> None
     """Replace docs/benchmarks.md's GPU section with this run's table."""
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     cmd = " ".join(["python bench/gpu.py", *sys.argv[1:]])
-    body = (f"{SECTION}\n\n`{cmd}` on {what}, torch {torch.__version__}, {a.model}, batch "
-            f"{a.micro * a.accum} x {a.seq} (micro {a.micro}, k={a.accum}), {a.rounds} "
-            f"round(s) x {a.steps} timed step(s) per case, {secs:.0f} s, "
-            f"{time.strftime('%Y-%m-%d')}\n\n{table}\n")
+    body = (
+        f"{SECTION}\n\n`{cmd}` on {what}, torch {torch.__version__}, {a.model}, batch "
+        f"{a.micro * a.accum} x {a.seq} (micro {a.micro}, k={a.accum}), {a.rounds} "
+        f"round(s) x {a.steps} timed step(s) per case, {secs:.0f} s, "
+        f"{time.strftime('%Y-%m-%d')}\n\n{table}\n"
+    )
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if SECTION in text:
         start = text.index(SECTION)
         end = text.find("\n## ", start + 1)  # the next section
-        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
+        text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + body
     path.write_text(text)

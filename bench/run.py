@@ -58,16 +58,18 @@ def schedules(a) -> dict[str, tuple[int, Path]]:
         "single": one,
         "ddp-cap": many + "ddp {\n  bucket_cap 25 MiB\n  overlap on\n  no_sync on\n}\n",
         "ddp-two": many + "ddp {\n  bucket b1 = head .. h.%d\n  bucket b2 = h.%d .. embed\n"
-                          "  overlap on\n  no_sync on\n}\n" % (a.layers // 2, a.layers // 2 - 1),
-        "fsdp": many + "fsdp {\n  unit root = embed, head keep\n" + "".join(
-            f"  unit u{i} = h.{i}\n" for i in range(a.layers))
+        "  overlap on\n  no_sync on\n}\n" % (a.layers // 2, a.layers // 2 - 1),
+        "fsdp": many
+        + "fsdp {\n  unit root = embed, head keep\n"
+        + "".join(f"  unit u{i} = h.{i}\n" for i in range(a.layers))
         + "  prefetch forward 1\n  prefetch backward 1\n  reshard_after_forward on\n"
-          f"  no_sync {'on' if a.accum > 1 else 'off'}\n}}\n",
+        f"  no_sync {'on' if a.accum > 1 else 'off'}\n}}\n",
     }
     # bf16: DDP reduces in bf16 as torch's bf16_compress_hook does; FSDP gathers in bf16 and
     # reduces in fp32, as MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does
     files["ddp-cap-bf16"] = files["ddp-cap"].replace(
-        "ddp {", "precision bf16 { reduce = bf16 }\nddp {", 1)
+        "ddp {", "precision bf16 { reduce = bf16 }\nddp {", 1
+    )
     files["fsdp-bf16"] = files["fsdp"].replace("fsdp {", "precision bf16\nfsdp {", 1)
     out = {}
     for name, text in files.items():
@@ -81,8 +83,9 @@ def torch_layout_schedule(a, layout: list[list[str]]) -> Path:
     """The schedule with exactly torch DDP's buckets, in its launch order."""
     seqs = a.micro * a.accum * a.world
     text = HEAD.format(model=a.model, world=a.world, seqs=seqs, seq=a.seq, micro=a.micro)
-    text += "ddp {\n" + "".join(f"  bucket b{i + 1} = {', '.join(ps)}\n"
-                                for i, ps in enumerate(layout))
+    text += "ddp {\n" + "".join(
+        f"  bucket b{i + 1} = {', '.join(ps)}\n" for i, ps in enumerate(layout)
+    )
     text += "  overlap on\n  no_sync on\n}\n"
     path = OUT / "ddp-torch-layout.sched"
     path.write_text(text)
@@ -90,11 +93,27 @@ def torch_layout_schedule(a, layout: list[list[str]]) -> Path:
 
 
 def run_case(case: str, world: int, sched: Path, a) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", str(ROOT / "bench" / "worker.py"), "--case", case,
-           "--schedule", str(sched), "--warmup", str(a.warmup), "--steps", str(a.steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
-           "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(ROOT / "bench" / "worker.py"),
+        "--case",
+        case,
+        "--schedule",
+        str(sched),
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+        "PYTHONPATH": str(ROOT),
+    }
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"case {case} failed:\n{r.stderr[-4000:]}")
@@ -111,9 +130,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per case per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default="fp32",
-                    help="fp32: every case in fp32 (the recorded table); bf16: the DDP and "
-                    "FSDP pairs under bf16; both: those pairs in fp32 and in bf16")
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "both"),
+        default="fp32",
+        help="fp32: every case in fp32 (the recorded table); bf16: the DDP and "
+        "FSDP pairs under bf16; both: those pairs in fp32 and in bf16",
+    )
     ap.add_argument("--cases", help="comma-separated cases (default: by --precision)")
     ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
     a = ap.parse_args()
@@ -136,13 +159,25 @@ def main() -> None:
         "schedc-fsdp-bf16": ("schedc", a.world, files["fsdp-bf16"], "torch-fsdp2-bf16"),
     }
     pairs = ["torch-ddp", "schedc-ddp-cap", "torch-fsdp2", "schedc-fsdp"]
-    a.cases = a.cases or ",".join({
-        "fp32": ["loop", "schedc-single", "torch-ddp", "schedc-ddp-torch-layout",
-                 "schedc-ddp-cap", "schedc-ddp-two", "torch-fsdp2", "schedc-fsdp"],
-        "bf16": [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")],
-        "both": pairs + [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2",
-                                                "schedc-fsdp")],
-    }[a.precision])
+    a.cases = a.cases or ",".join(
+        {
+            "fp32": [
+                "loop",
+                "schedc-single",
+                "torch-ddp",
+                "schedc-ddp-torch-layout",
+                "schedc-ddp-cap",
+                "schedc-ddp-two",
+                "torch-fsdp2",
+                "schedc-fsdp",
+            ],
+            "bf16": [
+                c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")
+            ],
+            "both": pairs
+            + [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")],
+        }[a.precision]
+    )
     cases = [c for c in a.cases.split(",") if c]
     if "schedc-ddp-torch-layout" in cases and "torch-ddp" in cases:
         cases.remove("torch-ddp")
@@ -150,7 +185,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {c: [] for c in cases}
     t0 = time.time()
     for r in range(a.rounds):
-        order = cases if r == 0 else cases[r % len(cases):] + cases[: r % len(cases)]
+        order = cases if r == 0 else cases[r % len(cases) :] + cases[: r % len(cases)]
         for c in order:
             kind, world, sched, _ = plan[c]
             if c == "schedc-ddp-torch-layout" and sched is None:
@@ -160,12 +195,18 @@ def main() -> None:
             res = run_case(kind, world, sched, a)
             results[c].append(res)
             check = res["grad_check"]
-            print(f"round {r} {c:<26} {res['median_ms']:8.1f} ms  grad diff "
-                  f"{res['grad_max_abs_diff']:.1e}"
-                  + ("" if "l2_policy" not in check else
-                     f" (beyond rtol {check['beyond_rtol']:.1e}, L2 to policy ref "
-                     f"{check['l2_policy']:.2e} vs fp32 ref {check['l2_fp32']:.2e})")
-                  + ("" if check["ok"] else "  VOID: not the reference's step"), flush=True)
+            print(
+                f"round {r} {c:<26} {res['median_ms']:8.1f} ms  grad diff "
+                f"{res['grad_max_abs_diff']:.1e}"
+                + (
+                    ""
+                    if "l2_policy" not in check
+                    else f" (beyond rtol {check['beyond_rtol']:.1e}, L2 to policy ref "
+                    f"{check['l2_policy']:.2e} vs fp32 ref {check['l2_fp32']:.2e})"
+                )
+                + ("" if check["ok"] else "  VOID: not the reference's step"),
+                flush=True,
+            )
     table = summarize(results, plan, a) + memory_lines(results)
     print(table)
     print(f"({time.time() - t0:.0f} s)")
@@ -179,23 +220,33 @@ def summarize(results, plan, a) -> str:
         times = sorted(t * 1e3 for r in runs for t in r["times"])
         med = statistics.median(times)
         q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
-        rows[c] = dict(med=med, q1=q1, q3=q3, tok=runs[0]["tokens_per_step"] / (med / 1e3),
-                       rss=max(max(r["peak_rss_mb"]) for r in runs),
-                       heap=max(max(r["peak_heap_mb"]) for r in runs),
-                       hidden=runs[-1]["hidden_fraction"],
-                       diff=max(r["grad_max_abs_diff"] for r in runs), world=runs[0]["world"],
-                       void=not all(r["grad_check"]["ok"] for r in runs))
-    lines = ["| case | world | step ms (median) | IQR ms | tokens/s | vs baseline "
-             "| peak heap/rank MB | peak RSS/rank MB | comm hidden | grad diff vs ref |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        rows[c] = dict(
+            med=med,
+            q1=q1,
+            q3=q3,
+            tok=runs[0]["tokens_per_step"] / (med / 1e3),
+            rss=max(max(r["peak_rss_mb"]) for r in runs),
+            heap=max(max(r["peak_heap_mb"]) for r in runs),
+            hidden=runs[-1]["hidden_fraction"],
+            diff=max(r["grad_max_abs_diff"] for r in runs),
+            world=runs[0]["world"],
+            void=not all(r["grad_check"]["ok"] for r in runs),
+        )
+    lines = [
+        "| case | world | step ms (median) | IQR ms | tokens/s | vs baseline "
+        "| peak heap/rank MB | peak RSS/rank MB | comm hidden | grad diff vs ref |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c, row in rows.items():
         base = plan[c][3]
         ratio = f"{row['med'] / rows[base]['med']:.3f}x {base}" if base in rows else ""
         hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "n/a"
         void = " VOID" if row["void"] else ""
-        lines.append(f"| {c} | {row['world']} | {row['med']:.1f} | {row['q1']:.1f}-{row['q3']:.1f} "
-                     f"| {row['tok']:.0f} | {ratio} | {row['heap']:.0f} | {row['rss']:.0f} | {hidden} "
-                     f"| {row['diff']:.1e}{void} |")
+        lines.append(
+            f"| {c} | {row['world']} | {row['med']:.1f} | {row['q1']:.1f}-{row['q3']:.1f} "
+            f"| {row['tok']:.0f} | {ratio} | {row['heap']:.0f} | {row['rss']:.0f} | {hidden} "
+            f"| {row['diff']:.1e}{void} |"
+        )
     return "\n".join(lines)
 
 
@@ -207,9 +258,12 @@ def memory_lines(results) -> str:
         mem = runs[-1].get("memory")
         if not mem or not any(p or m for p, m in mem.values()):
             continue
-        parts = [f"{k} {p / 2**20:.1f} predicted, {m / 2**20:.1f} measured MiB"
-                 + (f" ({100 * (p - m) / m:+.1f}%)" if m else "")
-                 for k, (p, m) in mem.items() if p or m]
+        parts = [
+            f"{k} {p / 2**20:.1f} predicted, {m / 2**20:.1f} measured MiB"
+            + (f" ({100 * (p - m) / m:+.1f}%)" if m else "")
+            for k, (p, m) in mem.items()
+            if p or m
+        ]
         out.append(f"- {c}: " + "; ".join(parts))
     return ("\n\nschedc memory per rank (rank 0):\n\n" + "\n".join(out)) if out else ""
 
@@ -217,18 +271,22 @@ def memory_lines(results) -> str:
 def record(path: Path, table: str, a) -> None:
     """Replace (or add) this configuration's section of the benchmarks document."""
     cmd = " ".join(["python bench/run.py", *sys.argv[1:]])
-    title = (f"### {a.model}, world {a.world}, batch {a.micro * a.accum * a.world} x {a.seq} "
-             f"(micro {a.micro}, k={a.accum})")
+    title = (
+        f"### {a.model}, world {a.world}, batch {a.micro * a.accum * a.world} x {a.seq} "
+        f"(micro {a.micro}, k={a.accum})"
+    )
     if a.precision != "fp32":
         title = f"### precision {a.precision}: " + title[4:]
-    body = (f"{title}\n\n`{cmd}` on {platform.machine()}, {os.cpu_count()} cores, "
-            f"{a.rounds} rounds x {a.steps} timed steps per case, {time.strftime('%Y-%m-%d')}\n\n"
-            f"{table}\n")
+    body = (
+        f"{title}\n\n`{cmd}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"{a.rounds} rounds x {a.steps} timed steps per case, {time.strftime('%Y-%m-%d')}\n\n"
+        f"{table}\n"
+    )
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if title in text:
         start = text.index(title)
-        end = text.find("\n#", start + 1)       # the next heading, whatever its level
-        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
+        end = text.find("\n#", start + 1)  # the next heading, whatever its level
+        text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + body
     path.write_text(text)

@@ -47,8 +47,9 @@ def main() -> None:
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get(
-        "LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    )
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -75,16 +76,26 @@ def main() -> None:
     else:
         peaks = [mine]
     if rank == 0:
-        print(json.dumps({
-            "case": args.case, "world": world, "times": times,
-            "median_ms": 1e3 * statistics.median(times),
-            "tokens_per_step": spec.tokens_per_step, "peak_rss_mb": [p[0] for p in peaks],
-            "peak_heap_mb": [p[1] for p in peaks],
-            "grad_max_abs_diff": check["max_abs"], "grad_check": check,
-            "hidden_fraction": hidden, "memory": getattr(case, "memory", None),
-            "threads": torch.get_num_threads(),
-            "layout": getattr(case, "layout", None),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": args.case,
+                    "world": world,
+                    "times": times,
+                    "median_ms": 1e3 * statistics.median(times),
+                    "tokens_per_step": spec.tokens_per_step,
+                    "peak_rss_mb": [p[0] for p in peaks],
+                    "peak_heap_mb": [p[1] for p in peaks],
+                    "grad_max_abs_diff": check["max_abs"],
+                    "grad_check": check,
+                    "hidden_fraction": hidden,
+                    "memory": getattr(case, "memory", None),
+                    "threads": torch.get_num_threads(),
+                    "layout": getattr(case, "layout", None),
+                }
+            ),
+            flush=True,
+        )
     del case  # DDP's reducer must go before its process group does
     gc.collect()
     if dist.is_initialized():
@@ -98,9 +109,21 @@ def rss_bytes() -> int:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _libc = ctypes.CDLL("libc.so.6")
@@ -165,8 +188,11 @@ BF16_RTOL, BF16_ATOL, BF16_BULK_ATOL, BF16_SHARE = 2e-2, 1e-2, 3e-4, 0.99
 def reference_grads(spec, policy: bool) -> dict[str, torch.Tensor]:
     batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
     n, fsdp = spec.numerics, spec.kind.value == "fsdp"
-    kw = dict(compute=dtype(n.compute), param_dtype=dtype(n.gather) if fsdp else None) \
-        if policy else {}
+    kw = (
+        dict(compute=dtype(n.compute), param_dtype=dtype(n.gather) if fsdp else None)
+        if policy
+        else {}
+    )
     ref = Reference(spec.model, spec.optim, batches, spec.micro, spec.steps, spec.seed, **kw)
     return ref.step().grads
 
@@ -177,8 +203,10 @@ def check_grads(spec, grads: dict[str, torch.Tensor]) -> dict:
     bf16 tolerance above and nearer (in L2) to that reference than to the fp32 one, which
     tells a case that really rounds to bf16 from one that silently computes in fp32."""
     want = reference_grads(spec, policy=True)
-    out = {"max_abs": max((grads[n].float() - g).abs().max().item() for n, g in want.items()),
-           "ok": True}
+    out = {
+        "max_abs": max((grads[n].float() - g).abs().max().item() for n, g in want.items()),
+        "ok": True,
+    }
     if not low_precision(spec):
         return out
 
@@ -191,10 +219,15 @@ def check_grads(spec, grads: dict[str, torch.Tensor]) -> dict:
         worst = max(worst, err.max().item())
         close += int((err <= BF16_BULK_ATOL).sum())
         total += g.numel()
-    out.update(beyond_rtol=worst, share_bulk=close / total, l2_policy=l2(want),
-               l2_fp32=l2(reference_grads(spec, policy=False)))
-    out["ok"] = (worst <= BF16_ATOL and close >= BF16_SHARE * total
-                 and out["l2_policy"] < out["l2_fp32"])
+    out.update(
+        beyond_rtol=worst,
+        share_bulk=close / total,
+        l2_policy=l2(want),
+        l2_fp32=l2(reference_grads(spec, policy=False)),
+    )
+    out["ok"] = (
+        worst <= BF16_ATOL and close >= BF16_SHARE * total and out["l2_policy"] < out["l2_fp32"]
+    )
     return out
 
 
@@ -207,8 +240,9 @@ class Loop:
     def __init__(self, compiled, world, rank):
         s = compiled.spec
         batches = load_batches(s.data, s.seq_len, s.seqs, s.model.vocab_size)
-        self.ref = Reference(s.model, s.optim, batches, s.micro, s.steps, s.seed,
-                             compute=dtype(s.numerics.compute))
+        self.ref = Reference(
+            s.model, s.optim, batches, s.micro, s.steps, s.seed, compute=dtype(s.numerics.compute)
+        )
 
     def step(self, record: bool):
         r = self.ref.step(record=record)
@@ -235,9 +269,11 @@ class Schedc:
     def memory(self) -> dict[str, list[int]]:
         """Per-rank [predicted, measured] bytes, as `schedc run` reports them (this rank)."""
         pred, meas = self.compiled.memory, self.ex.memory()
-        return {"states": [pred.states, meas["states"]],
-                "gathered_peak": [pred.gathered_peak, meas["gathered_peak"]],
-                "grads_peak": [pred.grads_peak, meas["grads_peak"]]}
+        return {
+            "states": [pred.states, meas["states"]],
+            "gathered_peak": [pred.gathered_peak, meas["gathered_peak"]],
+            "grads_peak": [pred.grads_peak, meas["grads_peak"]],
+        }
 
     def hidden_fraction(self, steps: int) -> float | None:
         """Share of collective time overlapped by compute, from a traced run's spans."""
@@ -366,8 +402,10 @@ class TorchFSDP2:
         self.rank, self.world = rank, world
         mesh = init_device_mesh("cpu", (world,))
         self.model = init_model(s.model, s.seed)
-        mp = MixedPrecisionPolicy(param_dtype=dtype(s.numerics.gather),
-                                  reduce_dtype=dtype(s.numerics.reduce) or torch.float32)
+        mp = MixedPrecisionPolicy(
+            param_dtype=dtype(s.numerics.gather),
+            reduce_dtype=dtype(s.numerics.reduce) or torch.float32,
+        )
         for block in self.model.h:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(self.model, mesh=mesh, mp_policy=mp)
