@@ -57,8 +57,9 @@ def schedules(a) -> dict[str, tuple[int, Path]]:
     files = {
         "single": one,
         "ddp-cap": many + "ddp {\n  bucket_cap 25 MiB\n  overlap on\n  no_sync on\n}\n",
-        "ddp-two": many + "ddp {\n  bucket b1 = head .. h.%d\n  bucket b2 = h.%d .. embed\n"
-        "  overlap on\n  no_sync on\n}\n" % (a.layers // 2, a.layers // 2 - 1),
+        "ddp-two": many + f"ddp {{\n  bucket b1 = head .. h.{a.layers // 2}\n"
+        f"  bucket b2 = h.{a.layers // 2 - 1} .. embed\n"
+        "  overlap on\n  no_sync on\n}\n",
         "fsdp": many
         + "fsdp {\n  unit root = embed, head keep\n"
         + "".join(f"  unit u{i} = h.{i}\n" for i in range(a.layers))
