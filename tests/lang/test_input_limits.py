@@ -34,7 +34,6 @@ from schedc.lang.diagnostics import (
 )
 from schedc.lang.parse import MAX_TOKENS
 from schedc.lang.read import MAX_SOURCE_BYTES, read_source, source_from_bytes, source_from_text
-from schedc.model import data
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -262,8 +261,11 @@ def test_the_size_limit_is_exact(tmp_path):
     )
 
 
+@pytest.mark.torch  # schedc.model.data makes tensors
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/urandom", "directory", "socket"])
 def test_data_text_files_are_regular_files_only(kind, fifo, tmp_path, alarm):
+    from schedc.model import data
+
     path = {"fifo": fifo, "directory": tmp_path, "socket": tmp_path / "d.sock"}.get(kind, kind)
     if kind == "socket":
         sock = socket.socket(socket.AF_UNIX)
@@ -279,7 +281,10 @@ def test_data_text_files_are_regular_files_only(kind, fifo, tmp_path, alarm):
     assert str(err.value).startswith(f"{path}: ")
 
 
+@pytest.mark.torch
 def test_data_text_limit_on_bytes_read(tmp_path, monkeypatch):
+    from schedc.model import data
+
     path = tmp_path / "book.txt"
     path.write_text("the same words " * 8)
     monkeypatch.setattr(data, "MAX_TEXT_BYTES", 8 * 15)
