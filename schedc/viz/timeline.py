@@ -14,7 +14,7 @@ are drawn plain, exposed pieces striped, and the caption totals both per rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from schedc.compiler import Compiled
@@ -79,9 +79,11 @@ def panels_for(
     trace: str | None = None,
     step: int | None = None,
     compare: bool = False,
+    cost_note: str = "",
 ) -> list[Panel]:
     """The panels a timeline draws: predicted for each schedule, or the measured step of
-    `trace` (with the prediction above it when `compare`); one rank, or all."""
+    `trace` (with the prediction above it when `compare`); one rank, or all. `cost_note`
+    says where the cost model came from, in the predicted panels' subtitles."""
     ranks = [rank] if rank is not None else None
     if not trace:
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
@@ -90,7 +92,12 @@ def panels_for(
         tl = measured(c, load(trace), step, ranks, name=trace)
     except TraceError as e:
         raise UserError(str(e)) from None
-    panels = [Panel.of(c, simulate(c, cost, ranks))] if compare else []
+    panels = []
+    if compare:
+        predicted = simulate(c, cost, ranks)
+        if cost_note:
+            predicted = replace(predicted, note=f"{predicted.note}; {cost_note}")
+        panels.append(Panel.of(c, predicted))
     return panels + [Panel.of(c, tl)]
 
 
@@ -284,6 +291,7 @@ class Canvas:
 
     def dot(self) -> str:
         head = [
+            "// positions are pinned: draw with `neato -n2 -Tsvg THIS.dot -o OUT.svg`",
             "digraph timeline {",
             "  graph "
             + attrs(splines="false", outputorder="nodesfirst", bgcolor=q("white"), pad="0.2")

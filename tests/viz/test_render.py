@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -353,6 +354,37 @@ def test_render_and_calibrate_cli_on_a_real_trace(real_trace, capsys):
         )
 
 
+def _step_of(out: str, which: str) -> float:
+    """The step time `render` prints for the `which` ("predicted"/"measured") panel."""
+    m = re.search(rf"{which}: rank 0: step ([0-9.e+-]+) ?([mun]?s);", out)
+    assert m, out
+    return parse_time(m.group(1) + m.group(2))
+
+
+@pytest.mark.torch
+def test_compare_without_cost_fits_the_model_to_the_trace(real_trace, capsys):
+    """Without --cost the prediction is priced by calibrate's fit to the trace itself, and
+    render says so: the predicted step is then within a sane factor of the measured one
+    (the defaults, a GPU's, predict a strip of tens of microseconds for a CPU step of ms)."""
+    d = real_trace
+    argv = ["render", str(d / "w1.sched"), "--trace", str(d / "t.json"), "--compare"]
+    assert main([*argv, "-o", str(d / "fit.dot")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("schedc: no --cost"))
+    fit = calibrate(compile_file(d / "w1.sched"), load(d / "t.json"))
+    assert f"fitted to {d / 't.json'}" in line
+    assert fit.cost.describe(compile_file(d / "w1.sched").spec.numerics) in line
+    predicted, measured_ = _step_of(out, "predicted"), _step_of(out, "measured")
+    assert measured_ / 3 < predicted < measured_ * 3, out
+    assert "fitted to t.json" in (d / "fit.dot").read_text()
+    # with --cost, the file's model and no fit: the defaults' prediction is far off
+    params = d / "defaults.json"
+    params.write_text(CostModel().to_json())
+    assert main([*argv, "--cost", str(params), "-o", str(d / "nofit.dot")]) == 0
+    out = capsys.readouterr().out
+    assert "no --cost" not in out and _step_of(out, "predicted") < _step_of(out, "measured") / 10
+
+
 @pytest.mark.torch
 def test_a_trace_of_another_schedule_is_refused(real_trace, capsys):
     code = main(
@@ -380,7 +412,23 @@ def test_without_graphviz_images_fail_cleanly_and_dot_text_works(tmp_path, monke
     assert "apt-get install graphviz" in err and "brew install graphviz" in err
     assert "Traceback" not in err and not (tmp_path / "g.svg").exists()
     assert main(["render", ddp, "--view", "timeline", "-o", str(tmp_path / "t.dot")]) == 0
-    assert (tmp_path / "t.dot").read_text().startswith("digraph timeline")
+    assert "\ndigraph timeline {" in (tmp_path / "t.dot").read_text()
+
+
+def test_without_graphviz_the_message_names_the_command_that_draws_the_view(
+    tmp_path, monkeypatch, capsys
+):
+    """A timeline's nodes are pinned: `dot` would lay them out again (a 13146x84 strip),
+    so its message says `neato -n2`; a graph view's says `dot`."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    ddp = str(REPO / "schedules" / "ddp_overlap.sched")
+    assert main(["render", ddp, "--view", "timeline", "-o", str(tmp_path / "t.svg")]) == 1
+    err = capsys.readouterr().err
+    assert "needs Graphviz's `neato` program" in err
+    assert "render it elsewhere with `neato -n2 -Tsvg t.dot -o t.svg`" in err
+    assert main(["render", ddp, "-o", str(tmp_path / "g.png")]) == 1
+    err = capsys.readouterr().err
+    assert "render it elsewhere with `dot -Tpng g.dot -o g.png`" in err and "neato" not in err
 
 
 @pytest.mark.parametrize(
