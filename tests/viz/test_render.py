@@ -23,7 +23,7 @@ from schedc.viz.cost import CostModel, duration
 from schedc.viz.graph import graph_dot
 from schedc.viz.overlap import overlap
 from schedc.viz.simulate import simulate
-from schedc.viz.timeline import Panel, timeline_dot
+from schedc.viz.timeline import Panel, panels_for, timeline_dot
 from schedc.viz.trace import calibrate, chrome_trace, load, measured
 from schedc.viz.units import parse_rate, parse_time
 from tests.goldens import GOLDEN, assert_golden
@@ -243,6 +243,107 @@ def test_window_draws_part_of_the_step():
     assert 'label="allreduce[b2]@mb3"' in part
 
 
+# -- every collective named: a label in its box, or a mark and a row of the table ----------------
+
+_NODE = re.compile(r"^\s+n\d+ \[(.*)\]$")
+_ATTR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^,\]]+)')
+_ABBR = {Kind.ALLREDUCE: "AR", Kind.ALLGATHER: "AG", Kind.REDUCESCATTER: "RS"}
+
+
+def _nodes(dot: str) -> list[dict[str, str]]:
+    """The timeline DOT's nodes as attribute dicts (quotes and trailing \\l, \\r removed)."""
+    out = []
+    for line in dot.splitlines():
+        m = _NODE.match(line)
+        if m:
+            kv = {k: v.strip('"') for k, v in _ATTR.findall(m.group(1))}
+            kv["label"] = re.sub(r"\\[lr]$", "", kv.get("label", ""))
+            out.append(kv)
+    return out
+
+
+def _naming(dot: str) -> tuple[dict[str, set[str]], set[str], list[dict]]:
+    """(labels drawn in each op's boxes, keyed by IR text from the box's tooltip; the ops
+    the legend table lists; the mark ticks)."""
+    labels: dict[str, set[str]] = {}
+    listed: set[str] = set()
+    nodes = _nodes(dot)
+    for n in nodes:
+        if "tooltip" in n and n.get("label"):
+            labels.setdefault(n["tooltip"].split(": ")[0], set()).add(n["label"])
+        if n.get("class") == "legend_row":
+            m = re.match(r"^[A-Z]{2} \S+  (\S+): ", n["label"])
+            assert m, n["label"]
+            listed.add(m.group(1))
+    ticks = [n for n in nodes if n.get("class") == "mark" and n.get("shape") != "plaintext"]
+    return labels, listed, ticks
+
+
+def _assert_every_collective_named(panel: Panel) -> None:
+    dot = timeline_dot([panel])
+    labels, listed, ticks = _naming(dot)
+    drawn = [i for i in panel.timeline.intervals if i.op.is_collective]
+    assert drawn
+    marked = 0
+    for iv in drawn:
+        name, op = str(iv.op), iv.op
+        tail = f":{op.phase.value}" if op.phase else ""
+        names = {name, f"{_ABBR[op.kind]} {op.target}{tail}", f"{_ABBR[op.kind]} {op.target}"}
+        if name in labels:
+            assert len(labels[name]) == 1, (name, labels[name])  # one name on every rank
+            assert labels[name] <= names, (name, labels[name])
+            assert name not in listed
+        else:
+            assert name in listed, f"{name}: neither labelled nor in the table"
+            marked += 1
+    assert len(ticks) == marked  # each marked op, on each rank drawn, has its tick
+    assert len(listed) == len({str(i.op) for i in drawn if str(i.op) not in labels})
+    for iv in panel.timeline.intervals:  # frees are drawn: a tick or a box, never a hairline
+        if iv.op.kind is Kind.FREE:
+            box = next(n for n in _nodes(dot) if n.get("tooltip", "").startswith(f"{iv.op}: "))
+            assert float(box["width"]) * 72 >= 1.5
+
+
+@pytest.mark.parametrize("path", SCHEDULES, ids=IDS)
+def test_every_collective_is_labelled_or_in_the_table(path):
+    """Predicted, and measured from a trace (a synthetic one priced differently): every
+    collective has a label in its box, or a mark under it and a row in the table."""
+    c = compile_file(path)
+    if not any(op.is_collective for op in c.plan().ops):
+        pytest.skip("no collectives")
+    _assert_every_collective_named(Panel.of(c, simulate(c)))
+    slow_comm = CostModel(bandwidth=20e9, latency=40e-6)
+    _assert_every_collective_named(
+        Panel.of(c, measured(c, chrome_trace(simulate(c, slow_comm), step=1)))
+    )
+
+
+def test_seed000_lists_each_of_its_13_buckets():
+    """The 8-GPU lane beside the 1-GPU one: 13 narrow all-reduces, each its own table row."""
+    c1, c8 = sched("gpt2_1gpu"), sched("gpt2_8gpu")
+    dot = timeline_dot([Panel.of(c1, simulate(c1)), Panel.of(c8, simulate(c8))])
+    _, listed, ticks = _naming(dot)
+    assert listed == {f"allreduce[b{k}]@mb3" for k in range(1, 14)} and len(ticks) == 13
+
+
+def test_the_same_op_has_one_label_on_every_rank():
+    """Rank 1's all-reduces take a third of rank 0's time: each is still named one way."""
+    c = sched("ddp_overlap")
+    trace = chrome_trace(simulate(c))
+    for e in list(trace["traceEvents"]):
+        if e.get("pid") == 0:
+            e1 = json.loads(json.dumps(e)) | {"pid": 1}
+            if e1.get("cat") == "collective":
+                e1["dur"] /= 3
+            trace["traceEvents"].append(e1)
+    tl = measured(c, trace)
+    assert tl.ranks == (0, 1)
+    labels, _, _ = _naming(timeline_dot([Panel.of(c, tl)]))
+    for iv in tl.intervals:
+        if iv.op.is_collective and str(iv.op) in labels:
+            assert len(labels[str(iv.op)]) == 1, labels[str(iv.op)]
+
+
 # -- calibration -----------------------------------------------------------------------------------
 
 
@@ -383,6 +484,15 @@ def test_compare_without_cost_fits_the_model_to_the_trace(real_trace, capsys):
     assert main([*argv, "--cost", str(params), "-o", str(d / "nofit.dot")]) == 0
     out = capsys.readouterr().out
     assert "no --cost" not in out and _step_of(out, "predicted") < _step_of(out, "measured") / 10
+
+
+@pytest.mark.torch
+def test_every_collective_of_a_real_trace_is_named(real_trace):
+    c = compile_file(real_trace / "w1.sched")
+    for panel in panels_for(
+        [c], CostModel(), trace=str(real_trace / "t.json"), step=None, compare=True
+    ):
+        _assert_every_collective_named(panel)
 
 
 @pytest.mark.torch
