@@ -82,6 +82,47 @@ def test_graph_view_draws_streams_events_and_collectives():
     assert 'label="allreduce[b1]@mb3"' in dot and 'label="complete gradients"' in dot
 
 
+_EDGE = re.compile(r"^\s*(s\d+n\d+) -> (s\d+n\d+) \[(.*)\];$")
+_GRAPH_CASES = [[p] for p in SCHEDULES] + [
+    [REPO / "schedules" / "gpt2_1gpu.sched", REPO / "schedules" / "gpt2_8gpu.sched"]
+]
+_GRAPH_IDS = [*IDS, "gpt2_1gpu+gpt2_8gpu"]
+
+
+@pytest.mark.parametrize("paths", _GRAPH_CASES, ids=_GRAPH_IDS)
+def test_graph_view_edges_can_all_point_down(paths):
+    """Without Graphviz: the drawn edges (program order, `after` and events, across stream
+    clusters) form a DAG, and the graph asks dot to rank it as one (`newrank`), so every edge
+    can go from an earlier rank to a later one; without newrank dot ranks each stream's
+    cluster on its own and events between them loop upward (fsdp_prefetch: 6 of them)."""
+    dot = graph_dot([compile_file(p) for p in paths])
+    assert re.search(r"^  graph \[newrank=true, ", dot, re.M)
+    edges = [m.groups()[:2] for m in map(_EDGE.match, dot.splitlines()) if m]
+    import networkx as nx
+
+    assert edges and nx.is_directed_acyclic_graph(nx.DiGraph(edges))
+
+
+@needs_dot
+@pytest.mark.parametrize("paths", _GRAPH_CASES, ids=_GRAPH_IDS)
+def test_graph_view_edges_point_down_as_dot_lays_them_out(paths):
+    """dot's own layout (`-Tplain`, y growing upward): every edge's head is below its tail."""
+    import subprocess
+
+    dot = graph_dot([compile_file(p) for p in paths])
+    plain = subprocess.run(
+        ["dot", "-Tplain"], input=dot, capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    y: dict[str, float] = {}
+    up = []
+    for f in (line.split() for line in plain.splitlines()):
+        if f[0] == "node":
+            y[f[1]] = float(f[3])
+        elif f[0] == "edge" and not y[f[1]] > y[f[2]]:
+            up.append((f[1], f[2]))
+    assert y and not up
+
+
 def test_gpt2_1gpu_folds_30_microsteps_and_unfolds():
     c = sched("gpt2_1gpu")
     ops = len(c.plan().ops)
