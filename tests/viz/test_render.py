@@ -537,6 +537,50 @@ def test_every_collective_of_a_real_trace_is_named(real_trace):
 
 
 @pytest.mark.torch
+def test_a_real_trace_has_step_slices_and_one_name_per_op(real_trace):
+    """Perfetto shows each step as a slice `step N` on a "steps" track drawn first; every op
+    span of step N lies inside it; each op is one span per step named by its IR text."""
+    c = compile_file(real_trace / "w1.sched")
+    events = load(real_trace / "t.json")["traceEvents"]
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
+    }
+    order = {
+        (e["pid"], e["tid"]): e["args"]["sort_index"]
+        for e in events
+        if e["name"] == "thread_sort_index"
+    }
+    ranks = sorted({e["pid"] for e in events if "pid" in e})
+    assert ranks == list(range(c.spec.world))
+    for r in ranks:
+        (steps_tid,) = [t for (p, t), name in threads.items() if p == r and name == "steps"]
+        assert order[(r, steps_tid)] < min(
+            v for (p, t), v in order.items() if p == r and t != steps_tid
+        )
+        slices = sorted(
+            (e for e in events if e["ph"] == "X" and e["pid"] == r and e["tid"] == steps_tid),
+            key=lambda e: e["ts"],
+        )
+        assert [e["name"] for e in slices] == ["step 0", "step 1"]
+        assert [e["args"]["step"] for e in slices] == [0, 1]
+        assert slices[0]["ts"] + slices[0]["dur"] <= slices[1]["ts"]
+        for sl in slices:
+            n = sl["args"]["step"]
+            mine = [
+                e
+                for e in events
+                if e["ph"] == "X"
+                and e["pid"] == r
+                and e["tid"] != steps_tid
+                and e["args"]["step"] == n
+            ]
+            assert sorted(e["name"] for e in mine) == sorted(str(op) for op in c.plan(r).ops)
+            assert all(e["name"] == str(Op.parse(e["name"])) for e in mine)
+            for e in mine:  # within the step; 1 us of slack for the microsecond rounding
+                assert sl["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= sl["ts"] + sl["dur"] + 1
+
+
+@pytest.mark.torch
 def test_a_trace_of_another_schedule_is_refused(real_trace, capsys):
     code = main(
         [
