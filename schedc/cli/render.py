@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="with --trace: the predicted timeline above the measured one",
+        help="with --trace: the predicted timeline above the measured one, priced by the "
+        "cost model fitted to that trace (as `schedc calibrate` fits it) unless --cost is given",
     )
     p.add_argument(
         "--rank",

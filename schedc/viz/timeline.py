@@ -430,28 +430,32 @@ def _width(b: Box, v: View) -> float:
     return max(v.x(end) - v.x(start), 0.8)
 
 
-def _names(spec, lanes: dict[tuple[int, str], list[Box]], v: View) -> dict[tuple, str]:
-    """One label per op (or run of ops) for every rank: the longest candidate that fits its
-    narrowest box on any rank; "" where none fits (a collective then gets a mark)."""
+def _names(
+    spec, lanes: dict[tuple[int, str], list[Box]], v: View
+) -> dict[tuple, tuple[str, float]]:
+    """One label per op (or run of ops) for every rank, and its font size: the longest
+    candidate that fits its narrowest box on any rank, else the shortest in smaller type;
+    "" where none fits (a collective then gets a mark)."""
     narrowest: dict[tuple, tuple[float, Box]] = {}
     for lane in lanes.values():
         for b in lane:
             w = _width(b, v)
             if b.key not in narrowest or w < narrowest[b.key][0]:
                 narrowest[b.key] = (w, b)
-    return {
-        k: next((t for t in b.labels(spec) if _fits(t, w, 10)), "")
-        for k, (w, b) in narrowest.items()
-    }
+    out = {}
+    for k, (w, b) in narrowest.items():
+        tries = [(t, 10.0) for t in b.labels(spec)] + [(b.labels(spec)[-1], 8.0)]
+        out[k] = next(((t, size) for t, size in tries if _fits(t, w, size)), ("", 10.0))
+    return out
 
 
-def _marks(lanes: dict[tuple[int, str], list[Box]], names: dict[tuple, str]) -> dict[Op, int]:
+def _marks(lanes: dict[tuple[int, str], list[Box]], names: dict[tuple, tuple]) -> dict[Op, int]:
     """Collectives too narrow for any label, numbered 1, 2, ... by when they first start;
     the number marks the op under its box on every rank and keys its row of the table."""
     first: dict[Op, float] = {}
     for lane in lanes.values():
         for b in lane:
-            if b.op.is_collective and not names[b.key]:
+            if b.op.is_collective and not names[b.key][0]:
                 first[b.op] = min(first.get(b.op, math.inf), b.start)
     ordered = sorted(first, key=lambda op: (first[op], str(op)))
     return {op: n for n, op in enumerate(ordered, 1)}
@@ -535,7 +539,10 @@ def _table(cv: Canvas, p: Panel, marks: dict[Op, int], y: float, right: float) -
     return y + per_col * 13 + 4
 
 
-def _draw_box(cv: Canvas, b: Box, label: str, ov: Overlap, v: View, y: float, h: float) -> None:
+def _draw_box(
+    cv: Canvas, b: Box, name: tuple[str, float], ov: Overlap, v: View, y: float, h: float
+) -> None:
+    label, size = name
     start, end = v.clip(b.start, b.end)
     x0 = v.x(start)
     w = _width(b, v)
@@ -554,6 +561,7 @@ def _draw_box(cv: Canvas, b: Box, label: str, ov: Overlap, v: View, y: float, h:
             fill=fill,
             stroke=stroke,
             label=label,
+            size=size,
             tooltip=b.tooltip(),
             style=style,
             pen=0.8 if w >= 4 else 0.3,
@@ -582,6 +590,7 @@ def _draw_box(cv: Canvas, b: Box, label: str, ov: Overlap, v: View, y: float, h:
         h,
         stroke=stroke,
         label=label,
+        size=size,
         tooltip=b.tooltip(),
         pen=1.2 if w >= 6 else 0.4,
         style="solid",
