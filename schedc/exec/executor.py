@@ -208,12 +208,13 @@ class Executor:
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Timed]] = []
+        self.trace_steps: list[tuple[int, int, int]] = []  # (step, start, end), ns, as spans
 
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> StepStats:
         spec, s = self.spec, self.step_index
-        t0 = time.perf_counter()
+        t0, t0_ns = time.perf_counter(), time.perf_counter_ns()  # the clock of Timed spans
         self.micro = [
             _Micro(
                 *(
@@ -239,6 +240,7 @@ class Executor:
         if self.opts.trace:
             self.trace_spans += [(s, sp) for sp in self.backend.spans]
             self.backend.spans.clear()
+            self.trace_steps.append((s, t0_ns, time.perf_counter_ns()))
         self.step_index += 1
         return stats
 
@@ -537,7 +539,7 @@ class Executor:
         self.backend.close()
 
     def trace_events(self) -> list[dict]:
-        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans)
+        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)
 
 
 def _range(item):
@@ -576,16 +578,43 @@ class PlanError(RunError):
 # -- traces ---------------------------------------------------------------------------------------
 
 
-def chrome_events(rank: int, streams, spans: list[tuple[int, Timed]]) -> list[dict]:
-    """Chrome/Perfetto trace events: one process per rank, one thread per stream."""
+def chrome_events(
+    rank: int, streams, spans: list[tuple[int, Timed]], steps: list[tuple[int, int, int]] = ()
+) -> list[dict]:
+    """Chrome/Perfetto trace events: one process per rank, one thread per stream, each op a
+    slice named by its IR text (the same text on every rank); with `steps`, a "steps" thread
+    drawn above them whose slices `step N` run from the step's start (before its batch is
+    loaded) to the end of its synchronize."""
     tid = {s: i for i, s in enumerate(streams)}
     events = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
         {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
     ]
-    for s, i in tid.items():
+    threads = [*tid.items(), *([("steps", len(tid))] if steps else [])]
+    for s, i in threads:
+        sort = -1 if i == len(tid) else i  # the steps track first
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}},
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": rank,
+                "tid": i,
+                "args": {"sort_index": sort},
+            },
+        ]
+    for step, start, end in steps:
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}}
+            {
+                "name": f"step {step}",
+                "ph": "X",
+                "pid": rank,
+                "tid": len(tid),
+                "ts": start / 1e3,
+                "dur": max(0.0, (end - start) / 1e3),
+                "cat": "step",
+                "args": {"step": step},
+            }
         )
     for step, sp in spans:
         ev = {

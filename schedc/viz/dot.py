@@ -49,6 +49,14 @@ def html(text: str) -> str:
     )
 
 
+def command(engine: str, dot_file: str, out_file: str) -> str:
+    """The Graphviz command line that draws `dot_file` as schedc would: a timeline's nodes
+    carry fixed positions, which only `neato -n2` keeps (`dot` would lay them out anew)."""
+    fmt = Path(out_file).suffix.lstrip(".").lower()
+    pinned = " -n2" if engine == "neato" else ""
+    return f"{engine}{pinned} -T{fmt} {dot_file} -o {out_file}"
+
+
 class GraphvizMissing(Exception):
     pass
 
@@ -65,7 +73,8 @@ def write(dot: str, out: Path, engine: str) -> None:
             f"writing {out.name} needs Graphviz's `{engine}` program, which is not on PATH; "
             "install Graphviz (Debian/Ubuntu: `sudo apt-get install graphviz`, macOS: "
             "`brew install graphviz`, conda: `conda install graphviz`), or write DOT text "
-            f"with -o {out.with_suffix('.dot').name} and render it elsewhere"
+            f"with -o {out.with_suffix('.dot').name} and render it elsewhere with "
+            f"`{command(engine, out.with_suffix('.dot').name, out.name)}`"
         )
     import graphviz
 

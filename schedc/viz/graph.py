@@ -70,7 +70,15 @@ def _fold_label(ops: list[Op], folded: range) -> str:
 def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = False) -> str:
     """The schedule graph(s) as DOT for `dot`: what runs on which stream and what waits."""
     graph = attrs(
-        rankdir="TB", fontname=q(FONT), fontsize=16, labelloc="t", nodesep="0.3", ranksep="0.22"
+        # newrank: rank the whole graph at once. Without it dot ranks each stream cluster on
+        # its own and joins them, and events between clusters may point upward (fsdp_prefetch)
+        newrank="true",
+        rankdir="TB",
+        fontname=q(FONT),
+        fontsize=16,
+        labelloc="t",
+        nodesep="0.3",
+        ranksep="0.22",
     )
     node = attrs(
         fontname=q(FONT),
