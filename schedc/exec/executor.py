@@ -565,7 +565,10 @@ class Executor:
         for u in self.units.values():
             src = u.shard_grad if grad else u.shard
             full = torch.empty(u.padded, dtype=src.dtype, device=src.device)
-            if self.comm.world > 1:
+            if "all_gather_into_tensor" in getattr(self.backend, "fallbacks", ()):
+                # gloo on CUDA tensors (ranks sharing a GPU) without the flat form: the list
+                dist.all_gather(list(full.chunk(self.comm.world)), src, group=self.comm.group)
+            elif self.comm.world > 1:
                 dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
             else:
                 full.copy_(src)
