@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.exec.backends import CPUBackend, CUDABackend, Timed
+from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_order
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
@@ -93,6 +93,11 @@ class RunOptions:
     record: bool = False  # keep full gradients and parameters of each step (tests)
     log: bool = True
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip"
+    # the stream groups' backend on CUDA: "nccl", or "gloo" (several ranks on one GPU, tests)
+    collectives: str = "nccl"
+    # wait for the device at the end of every step; off, only the plan's events and the
+    # step start order one step after the other (tests that nothing else is needed)
+    sync_each_step: bool = True
 
 
 @dataclass
@@ -174,7 +179,11 @@ class Executor:
         self.loss_scale = 1.0 / spec.accum
         streams = tuple(spec.stream_names())  # every rank builds the same stream groups
         if self.device.type == "cuda":
-            self.backend = CUDABackend(streams, comm, options.trace, self.device)
+            if options.collectives == "nccl":  # train.py set it before any communicator
+                nccl_launch_order(len(collective_streams(self.plan)))
+            self.backend = CUDABackend(
+                streams, comm, options.trace, self.device, options.collectives
+            )
         else:
             self.backend = CPUBackend(streams, comm, options.trace)
         self.buckets: dict[str, FlatBucket] = {}
@@ -204,6 +213,10 @@ class Executor:
             self.buckets = {b.name: FlatBucket(b, self.params) for b in specs}
             self.optimizer = make_adamw(self.params.items(), spec.optim)
         self._fused: tuple[Plan, list] | None = None
+        # gathered units freed on compute whose storage is not yet given back: unit ->
+        # (the free's mark on compute, the stream whose gather allocated the storage)
+        self.pending_frees: dict[str, tuple[object, str]] = {}
+        self.gathered_on: dict[str, str] = {}
         self.step_index = 0
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
@@ -230,7 +243,9 @@ class Executor:
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
         self.execute()
-        self.backend.synchronize()
+        self._reclaim(None)  # the step's last frees: no gather follows them in this step
+        if self.opts.sync_each_step or self.opts.trace:
+            self.backend.synchronize()
         self.at = None  # between steps
         dt = time.perf_counter() - t0
         stats = self.result
@@ -332,9 +347,37 @@ class Executor:
             self._measure()
 
     def _free(self, op: Op) -> None:
+        """The unit's last use on compute is done; its storage goes back later, by _reclaim.
+
+        Not record_stream: the storage was allocated by a gather on a comm stream, and a block
+        freed with record_stream is reusable only once the allocator sees compute pass the
+        free, so a host running ahead allocates every new gather afresh and reserved memory
+        grows with how far it runs ahead, not with the prefetch window. FSDP2 instead keeps
+        the all-gather result referenced with an event recorded after its last use
+        (AllGatherState in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) and
+        drops it right after the all-gather stream has waited for that event
+        (`_wait_all_gather_streams_on_event`, then `all_gather_state = None`), so the next
+        gather on that stream reuses the block at once. schedc does the same.
+        """
         unit = self.units[op.target]
-        self.backend.keep_alive(unit.full, COMPUTE)  # compute read it; the allocator must wait
-        unit.release()
+        unit.drop_grad_views()
+        mark = self.backend.mark(COMPUTE)  # after the unit's last use on compute
+        self.pending_frees[unit.name] = (mark, self.gathered_on.get(unit.name, COMPUTE))
+
+    def _reclaim(self, stream: str | None, unit: str | None = None) -> None:
+        """Give back the storage of freed units that a gather on `stream` could reuse (those
+        its stream allocated, and `unit`, about to be gathered again); every one, with None.
+
+        Ordering invariant: the allocating stream waits for the free's mark *before* the
+        storage is dropped, so the caching allocator (which reuses a block on the stream that
+        allocated it, in stream order) cannot hand it to work that runs before compute is done
+        with it."""
+        for name, (mark, alloc) in list(self.pending_frees.items()):
+            if stream is None or alloc == stream or name == unit:
+                if alloc != COMPUTE:
+                    self.backend.wait_mark(alloc, mark)
+                self.units[name].release()
+                del self.pending_frees[name]
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -364,6 +407,9 @@ class Executor:
             unit = self.units[op.target]
             # every rank's shard arrives, in the gather dtype: the full unit
             self._count(op, unit.shard.numel() * D, unit.full.dtype)
+
+            self._reclaim(stream, unit.name)  # freed storage this gather may reuse
+            self.gathered_on[unit.name] = stream
 
             def launch(pg, unit=unit):
                 full = unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
@@ -457,6 +503,8 @@ class Executor:
                 raise RunError(why)
             stats.skipped = why  # every rank sees the same global values, so all skip
             for u in self.units.values():
+                if u.shard_grad is not None:
+                    self.backend.keep_alive(u.shard_grad, COMPUTE)  # as in _release_grads
                 u.drop_shard_grad()
             self.result = stats
             return
@@ -486,6 +534,11 @@ class Executor:
         ]  # Adam m and v, not the step count
         self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
         for u in self.units.values():
+            if u.shard_grad is not None:
+                # allocated on a comm stream by the reduce-scatter, read by compute (norm, clip,
+                # AdamW): freed now on the host, its block must wait for compute (FSDP2 keeps
+                # the gradient referenced until the next step instead, _fsdp_collectives.py)
+                self.backend.keep_alive(u.shard_grad, COMPUTE)
             u.drop_shard_grad()
 
     def _nonfinite(self, stats: StepStats) -> str:
@@ -514,7 +567,10 @@ class Executor:
         for u in self.units.values():
             src = u.shard_grad if grad else u.shard
             full = torch.empty(u.padded, dtype=src.dtype, device=src.device)
-            if self.comm.world > 1:
+            if "all_gather_into_tensor" in getattr(self.backend, "fallbacks", ()):
+                # gloo on CUDA tensors (ranks sharing a GPU) without the flat form: the list
+                dist.all_gather(list(full.chunk(self.comm.world)), src, group=self.comm.group)
+            elif self.comm.world > 1:
                 dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
             else:
                 full.copy_(src)
@@ -540,6 +596,11 @@ class Executor:
 
     def trace_events(self) -> list[dict]:
         return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)
+
+
+def collective_streams(plan: Plan) -> set[str]:
+    """The streams the plan issues collectives on (each is a communicator on a GPU)."""
+    return {i.stream for i in plan.instrs if i.kind is Action.RUN and i.op.is_collective}
 
 
 def _range(item):

@@ -31,7 +31,16 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.exec.executor import Comm, Executor, PlanError, RunError, RunOptions, pick_device
+from schedc.exec.backends import nccl_launch_order
+from schedc.exec.executor import (
+    Comm,
+    Executor,
+    PlanError,
+    RunError,
+    RunOptions,
+    collective_streams,
+    pick_device,
+)
 from schedc.ir.plan import Action, Plan
 from schedc.model.data import fingerprint, load_batches
 from schedc.model.reference import format_log
@@ -171,6 +180,8 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if device.type == "cuda":  # before the first NCCL communicator exists
+        nccl_launch_order(len(collective_streams(compiled.plan(int(os.environ.get("RANK", 0))))))
     comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
     where = _here("start-up")
     watch_sigterm(comm)
@@ -397,9 +408,11 @@ def plan_position(ex: Executor | None) -> str:
     if ins.kind is Action.RUN:
         text = f"{ins.op} on stream {ins.stream}"
     elif ins.kind is Action.WAIT:
-        text = f"wait on stream {ins.stream} for e{ins.event} = {plan.producers[ins.event]}"
+        what = plan.producers.get(ins.event, "the step start")
+        text = f"wait on stream {ins.stream} for e{ins.event} = {what}"
     else:
-        text = f"record e{ins.event} on stream {ins.stream} after {plan.producers[ins.event]}"
+        what = plan.producers.get(ins.event, "the step start")
+        text = f"record e{ins.event} on stream {ins.stream} after {what}"
     return f"step {ex.step_index}, instruction {k} ({text})"
 
 
@@ -518,5 +531,9 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
         f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
     )
     if "cuda_max_allocated" in meas:
-        text += f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}"
+        text += (
+            f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}, max reserved "
+            f"{fmt_bytes(meas['cuda_max_reserved'])}, allocator retries "
+            f"{meas['cuda_alloc_retries']}"
+        )
     print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)

@@ -185,7 +185,7 @@ def boxes(c: Compiled, lane: list[Interval], rank: int, unfold: bool) -> list[Bo
     waits: set[Op] = set()
     pending: set[str] = set()
     for ins in plan.instrs:  # a wait belongs to the next run on its stream
-        if ins.kind is Action.WAIT:
+        if ins.kind is Action.WAIT and ins.event != plan.step_start:
             pending.add(ins.stream)
         elif ins.kind is Action.RUN and ins.stream in pending:
             pending.discard(ins.stream)

@@ -188,11 +188,15 @@ def test_dump_plan(capsys):
     code, out, _ = check(capsys, FSDP, "--dump", "plan")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == "# plan for every rank: 59 ops on 2 streams (compute, comm), 26 events"
-    assert lines[1:4] == [
-        "    0  run    comm     allgather[tied]@mb0:fwd",
-        "    1  run    comm     allgather[u1]@mb0:fwd",
-        "    2  record comm     e0    # after allgather[u1]@mb0:fwd",
+    assert lines[0] == (
+        "# plan for every rank: 59 ops on 2 streams (compute, comm), 26 events and the step start"
+    )
+    assert lines[1:6] == [
+        "    0  record compute  e26    # step start",
+        "    1  wait   comm     e26    # for step start",
+        "    2  run    comm     allgather[tied]@mb0:fwd",
+        "    3  run    comm     allgather[u1]@mb0:fwd",
+        "    4  record comm     e0    # after allgather[u1]@mb0:fwd",
     ]
 
 
