@@ -616,8 +616,8 @@ class _Resolver:
         if "gather" in chosen and Strategy.of(strategy) is not Strategy.FSDP:
             self.err(
                 "conflict",
-                f"gather is the dtype FSDP units are all-gathered in; a "
-                f"{Strategy.of(strategy).label} schedule gathers none",
+                f"gather is the dtype FSDP units are all-gathered in; "
+                f"{Strategy.of(strategy).a_label} schedule gathers none",
                 where["gather"],
                 hint="drop `gather`, or use an fsdp block",
             )
@@ -794,7 +794,9 @@ class _Resolver:
             if cap is None or first is None:
                 return DDPSpec((), toggles.get("overlap", True), toggles.get("no_sync", True))
             specs = tuple(auto_buckets(cfg, cap, first))
-            return DDPSpec(specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap)
+            return DDPSpec(
+                specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap, first
+            )
         elif not buckets and len(stmts) == len(block.stmts):  # else a misspelling said it
             self.err(
                 "missing-setting",
@@ -1060,7 +1062,7 @@ class _Resolver:
         if not targets:
             self.err(
                 "unexpected-op",
-                f"{op} has no place in a {Strategy.of(strategy).label} schedule",
+                f"{op} has no place in {Strategy.of(strategy).a_label} schedule",
                 span,
                 hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
                 "and reduce-scatter units",

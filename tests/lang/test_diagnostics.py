@@ -643,7 +643,7 @@ FAIL = [
     pytest.param(
         FSDP + "program comm { allreduce[b1]@mb0 }",
         "unexpected-op",
-        "allreduce[b1]@mb0 has no place in a FSDP schedule",
+        "allreduce[b1]@mb0 has no place in an FSDP schedule",
         "allreduce[b1]@mb0",
         "FSDP schedules gather, free and reduce-scatter units",
         id="unexpected-kind",
