@@ -862,6 +862,14 @@ def test_encoding(data, message, col):
     assert info.value.render().startswith(f"t.sched:{d.span.line}:{col}: error: {message}")
 
 
+def test_an_encoding_error_shows_its_line_to_the_end():
+    """The rest of the line after the bad byte is shown, undecodable bytes as U+FFFD."""
+    with pytest.raises(CompileError) as info:
+        source_from_bytes(b"model nano\nworld 1  # caf\xe9, saved as Latin-1\nsteps 2\n", "t.sched")
+    lines = info.value.render().splitlines()
+    assert lines[1:3] == ["  2 | world 1  # caf\ufffd, saved as Latin-1", "    |               ^"]
+
+
 def test_disagree():
     one = compile_text("model nano\nworld 1\nbatch 8 x 32\nmicro 2\n", "one.sched").spec
     two = compile_text(DDP.replace("batch 8", "batch 16"), "two.sched").spec
