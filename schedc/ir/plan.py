@@ -77,9 +77,10 @@ class Plan:
         """The plan as text; `mark` points at one instruction (a failure, say)."""
         who = "every rank" if self.rank is None else f"rank {self.rank}"
         n_ops = sum(1 for i in self.instrs if i.kind is Action.RUN)
+        n_streams, n_events = len(self.streams), len(self.producers)
         lines = [
-            f"# plan for {who}: {n_ops} ops on {len(self.streams)} streams "
-            f"({', '.join(self.streams)}), {len(self.producers)} events"
+            f"# plan for {who}: {n_ops} ops on {n_streams} stream{'s' * (n_streams != 1)} "
+            f"({', '.join(self.streams)}), {n_events} event{'s' * (n_events != 1)}"
             + (" and the step start" if self.step_start is not None else "")
         ]
         for k, ins in enumerate(self.instrs):

@@ -335,6 +335,11 @@ class Diagnostics:
             )
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 bucket`, `2 buckets`, `1,024 tokens`: a number and its noun, agreeing."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def did_you_mean(word: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:
     """'did you mean X?' for the closest candidate, or None."""
     return _closest(word, tuple(sorted(set(candidates))), cutoff)

@@ -44,6 +44,7 @@ from schedc.lang.syntax import (
     Name,
     Num,
     Optimizer,
+    OtherSetting,
     Precision,
     Prefetch,
     Program,
@@ -95,6 +96,17 @@ UNITS = {
     "GiB": 1 << 30,
     "TiB": 1 << 40,
 }
+# the statements each block takes, as the grammar spells their keywords
+BLOCK_KEYS = {
+    "ddp": ("bucket", "bucket_cap", "overlap", "no_sync"),
+    "fsdp": ("unit", "prefetch", "reshard_after_forward", "no_sync"),
+}
+# words inside a block's statements, which a misspelling may be nearest to
+BLOCK_WORDS = {
+    "ddp": {"first": "it follows bucket_cap: `bucket_cap 25 MiB first 1 MiB`"},
+    "fsdp": {"keep": "it ends a unit: `unit tied = wte.weight keep`"},
+}
+BLOCK_ARTICLE = {"ddp": "a ddp", "fsdp": "an fsdp"}  # as said aloud: "an eff-ess-dee-pee"
 MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
 DEFAULT_STEPS = 20
 DEFAULT_SEED = 1337
@@ -604,8 +616,8 @@ class _Resolver:
         if "gather" in chosen and Strategy.of(strategy) is not Strategy.FSDP:
             self.err(
                 "conflict",
-                f"gather is the dtype FSDP units are all-gathered in; a "
-                f"{Strategy.of(strategy).label} schedule gathers none",
+                f"gather is the dtype FSDP units are all-gathered in; "
+                f"{Strategy.of(strategy).a_label} schedule gathers none",
                 where["gather"],
                 hint="drop `gather`, or use an fsdp block",
             )
@@ -757,9 +769,10 @@ class _Resolver:
     # -- DDP --------------------------------------------------------------------------------------
 
     def ddp(self, block: DDP, cfg: GPTConfig) -> DDPSpec:
-        buckets = [s for s in block.stmts if isinstance(s, BucketDecl)]
-        caps = [s for s in block.stmts if isinstance(s, BucketCap)]
-        toggles = self.toggles(block.stmts, {"overlap", "no_sync"}, "ddp")
+        stmts = self.block_stmts(block.stmts, "ddp")
+        buckets = [s for s in stmts if isinstance(s, BucketDecl)]
+        caps = [s for s in stmts if isinstance(s, BucketCap)]
+        toggles = self.toggles(stmts, "ddp")
         head_span = self.src.span(block.span.start, block.span.start + 3)
         for c in caps:
             self.once("bucket_cap", c.span, "bucket_cap")
@@ -781,8 +794,10 @@ class _Resolver:
             if cap is None or first is None:
                 return DDPSpec((), toggles.get("overlap", True), toggles.get("no_sync", True))
             specs = tuple(auto_buckets(cfg, cap, first))
-            return DDPSpec(specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap)
-        elif not buckets:
+            return DDPSpec(
+                specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap, first
+            )
+        elif not buckets and len(stmts) == len(block.stmts):  # else a misspelling said it
             self.err(
                 "missing-setting",
                 "the ddp block has no buckets",
@@ -828,34 +843,57 @@ class _Resolver:
                     "layers",
                 )
 
-    def toggles(self, stmts, allowed: set[str], block: str) -> dict[str, bool]:
+    def block_stmts(self, stmts, block: str) -> list:
+        """The statements of a ddp or fsdp block that it takes; each other one is an
+        [unknown-setting] naming what the block takes (the grammar parses the statements of
+        both blocks, and a statement beginning with any name, in either)."""
+        takes = BLOCK_KEYS[block]
+        kept = []
+        for s in stmts:
+            key = _keyword(s)
+            if key in takes:
+                kept.append(s)
+                continue
+            owner = next((b for b, keys in BLOCK_KEYS.items() if key in keys), None)
+            listed = f"{block} takes {', '.join(takes)}"
+            if owner is not None:
+                hint = f"`{key}` is {BLOCK_ARTICLE[owner]} setting; {listed}"
+            else:  # a word that ends a line (`kep`) reads as a statement of its own
+                words = BLOCK_WORDS[block].items()
+                hint = did_you_mean(key, takes) or next(
+                    (f"did you mean '{w}'? ({ex})" for w, ex in words if did_you_mean(key, [w])),
+                    listed,
+                )
+            span = (
+                s.key.span
+                if isinstance(s, OtherSetting)
+                else self.src.span(s.span.start, s.span.start + len(key))
+            )
+            self.err("unknown-setting", f"{BLOCK_ARTICLE[block]} block has no '{key}'", span, hint)
+            self.refs_ok = False  # a misspelled bucket or unit: coverage would repeat it
+        return kept
+
+    def toggles(self, stmts, block: str) -> dict[str, bool]:
         out = {}
         for t in stmts:
-            if isinstance(t, Toggle):
-                if t.key not in allowed:
-                    self.err(
-                        "unknown-setting",
-                        f"a {block} block has no '{t.key}'",
-                        t.span,
-                        hint=f"{block} takes {', '.join(sorted(allowed))}",
-                    )
-                elif self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
-                    out[t.key] = t.value.on
+            if isinstance(t, Toggle) and self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
+                out[t.key] = t.value.on
         return out
 
     # -- FSDP -------------------------------------------------------------------------------------
 
     def fsdp(self, block: FSDP, cfg: GPTConfig) -> FSDPSpec:
-        units = [s for s in block.stmts if isinstance(s, UnitDecl)]
-        toggles = self.toggles(block.stmts, {"reshard_after_forward", "no_sync"}, "fsdp")
+        stmts = self.block_stmts(block.stmts, "fsdp")
+        units = [s for s in stmts if isinstance(s, UnitDecl)]
+        toggles = self.toggles(stmts, "fsdp")
         head_span = self.src.span(block.span.start, block.span.start + 4)
         depth = {"forward": 1, "backward": 1}
-        for p in (s for s in block.stmts if isinstance(s, Prefetch)):
+        for p in (s for s in stmts if isinstance(s, Prefetch)):
             if self.once(f"prefetch.{p.direction}", p.span, f"prefetch {p.direction}"):
                 v = self.int_of(p.depth, f"prefetch {p.direction}", 0, 64)
                 if v is not None:
                     depth[p.direction] = v
-        if not units:
+        if not units and len(stmts) == len(block.stmts):  # else a misspelling said it
             self.err(
                 "missing-setting",
                 "the fsdp block has no units",
@@ -1024,7 +1062,7 @@ class _Resolver:
         if not targets:
             self.err(
                 "unexpected-op",
-                f"{op} has no place in a {Strategy.of(strategy).label} schedule",
+                f"{op} has no place in {Strategy.of(strategy).a_label} schedule",
                 span,
                 hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
                 "and reduce-scatter units",
@@ -1078,6 +1116,15 @@ def _fp32_breaks(key: str, v: float) -> str | None:
     if key == "clip" and v > 0 and tiny:
         return "so clipping would scale every gradient to zero"
     return None
+
+
+def _keyword(stmt) -> str:
+    """The keyword a ddp or fsdp block statement begins with."""
+    if isinstance(stmt, (Toggle, OtherSetting)):
+        return stmt.key if isinstance(stmt, Toggle) else stmt.key.text
+    return {BucketDecl: "bucket", BucketCap: "bucket_cap", UnitDecl: "unit", Prefetch: "prefetch"}[
+        type(stmt)
+    ]
 
 
 def _first(*values):

@@ -167,14 +167,26 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
+class OtherSetting:
+    """A statement in a ddp or fsdp block that begins with a name no statement has (`overlpa
+    on`, `bucket_cap_mb = 25`): recorded as written, for the resolver to name."""
+
+    key: Name
+    span: Span
+
+
+BlockStmt = BucketDecl | BucketCap | Toggle | UnitDecl | Prefetch | OtherSetting
+
+
+@dataclass(frozen=True)
 class DDP:
-    stmts: tuple[BucketDecl | BucketCap | Toggle, ...]
+    stmts: tuple[BlockStmt, ...]  # either block's statements parse in both; resolve judges
     span: Span
 
 
 @dataclass(frozen=True)
 class FSDP:
-    stmts: tuple[UnitDecl | Prefetch | Toggle, ...]
+    stmts: tuple[BlockStmt, ...]
     span: Span
 
 
@@ -390,6 +402,9 @@ class _ToAST(Transformer):
 
     def fsdp(self, meta, c):
         return FSDP(tuple(c), self._span(meta))
+
+    def other_setting(self, meta, c):
+        return OtherSetting(c[0], self._span(meta))
 
     # streams and programs
     def stream(self, meta, c):
