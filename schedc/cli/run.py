@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from schedc.cli.common import (
     COUNT,
     POSITIVE,
     TIMEOUT_S,
+    RankError,
     add_override_args,
     check_output,
     overrides,
@@ -106,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_main(compiled, opts, job)
     except RunError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 1
+        raise RankError(os.environ.get("RANK", "0"), str(e)) from None
     except CheckpointError as e:
         raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1
