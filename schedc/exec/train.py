@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from schedc.compiler import Compiled
 from schedc.exec.executor import Comm, Executor, PlanError, RunError, RunOptions, pick_device
 from schedc.exec.launcher import tell_launcher
 from schedc.ir.plan import Action, Plan
-from schedc.model.data import fingerprint, load_batches
+from schedc.model.data import CORPUS, DataError, fingerprint, load_batches
 from schedc.model.reference import fmt_eta, format_log, step_label
 
 
@@ -138,6 +139,19 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     }
 
 
+def data_error(e: DataError, source) -> str:
+    """A data file that cannot be read, and, when the schedule named it by a relative path
+    that does not exist, where schedc looked: the working directory, not the schedule's."""
+    text = str(e)
+    path = Path(str(source))
+    if str(source) != CORPUS and not path.is_absolute() and not path.exists():
+        text += (
+            f" (a relative `data` path is read from the working directory, {os.getcwd()}, "
+            "not from the schedule's directory: run from there, or write an absolute path)"
+        )
+    return text
+
+
 def check_gpus(local_world: int, device_count: int) -> None:
     """More ranks on this node than it has GPUs would put two ranks on one device, and NCCL
     refuses that only later, with a stack of errors on every rank: say it first, in one line."""
@@ -177,7 +191,10 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     where = _here("start-up")
     watch_sigterm(comm)
     try:
-        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        try:
+            batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        except DataError as e:
+            raise RunError(data_error(e, spec.data.source)) from None
         # agree first: building the executor creates a process group per stream, which would
         # wait forever for a rank whose schedule has other streams
         flags = run_flags(job, device, opts)
