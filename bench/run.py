@@ -155,7 +155,7 @@ def case_list(text: str) -> list[str]:
     return cases
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0]
         + " Every case trains the same model, global batch, micro split, seed and data; "
@@ -211,7 +211,11 @@ def main() -> None:
         help="comma-separated cases to run, from the list below (default: by --precision)",
     )
     ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     from schedc.model.arch import SIZES
 
     a.layers = SIZES[a.model].n_layer

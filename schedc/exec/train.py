@@ -280,8 +280,8 @@ def cpu_threads(local_world: int) -> str:
     set) is kept as it is. Otherwise 1 thread per rank when a node runs several (torchrun's
     own default, so that a job launched by hand gets the same), all cores at world 1.
     Returns where the count came from, for the start line."""
-    if os.environ.get("OMP_NUM_THREADS", "").strip():
-        return ", OMP_NUM_THREADS"
+    if omp := os.environ.get("OMP_NUM_THREADS", "").strip():
+        return f", OMP_NUM_THREADS={omp}"  # torch uses at most the cores it has
     torch.set_num_threads(1 if local_world > 1 else max(1, os.cpu_count() or 1))
     return ""
 
