@@ -458,7 +458,8 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
         lines.append(f"schedc: rank {comm.rank}: rank {r} failed too, at {text}")
     with _report:  # the SIGTERM report, if it came first, exits the process in here
         print("\n".join(lines), file=sys.stderr, flush=True)
-        tell_launcher("\n".join(lines))  # under torchrun: its report's "Root Cause"
+        if not silent:  # else a silent peer is the likelier root cause: torchrun names it
+            tell_launcher("\n".join(lines))  # under torchrun: shown in its report
         sys.stdout.flush()
         os._exit(1)
 
