@@ -72,6 +72,8 @@ def classify(cmd: str) -> str | None:
         return "not a schedc command"
     if any(a.startswith("[") or a in ("FILE.sched", "RUN.json") for a in args):
         return "a synopsis, not a command"
+    if missing := [a for a in args if a.endswith(".sched") and not (ROOT / a).is_file()]:
+        return f"{missing[0]} is the text's own example, not a file in the repository"
     if "out/t.json" in args and not (ROOT / "out" / "t.json").exists():
         return "reads out/t.json, the trace the two-rank torchrun command above writes"
     return None
