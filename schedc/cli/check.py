@@ -31,7 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["ast", "graph", "program", "plan"],
         help="print a stage's text form instead of the summary",
     )
-    p.add_argument("--rank", type=int, help="the rank whose graph/program/plan to dump")
+    p.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="with --dump: the rank whose graph, program or plan to print (default: the one "
+        "every rank without a `program ... on rank N` runs)",
+    )
     add_override_args(p)
 
 
