@@ -100,7 +100,7 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
+                f"{path}: unknown cost parameter{'s' * (len(unknown) != 1)} {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
         values = {k: float(v) for k, v in data.items() if v is not None}
