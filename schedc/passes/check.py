@@ -136,6 +136,11 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
 
 def _missing_message(sg: ScheduleGraph, op: Op) -> str:
     who = _who(sg)
+    if op.kind is Kind.ALLREDUCE and sg.spec.hsdp:
+        return (
+            f"unit '{op.target}' is never all-reduced over the replicate dimension in "
+            f"micro-step {op.mb}{who}"
+        )
     if op.kind is Kind.ALLREDUCE:
         return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
     if op.kind is Kind.REDUCESCATTER:
