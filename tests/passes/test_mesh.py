@@ -112,3 +112,35 @@ def test_traffic_per_dimension():
     assert set(t[SHARD]) == {"allgather", "reducescatter"} and set(t[REPLICATE]) == {"allreduce"}
     # each all-reduce moves the shard of what its reduce-scatter moved: S = 2
     assert t[REPLICATE]["allreduce"] * 2 == t[SHARD]["reducescatter"]
+
+
+def _comm_program(c, rank: int, swap: tuple[str, str]) -> str:
+    """The comm program written for one rank, with two of its lines swapped."""
+    text = dump_program(c.graph())
+    comm = text[text.index("program comm {") :]
+    lines = comm.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.strip().startswith(swap[0]))
+    j = next(k for k, ln in enumerate(lines) if ln.strip().startswith(swap[1]))
+    lines[i], lines[j] = lines[j], lines[i]
+    return "\n".join(lines).replace("program comm {", f"program comm on rank {rank} {{", 1) + "\n"
+
+
+def _with_programs(*programs: str):
+    return compile_text(
+        FSDP.format(world=4, mesh="\nmesh 2 x 2", seqs=8, no_sync="off") + "".join(programs)
+    )
+
+
+def test_spmd_is_per_group():
+    c = _with_programs()  # k = 1
+    swap = ("allreduce[u2]@mb0", "reducescatter[tied]@mb0")
+    # rank 1 and rank 3 form a replicate group: both reorder their replicate all-reduce
+    # against the shard group's reduce-scatter; each group still agrees, and nothing hangs
+    ok = _with_programs(_comm_program(c, 1, swap), _comm_program(c, 3, swap))
+    assert ok.plan(1).collectives() != ok.plan(0).collectives()
+    # rank 1 alone: its replicate group {1, 3} disagrees
+    with pytest.raises(Exception) as e:
+        _with_programs(_comm_program(c, 1, ("allreduce[u2]@mb0", "allreduce[tied]@mb0")))
+    msg = str(e.value)
+    assert "[spmd]" in msg and "over the replicate dimension" in msg
+    assert "the other ranks of its replicate group issue allreduce[u2]@mb0" in msg
