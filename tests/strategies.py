@@ -135,6 +135,7 @@ class Case:
     clip: float = 1.0
     precision: str = "fp32"  # a PRECISIONS key
     extra: tuple[str, ...] = field(default=(), compare=False)  # lines appended (mutations)
+    mesh: tuple[int, int] | None = None  # replicate x shard (HSDP); None: flat
 
     @property
     def seqs(self) -> int:
@@ -151,6 +152,8 @@ class Case:
     def lines(self) -> list[str]:
         m = "model nano" if self.n_layer == 2 else f"model nano {{ n_layer = {self.n_layer} }}"
         out = [m, f"world {self.world}", f"batch {self.seqs} x {self.seq_len}"]
+        if self.mesh:
+            out.insert(2, f"mesh {self.mesh[0]} x {self.mesh[1]}")
         if self.stated in ("micro", "both"):
             out.append(f"micro {self.micro}")
         if self.stated in ("accumulate", "both"):
@@ -322,6 +325,14 @@ def cases(
         clip=draw(st.sampled_from([1.0, 0.0])),
         precision=precision,
     )
+
+
+@st.composite
+def hsdp_cases(draw, meshes=((2, 2), (2, 3), (3, 2)), max_k: int = 3):
+    """A valid FSDP schedule on a 2-D mesh (replicate x shard), its world the mesh's."""
+    mesh = draw(st.sampled_from(meshes))
+    case = draw(cases(kinds=("fsdp",), worlds=(mesh[0] * mesh[1],), max_k=max_k))
+    return case.with_(mesh=mesh)
 
 
 @st.composite
