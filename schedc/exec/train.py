@@ -229,8 +229,9 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         n = torch.get_num_threads()
         log(
             comm,
-            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
-            f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
+            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}"
+            + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")
+            + f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
             f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "
             f"on {device.type} ({n} thread{'s' if n != 1 else ''} per rank{threads})",
         )
