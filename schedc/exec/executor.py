@@ -280,6 +280,8 @@ class Executor:
             self.backend.compute(stream, op, self._optimizer_step)
         elif kind.is_collective:
             self._collective(stream, op)
+        elif kind is Kind.RECOMPUTE:
+            self.backend.compute(stream, op, lambda: self._recompute(op))
         else:  # a forward or backward written outside the compute stream's fusable runs
             self.compute(Segment(kind, op.mb, (op.target,), -1))
 
@@ -300,11 +302,23 @@ class Executor:
         else:
             # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        with self._autocast():
+        # a layer that recomputes (fuse gives it a segment of its own) keeps only its input:
+        # its forward saves nothing for backward, and runs again at recompute[layer]
+        again = first in self.spec.recompute
+        with self._autocast(), torch.no_grad() if again else contextlib.nullcontext():
             out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
             mb.loss = out.detach()
+
+    def _recompute(self, op: Op) -> None:
+        """The forward of a recomputing layer again, from its kept input, now with autograd:
+        the same kernels on the same values (no dropout, no randomness in GPT-2's layers),
+        so backward reads exactly the activations a plain forward would have saved."""
+        mb, layer = self.micro[op.mb], op.target
+        with self._autocast():
+            out = self.regions(layer, layer)(mb.inp[layer], mb.y if layer == "head" else None)
+        mb.out[layer] = out
 
     def _autocast(self):
         """The compute dtype's autocast around a forward. Backward runs outside it: autograd

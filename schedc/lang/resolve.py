@@ -47,6 +47,7 @@ from schedc.lang.syntax import (
     Precision,
     Prefetch,
     Program,
+    Recompute,
     Ref,
     Schedule,
     Setting,
@@ -327,6 +328,12 @@ class _Resolver:
             )
 
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
+        recompute = self.recompute(
+            single(Recompute, "recompute", "`recompute`"),
+            next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
+            model,
+            strategy,
+        )
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
         programs = self.programs(by_type.get(Program, []), model, strategy, world, accum, streams)
         self.diag.raise_if_any()
@@ -348,6 +355,7 @@ class _Resolver:
             streams=streams,
             programs=programs,
             numerics=numerics,
+            recompute=recompute,
             where=dict(self.seen),
         )
 
@@ -618,6 +626,48 @@ class _Resolver:
                 hint=f"compute in {numerics.gather} too, or gather in fp32",
             )
         return numerics
+
+    # -- recomputation -------------------------------------------------------------------------
+
+    def recompute(
+        self, top: Recompute | None, in_fsdp: Recompute | None, cfg: GPTConfig | None, strategy
+    ) -> frozenset[str]:
+        """The layers that recompute: named as layers and ranges at top level, as units
+        inside the fsdp block (every layer that reads the unit's parameters)."""
+        out: set[str] = set()
+        if cfg is None:
+            return frozenset()
+        if top is not None:
+            for ref in top.refs:
+                names = [n for n in (ref.first, ref.last) if n is not None]
+                found = [self.layer_name(n, cfg) for n in names]
+                if None in found:
+                    continue
+                idx = sorted(cfg.layer_index(x) for x in found)  # a range in either direction
+                out.update(cfg.layers[idx[0] : idx[-1] + 1])
+        if in_fsdp is not None and isinstance(strategy, FSDPSpec):
+            if self.once("fsdp.recompute", in_fsdp.span, "`recompute` in the fsdp block"):
+                units = {u.name: u for u in strategy.units}
+                for ref in in_fsdp.refs:
+                    if ref.last is not None:
+                        self.err(
+                            "syntax",
+                            "inside fsdp, recompute names units one by one, not a range",
+                            ref.span,
+                            hint=f"write `recompute {ref.first.text}, {ref.last.text}`, or name "
+                            "layers with a top-level `recompute h.0 .. h.3`",
+                        )
+                    elif ref.first.text not in units:
+                        self.err(
+                            "unknown-name",
+                            f"unknown unit '{ref.first.text}'",
+                            ref.first.span,
+                            hint=did_you_mean(ref.first.text, units)
+                            or f"units: {', '.join(units)}",
+                        )
+                    else:
+                        out.update(units[ref.first.text].layers)
+        return frozenset(out)
 
     # -- references to layers and parameters --------------------------------------------------
 
@@ -1013,7 +1063,7 @@ class _Resolver:
             return None
         if cfg is None or op.kind is Kind.STEP:
             return op
-        if op.kind in (Kind.FWD, Kind.BWD):
+        if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
             targets, what = cfg.layers, "layer"
         elif op.kind is Kind.ALLREDUCE:
             targets = [b.name for b in strategy.buckets] if isinstance(strategy, DDPSpec) else []

@@ -167,6 +167,14 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """`recompute h.0 .. h.11` (layers), or inside fsdp `recompute u1, u3` (units)."""
+
+    refs: tuple[Ref, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class DDP:
     stmts: tuple[BucketDecl | BucketCap | Toggle, ...]
     span: Span
@@ -174,7 +182,7 @@ class DDP:
 
 @dataclass(frozen=True)
 class FSDP:
-    stmts: tuple[UnitDecl | Prefetch | Toggle, ...]
+    stmts: tuple[UnitDecl | Prefetch | Toggle | Recompute, ...]
     span: Span
 
 
@@ -219,6 +227,7 @@ Stmt = (
     | Optimizer
     | Precision
     | Toggle
+    | Recompute
     | DDP
     | FSDP
     | StreamDecl
@@ -390,6 +399,9 @@ class _ToAST(Transformer):
 
     def fsdp(self, meta, c):
         return FSDP(tuple(c), self._span(meta))
+
+    def recompute(self, meta, c):
+        return Recompute(c[0], self._span(meta))
 
     # streams and programs
     def stream(self, meta, c):

@@ -647,6 +647,40 @@ FAIL = [
         "free a unit only after its last reader",
         id="use-after-free",
     ),
+    # recomputation: u2 (h.1, head) recomputes; the compute stream written out
+    pytest.param(
+        FSDP.replace("unit u2 = h.1, head }", "unit u2 = h.1, head  recompute u2 }")
+        + FSDP_COMPUTE.replace(
+            "  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n  bwd[h.1]@mb0\n",
+            "  recompute[head]@mb0\n  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n"
+            "  recompute[h.1]@mb0\n  bwd[h.1]@mb0\n",
+        ),
+        "recompute-gather",
+        "recompute[head]@mb0 reruns head's forward before allgather[u2]@mb0:bwd gathers 'u2'",
+        "recompute[head]@mb0",
+        "write `recompute[head]@mb0 after allgather[u2]@mb0:bwd`",
+        id="recompute-gather",
+    ),
+    pytest.param(
+        "recompute h.1\n"
+        + DDP
+        + DDP_COMPUTE.replace("bwd[h.1]@mb0", "bwd[h.1]@mb0  recompute[h.1]@mb0").replace(
+            "bwd[h.1]@mb1", "recompute[h.1]@mb1  bwd[h.1]@mb1"
+        ),
+        "recompute-late",
+        "bwd[h.1]@mb0 reads the activations recompute[h.1]@mb0 rebuilds, but can start before it",
+        "bwd[h.1]@mb0",
+        "place recompute[h.1]@mb0 right before bwd[h.1]@mb0",
+        id="recompute-late",
+    ),
+    pytest.param(
+        DDP + DDP_COMPUTE.replace("bwd[h.1]@mb0", "recompute[h.1]@mb0  bwd[h.1]@mb0"),
+        "recompute-freed",
+        "recompute[h.1]@mb0 reruns h.1's forward from its input, but h.1 does not recompute",
+        "recompute[h.1]@mb0",
+        "declare `recompute h.1`",
+        id="recompute-freed",
+    ),
     # SPMD
     pytest.param(
         DDP + "program comm on rank 1 { allreduce[b2]@mb1 after bwd[embed]@mb1  "
