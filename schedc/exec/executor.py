@@ -39,6 +39,7 @@ from schedc.compiler import Compiled
 from schedc.exec.backends import CPUBackend, CUDABackend, Timed
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
+from schedc.exec.heap import HeapPeak
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
@@ -93,6 +94,7 @@ class RunOptions:
     record: bool = False  # keep full gradients and parameters of each step (tests)
     log: bool = True
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip"
+    heap: bool = False  # CPU: measure each step's peak live heap (schedc/exec/heap.py)
 
 
 @dataclass
@@ -228,8 +230,18 @@ class Executor:
         self.scattered: set[str] = set()  # units reduce-scattered so far this step
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
-        self.execute()
-        self.backend.synchronize()
+        if self.opts.heap and self.device.type == "cpu" and s > 0:  # step 0 creates AdamW's m, v
+            # what lives before the plan runs: the states and this step's token batches
+            held = self._held_bytes() + sum(
+                t.untyped_storage().nbytes() for m in self.micro for t in (m.x, m.y)
+            )
+            with HeapPeak() as heap:
+                self.execute(heap.sample)
+                self.backend.synchronize()
+            self.mem["heap_peak"] = max(self.mem.get("heap_peak", 0), held + heap.grew)
+        else:
+            self.execute()
+            self.backend.synchronize()
         self.at = None  # between steps
         dt = time.perf_counter() - t0
         stats = self.result
@@ -250,10 +262,13 @@ class Executor:
             self._fused = (self.plan, fuse(self.plan, self.spec.model, enabled=not self.opts.trace))
         return self._fused[1]
 
-    def execute(self) -> None:
-        """Issue the plan, item by item; on failure, show where in the plan."""
+    def execute(self, between=None) -> None:
+        """Issue the plan, item by item; on failure, show where in the plan. `between` is
+        called after each item (the heap's reading between ops)."""
         backend, instrs = self.backend, self.plan.instrs
         for item in self.items:
+            if between is not None:
+                between()
             k = self.at = item.first if isinstance(item, Segment) else item
             try:
                 with _range(item if isinstance(item, Segment) else instrs[item]):
@@ -483,6 +498,21 @@ class Executor:
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
+
+    def _held_bytes(self) -> int:
+        """Bytes of the model states alive between steps, from the tensors themselves:
+        parameters (FSDP: shards), DDP's gradient buckets, AdamW's m and v."""
+        if self.units:
+            held = [u.shard for u in self.units.values()]
+        else:
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        held += [
+            t
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]
+        return sum(t.untyped_storage().nbytes() for t in held)
 
     def _release_grads(self) -> None:
         """After the update: measure the model states, then free FSDP's gradient shards."""

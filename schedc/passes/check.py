@@ -386,11 +386,17 @@ def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | Non
         hint = "raise `memory`"
         if spec.kind is Strategy.FSDP:
             hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
-        at = f"after {report.peak_at}" if report.peak_at else "model states alone"
+        if report.largest == "activations":
+            hint = "recompute layers (`recompute h.0 .. h.N`), use a smaller `micro`, or raise " + (
+                "`memory`"
+            )
+        at = f"at {report.peak_at}" if report.peak_at else "model states alone"
+        parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in report.parts)
         diag.error(
             "memory-budget",
             f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
-            f"exceeds the budget of {fmt_bytes(spec.memory)}",
+            f"exceeds the budget of {fmt_bytes(spec.memory)}; the largest part is "
+            f"{report.largest} ({parts})",
             spec.where.get("memory"),
             hint=hint,
         )
