@@ -223,6 +223,8 @@ class Spec:
     streams: dict[Kind, str]
     programs: tuple[ProgramSpec, ...]
     numerics: Numerics = field(default_factory=Numerics)
+    # layers whose forward keeps only its input and runs again right before their backward
+    recompute: frozenset[str] = frozenset()
     where: dict[str, Span] = field(default_factory=dict, compare=False)
 
     @property
