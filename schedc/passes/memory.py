@@ -78,6 +78,9 @@ class MemoryReport:
     activations: int  # the most activation bytes live at once (saved, kept, transient)
     buffers_peak: int = 0  # the peak without activations (states, units, grads, comm)
     parts: tuple[tuple[str, int], ...] = ()  # what the peak is made of, largest first
+    # the peak at op boundaries: without an op's own transients (its activation scratch and
+    # the optimizer's temporaries), which live only inside the op
+    settled_peak: int = 0
 
     @property
     def largest(self) -> str:
@@ -118,6 +121,7 @@ class _Ledger:
         self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations
         self.peak: tuple[int, str, tuple] = (held + self.acts.live, "", ())
         self.buffers = held
+        self.settled = held + self.acts.live
 
     def at(self, op: Op, comm: int = 0, optimizer: int = 0) -> None:
         """Account `op`: its activations (saved, kept, transient) with its temporaries."""
@@ -130,6 +134,7 @@ class _Ledger:
         ]
         buffers = self.held + self.gathered + self.grads + comm
         self.buffers = max(self.buffers, buffers)
+        self.settled = max(self.settled, buffers - comm + live)
         total = buffers + live + transient + optimizer
         if total > self.peak[0]:
             parts = (
@@ -146,7 +151,7 @@ class _Ledger:
         total, at, parts = self.peak
         parts = tuple(sorted(((n, v) for n, v in parts if v), key=lambda p: -p[1]))
         g, gr, c, a = self.peaks
-        return MemoryReport(states, g, gr, c, total, at, a, self.buffers, parts)
+        return MemoryReport(states, g, gr, c, total, at, a, self.buffers, parts, self.settled)
 
 
 def predict(spec: Spec, plan: Plan) -> MemoryReport:

@@ -1,8 +1,10 @@
 """The memory ledger predicts the measured peak: states + buffers + activations (issue 16).
 
 Each rank's predicted peak (schedc/passes/memory.py, activations included) must be within
-10% of its measured peak (FSDP: at most 10% below it and 15% above, see OVER_FSDP): on a CPU the live heap (schedc/exec/heap.py: glibc's in-use
-bytes, read between ops and every millisecond) grown over the bytes held before the plan
+10% of its measured peak (FSDP: at most 10% below it and 15% above, see OVER_FSDP; the bound
+above holds for the peak at op boundaries, as a sub-millisecond transient inside an op is
+seen only when the sampling thread runs then): on a CPU the live heap (schedc/exec/heap.py:
+glibc's in-use bytes, read between ops and every millisecond) grown over the bytes held before the plan
 runs (states and the step's token batches), over the steps after the first (the first
 creates AdamW's moments). Bundled CPU schedules (DDP and FSDP, worlds 1-4, with and
 without recompute) and generated DDP ones (worlds 1-4, some with recompute). Generated
@@ -34,14 +36,26 @@ def check_measured(pool, text: str, steps: int = 2) -> list[tuple[int, int]]:
     c = compile_text(text)
     world = c.spec.world
     result = pool.run(text, world, steps, heap=True, timeout=120)
-    out = []
+    out, settled = [], []
     for rank, mem in enumerate(result.memory):
-        predicted, measured = c.memories.get(rank, c.memory).peak, mem["heap_peak"]
+        report = c.memories.get(rank, c.memory)
+        predicted, measured = report.peak, mem["heap_peak"]
         out.append((predicted, measured))
-        print(f"rank {rank}: predicted {predicted:,} measured {measured:,}")
+        settled.append(report.settled_peak)
+        print(
+            f"rank {rank}: predicted {predicted:,} (between ops {report.settled_peak:,}) "
+            f"measured {measured:,}"
+        )
     over = OVER_FSDP if c.spec.kind.value == "fsdp" else TOLERANCE
     for rank, (predicted, measured) in enumerate(out):
-        assert -TOLERANCE * measured <= predicted - measured <= over * measured, (text, rank, out)
+        # never under-predicted by more than 10%
+        assert predicted - measured >= -TOLERANCE * measured, (text, rank, out)
+        # and not over-predicted either: an op's own transients (AdamW's foreach
+        # temporaries, a layer's scratch) live for well under a millisecond and the
+        # sampling thread sees them only when it happens to run then (on a loaded machine
+        # ranks of one schedule measured 21.6 and 19.5 MB), so the bound above the
+        # measurement is held by the peak at op boundaries, which is read exactly
+        assert settled[rank] - measured <= over * measured, (text, rank, out, settled)
     return out
 
 
