@@ -169,6 +169,9 @@ def summary(c: Compiled) -> str:
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
     lines.append(f"  streams   ops: {comm}; {count(len(plan.producers), 'event')}")
     lines.append(f"  numerics  {s.numerics.describe(s.kind)}")
+    if s.recompute:
+        again = [layer for layer in cfg.layers if layer in s.recompute]
+        lines.append(f"  recompute {', '.join(again)} (input kept; forward again before backward)")
     m = c.memory
     mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.rows() if v)
     budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""

@@ -118,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         raise UserError(f"--checkpoint-key {e}") from None
     opts = RunOptions(
-        device=args.device, timeout_s=args.timeout, trace=bool(args.trace), nonfinite=args.nonfinite
+        device=args.device,
+        timeout_s=args.timeout,
+        trace=bool(args.trace),
+        nonfinite=args.nonfinite,
+        heap=True,  # CPU: predicted vs measured peak at the end (a thread reads it every ms)
     )
     job = TrainOptions(
         save=args.save,

@@ -39,6 +39,7 @@ from schedc.compiler import Compiled
 from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_order
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
+from schedc.exec.heap import HeapPeak
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
@@ -98,6 +99,7 @@ class RunOptions:
     # wait for the device at the end of every step; off, only the plan's events and the
     # step start order one step after the other (tests that nothing else is needed)
     sync_each_step: bool = True
+    heap: bool = False  # CPU: measure each step's peak live heap (schedc/exec/heap.py)
 
 
 @dataclass
@@ -253,10 +255,21 @@ class Executor:
         self.scatter_out: dict[tuple[str, int], tuple] = {}
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
-        self.execute()
-        self._reclaim(None)  # the step's last frees: no gather follows them in this step
-        if self.opts.sync_each_step or self.opts.trace:
-            self.backend.synchronize()
+        if self.opts.heap and self.device.type == "cpu" and s > 0:  # step 0 creates AdamW's m, v
+            # what lives before the plan runs: the states and this step's token batches
+            held = self._held_bytes() + sum(
+                t.untyped_storage().nbytes() for m in self.micro for t in (m.x, m.y)
+            )
+            with HeapPeak() as heap:
+                self.execute(heap.sample)
+                self._reclaim(None)  # the step's last frees: no gather follows them
+                self.backend.synchronize()
+            self.mem["heap_peak"] = max(self.mem.get("heap_peak", 0), held + heap.grew)
+        else:
+            self.execute()
+            self._reclaim(None)  # the step's last frees: no gather follows them in this step
+            if self.opts.sync_each_step or self.opts.trace:
+                self.backend.synchronize()
         self.at = None  # between steps
         dt = time.perf_counter() - t0
         stats = self.result
@@ -278,10 +291,13 @@ class Executor:
             self._fused = (self.plan, fuse(self.plan, self.spec.model, enabled=not self.opts.trace))
         return self._fused[1]
 
-    def execute(self) -> None:
-        """Issue the plan, item by item; on failure, show where in the plan."""
+    def execute(self, between=None) -> None:
+        """Issue the plan, item by item; on failure, show where in the plan. `between` is
+        called after each item (the heap's reading between ops)."""
         backend, instrs = self.backend, self.plan.instrs
         for item in self.items:
+            if between is not None:
+                between()
             k = self.at = item.first if isinstance(item, Segment) else item
             try:
                 with _range(item if isinstance(item, Segment) else instrs[item]):
@@ -308,6 +324,8 @@ class Executor:
             self.backend.compute(stream, op, self._optimizer_step)
         elif kind.is_collective:
             self._collective(stream, op)
+        elif kind is Kind.RECOMPUTE:
+            self.backend.compute(stream, op, lambda: self._recompute(op))
         else:  # a forward or backward written outside the compute stream's fusable runs
             self.compute(Segment(kind, op.mb, (op.target,), -1))
 
@@ -328,11 +346,23 @@ class Executor:
         else:
             # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        with self._autocast():
+        # a layer that recomputes (fuse gives it a segment of its own) keeps only its input:
+        # its forward saves nothing for backward, and runs again at recompute[layer]
+        again = first in self.spec.recompute
+        with self._autocast(), torch.no_grad() if again else contextlib.nullcontext():
             out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
             mb.loss = out.detach()
+
+    def _recompute(self, op: Op) -> None:
+        """The forward of a recomputing layer again, from its kept input, now with autograd:
+        the same kernels on the same values (no dropout, no randomness in GPT-2's layers),
+        so backward reads exactly the activations a plain forward would have saved."""
+        mb, layer = self.micro[op.mb], op.target
+        with self._autocast():
+            out = self.regions(layer, layer)(mb.inp[layer], mb.y if layer == "head" else None)
+        mb.out[layer] = out
 
     def _autocast(self):
         """The compute dtype's autocast around a forward. Backward runs outside it: autograd
@@ -556,6 +586,21 @@ class Executor:
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
+
+    def _held_bytes(self) -> int:
+        """Bytes of the model states alive between steps, from the tensors themselves:
+        parameters (FSDP: shards), DDP's gradient buckets, AdamW's m and v."""
+        if self.units:
+            held = [u.shard for u in self.units.values()]
+        else:
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        held += [
+            t
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]
+        return sum(t.untyped_storage().nbytes() for t in held)
 
     def _release_grads(self) -> None:
         """After the update: measure the model states, then free FSDP's gradient shards."""

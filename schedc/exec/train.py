@@ -659,6 +659,11 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
     text = "; ".join(
         f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
     )
+    if meas.get("heap_peak"):  # CPU: live heap over the steps after the first
+        text += (
+            f"; peak (states, buffers, activations) {fmt_bytes(pred.peak)} predicted, "
+            f"{fmt_bytes(meas['heap_peak'])} measured (live heap)"
+        )
     if "cuda_max_allocated" in meas:
         text += (
             f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}, max reserved "

@@ -273,6 +273,8 @@ class Spec:
     streams: dict[Kind, str]
     programs: tuple[ProgramSpec, ...]
     numerics: Numerics = field(default_factory=Numerics)
+    # layers whose forward keeps only its input and runs again right before their backward
+    recompute: frozenset[str] = frozenset()
     where: dict[str, Span] = field(default_factory=dict, compare=False)
     # replicate x shard; None (no `mesh` in the file): flat, the strategy's one dimension
     declared_mesh: Mesh | None = None

@@ -88,6 +88,11 @@ CODES: dict[str, str] = {
     "optimizer-wait": "the optimizer step does not wait for every reduction",
     # sharding at run time
     "use-after-free": "a unit's parameters used while it is not gathered",
+    # recomputation
+    "recompute-gather": "a recompute that can run before its layer's unit is gathered",
+    "recompute-late": "a backward that can start before the recompute of its layer",
+    "recompute-freed": "a recompute of a layer not declared `recompute`: its forward freed "
+    "its input",
     # SPMD
     "spmd": "ranks that would issue different collectives, or in a different order",
     # warnings

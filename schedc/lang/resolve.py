@@ -50,6 +50,7 @@ from schedc.lang.syntax import (
     Precision,
     Prefetch,
     Program,
+    Recompute,
     Ref,
     Schedule,
     Setting,
@@ -101,7 +102,7 @@ UNITS = {
 # the statements each block takes, as the grammar spells their keywords
 BLOCK_KEYS = {
     "ddp": ("bucket", "bucket_cap", "overlap", "no_sync"),
-    "fsdp": ("unit", "prefetch", "reshard_after_forward", "no_sync"),
+    "fsdp": ("unit", "prefetch", "reshard_after_forward", "no_sync", "recompute"),
 }
 # words inside a block's statements, which a misspelling may be nearest to
 BLOCK_WORDS = {
@@ -344,6 +345,12 @@ class _Resolver:
         mesh = self.mesh(single(MeshDecl, "mesh", "the mesh"), world, strategy)
         self.replicated = mesh is not None and mesh.replicate > 1
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
+        recompute = self.recompute(
+            single(Recompute, "recompute", "`recompute`"),
+            next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
+            model,
+            strategy,
+        )
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
         programs = self.programs(by_type.get(Program, []), model, strategy, world, accum, streams)
         self.diag.raise_if_any()
@@ -365,6 +372,7 @@ class _Resolver:
             streams=streams,
             programs=programs,
             numerics=numerics,
+            recompute=recompute,
             where=dict(self.seen),
             declared_mesh=mesh,
         )
@@ -664,6 +672,48 @@ class _Resolver:
                 hint=f"compute in {numerics.gather} too, or gather in fp32",
             )
         return numerics
+
+    # -- recomputation -------------------------------------------------------------------------
+
+    def recompute(
+        self, top: Recompute | None, in_fsdp: Recompute | None, cfg: GPTConfig | None, strategy
+    ) -> frozenset[str]:
+        """The layers that recompute: named as layers and ranges at top level, as units
+        inside the fsdp block (every layer that reads the unit's parameters)."""
+        out: set[str] = set()
+        if cfg is None:
+            return frozenset()
+        if top is not None:
+            for ref in top.refs:
+                names = [n for n in (ref.first, ref.last) if n is not None]
+                found = [self.layer_name(n, cfg) for n in names]
+                if None in found:
+                    continue
+                idx = sorted(cfg.layer_index(x) for x in found)  # a range in either direction
+                out.update(cfg.layers[idx[0] : idx[-1] + 1])
+        if in_fsdp is not None and isinstance(strategy, FSDPSpec):
+            if self.once("fsdp.recompute", in_fsdp.span, "`recompute` in the fsdp block"):
+                units = {u.name: u for u in strategy.units}
+                for ref in in_fsdp.refs:
+                    if ref.last is not None:
+                        self.err(
+                            "syntax",
+                            "inside fsdp, recompute names units one by one, not a range",
+                            ref.span,
+                            hint=f"write `recompute {ref.first.text}, {ref.last.text}`, or name "
+                            "layers with a top-level `recompute h.0 .. h.3`",
+                        )
+                    elif ref.first.text not in units:
+                        self.err(
+                            "unknown-name",
+                            f"unknown unit '{ref.first.text}'",
+                            ref.first.span,
+                            hint=did_you_mean(ref.first.text, units)
+                            or f"units: {', '.join(units)}",
+                        )
+                    else:
+                        out.update(units[ref.first.text].layers)
+        return frozenset(out)
 
     # -- references to layers and parameters --------------------------------------------------
 
@@ -1085,7 +1135,7 @@ class _Resolver:
             return None
         if cfg is None or op.kind is Kind.STEP:
             return op
-        if op.kind in (Kind.FWD, Kind.BWD):
+        if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
             targets, what = cfg.layers, "layer"
         elif op.kind is Kind.ALLREDUCE and isinstance(strategy, FSDPSpec) and self.replicated:
             targets, what = [u.name for u in strategy.units], "unit"  # HSDP's replicate step
@@ -1158,9 +1208,13 @@ def _keyword(stmt) -> str:
     """The keyword a ddp or fsdp block statement begins with."""
     if isinstance(stmt, (Toggle, OtherSetting)):
         return stmt.key if isinstance(stmt, Toggle) else stmt.key.text
-    return {BucketDecl: "bucket", BucketCap: "bucket_cap", UnitDecl: "unit", Prefetch: "prefetch"}[
-        type(stmt)
-    ]
+    return {
+        BucketDecl: "bucket",
+        BucketCap: "bucket_cap",
+        UnitDecl: "unit",
+        Prefetch: "prefetch",
+        Recompute: "recompute",
+    }[type(stmt)]
 
 
 def _first(*values):

@@ -176,6 +176,14 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """`recompute h.0 .. h.11` (layers), or inside fsdp `recompute u1, u3` (units)."""
+
+    refs: tuple[Ref, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class OtherSetting:
     """A statement in a ddp or fsdp block that begins with a name no statement has (`overlpa
     on`, `bucket_cap_mb = 25`): recorded as written, for the resolver to name."""
@@ -184,7 +192,7 @@ class OtherSetting:
     span: Span
 
 
-BlockStmt = BucketDecl | BucketCap | Toggle | UnitDecl | Prefetch | OtherSetting
+BlockStmt = BucketDecl | BucketCap | Toggle | UnitDecl | Prefetch | Recompute | OtherSetting
 
 
 @dataclass(frozen=True)
@@ -241,6 +249,7 @@ Stmt = (
     | Optimizer
     | Precision
     | Toggle
+    | Recompute
     | DDP
     | FSDP
     | StreamDecl
@@ -418,6 +427,9 @@ class _ToAST(Transformer):
 
     def other_setting(self, meta, c):
         return OtherSetting(c[0], self._span(meta))
+
+    def recompute(self, meta, c):
+        return Recompute(c[0], self._span(meta))
 
     # streams and programs
     def stream(self, meta, c):

@@ -159,8 +159,9 @@ def spans_nodes(spec: Spec, op: Op, node_size: float) -> bool:
 
 
 def op_flops(spec: Spec, op: Op) -> float:
-    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward)."""
-    if op.kind not in (Kind.FWD, Kind.BWD):
+    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward; a
+    recompute is its layer's forward again)."""
+    if op.kind not in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return 0.0
     f = spec.model.layer_fwd_flops(op.target, spec.micro * spec.seq_len, spec.seq_len)
     return 2 * f if op.kind is Kind.BWD else f
@@ -181,7 +182,7 @@ def optimizer_bytes(spec: Spec) -> float:
 
 
 def duration(spec: Spec, op: Op, cost: CostModel) -> float:
-    if op.kind in (Kind.FWD, Kind.BWD):
+    if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return op_flops(spec, op) / cost.rate(spec.numerics)
     if op.is_collective:
         return cost.latency + comm_volume(spec, op) / cost.link(spec, op)

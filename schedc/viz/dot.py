@@ -18,6 +18,7 @@ ENGINE = {"graph": "dot", "timeline": "neato"}
 COLORS = {
     Kind.FWD: ("#a5d8ff", "#1971c2"),
     Kind.BWD: ("#b2f2bb", "#2f9e44"),
+    Kind.RECOMPUTE: ("#e5dbff", "#7048e8"),  # a forward again, in backward: its own violet
     Kind.FREE: ("#f1f3f5", "#868e96"),
     Kind.STEP: ("#dee2e6", "#1e1e1e"),
     Kind.ALLREDUCE: ("#ffc9c9", "#e03131"),

@@ -715,6 +715,7 @@ def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
     names = {
         Kind.FWD: "forward",
         Kind.BWD: "backward",
+        Kind.RECOMPUTE: "recompute",
         Kind.FREE: "free",
         Kind.STEP: "optimizer step",
         Kind.ALLREDUCE: "all-reduce",

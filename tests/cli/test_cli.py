@@ -50,8 +50,8 @@ def test_a_legal_schedule_exits_0_with_a_summary(capsys):
         "  streams   ops: compute 49, comm 2; 3 events",
         "  numerics  compute fp32, reduce fp32; master weights and AdamW fp32; tf32 auto (on "
         "CUDA), compile off",
-        "  memory    per rank: model states 20.36 MiB, total (peak) 20.36 MiB, activations "
-        "(estimate) 12.50 MiB",
+        "  memory    per rank: model states 20.36 MiB, activations (peak) 10.21 MiB, "
+        "total (peak) 30.57 MiB",
     ]
 
 

@@ -598,7 +598,8 @@ FAIL = [
     pytest.param(
         DDP + "memory 1 KiB",
         "memory-budget",
-        "predicted peak 686.00 KiB per rank (model states alone) exceeds the budget of 1.00 KiB",
+        "predicted peak 1.32 MiB per rank (at bwd[head]@mb0) exceeds the budget of 1.00 KiB; "
+        "the largest part is model states (model states 686.00 KiB, activations 669.75 KiB)",
         "memory 1 KiB",
         "raise `memory`",
         id="memory-ddp",
@@ -606,9 +607,10 @@ FAIL = [
     pytest.param(
         FSDP + "memory 100 KiB",
         "memory-budget",
-        "per rank (after reducescatter[u2]@mb0) exceeds the budget of 100.00 KiB",
+        "per rank (at bwd[head]@mb0) exceeds the budget of 100.00 KiB; the largest part is "
+        "activations (activations 668.75 KiB, model states 257.25 KiB",
         "memory 100 KiB",
-        "lower `prefetch forward`",
+        "recompute layers (`recompute h.0 .. h.N`)",
         id="memory-fsdp",
     ),
     # streams and events
@@ -762,6 +764,40 @@ FAIL = [
         "free[u1]@mb0:fwd",
         "free a unit only after its last reader",
         id="use-after-free",
+    ),
+    # recomputation: u2 (h.1, head) recomputes; the compute stream written out
+    pytest.param(
+        FSDP.replace("unit u2 = h.1, head }", "unit u2 = h.1, head  recompute u2 }")
+        + FSDP_COMPUTE.replace(
+            "  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n  bwd[h.1]@mb0\n",
+            "  recompute[head]@mb0\n  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n"
+            "  recompute[h.1]@mb0\n  bwd[h.1]@mb0\n",
+        ),
+        "recompute-gather",
+        "recompute[head]@mb0 reruns head's forward before allgather[u2]@mb0:bwd gathers 'u2'",
+        "recompute[head]@mb0",
+        "write `recompute[head]@mb0 after allgather[u2]@mb0:bwd`",
+        id="recompute-gather",
+    ),
+    pytest.param(
+        "recompute h.1\n"
+        + DDP
+        + DDP_COMPUTE.replace("bwd[h.1]@mb0", "bwd[h.1]@mb0  recompute[h.1]@mb0").replace(
+            "bwd[h.1]@mb1", "recompute[h.1]@mb1  bwd[h.1]@mb1"
+        ),
+        "recompute-late",
+        "bwd[h.1]@mb0 reads the activations recompute[h.1]@mb0 rebuilds, but can start before it",
+        "bwd[h.1]@mb0",
+        "place recompute[h.1]@mb0 right before bwd[h.1]@mb0",
+        id="recompute-late",
+    ),
+    pytest.param(
+        DDP + DDP_COMPUTE.replace("bwd[h.1]@mb0", "recompute[h.1]@mb0  bwd[h.1]@mb0"),
+        "recompute-freed",
+        "recompute[h.1]@mb0 reruns h.1's forward from its input, but h.1 does not recompute",
+        "recompute[h.1]@mb0",
+        "declare `recompute h.1`",
+        id="recompute-freed",
     ),
     # SPMD
     pytest.param(
