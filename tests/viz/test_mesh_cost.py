@@ -56,3 +56,27 @@ def test_calibrate_fits_both_bandwidths():
     assert fit.cost.bandwidth == pytest.approx(90e9, rel=1e-6)
     assert fit.cost.inter_bandwidth == pytest.approx(11e9, rel=1e-6)
     assert fit.inter_n > 0 and "across nodes" in fit.report()
+
+
+def test_calibrate_and_render_cli_take_the_two_links(tmp_path, capsys):
+    import json
+
+    from schedc.cli.main import main
+
+    path = REPO / "schedules" / "gpt2_2x8_hsdp.sched"
+    hsdp = sched("gpt2_2x8_hsdp")
+    true = CostModel(flops=42e12, bandwidth=80e9, inter_bandwidth=10e9, node_size=8)
+    (tmp_path / "t.json").write_text(json.dumps(chrome_trace(simulate(hsdp, true), path=str(path))))
+    params = tmp_path / "p.json"
+    assert main(["calibrate", str(tmp_path / "t.json"), "--node-size", "8", "-o", str(params)]) == 0
+    assert "across nodes 10 GB/s" in capsys.readouterr().out
+    fitted = CostModel.load(params)
+    assert fitted.inter_bandwidth == pytest.approx(10e9) and fitted.node_size == 8
+    out = tmp_path / "t.svg"
+    args = ["render", str(path), "--view", "timeline", "--cost", str(params), "-o", str(out)]
+    assert main(args) == 0
+    slow = main([*args, "--inter-bandwidth", "1G"])  # the flag wins over the file
+    assert slow == 0
+    text = capsys.readouterr().out
+    steps = [float(x.split("step ")[1].split(" ms")[0]) for x in text.splitlines() if "step " in x]
+    assert len(steps) == 2 and steps[1] > steps[0]
