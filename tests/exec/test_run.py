@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from schedc.compiler import compile_file, compile_text
+from schedc.ir.op import Op
 from tests.exec.test_equivalence import DDP_CASES, FSDP_CASES, fsdp
 from tests.oracle import assert_matches
 from tests.pool import JobFailed
@@ -64,6 +65,13 @@ def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
     assert names == {(r, t) for r in (0, 1) for t in ("compute", "comm", "steps")}
+    # one name per op on every rank: the same (step, IR text) spans on both, each parsing back
+    ops = [
+        {k for k, v in spans(events, r).items() if not v[2]["name"].startswith("step ")}
+        for r in (0, 1)
+    ]
+    assert ops[0] == ops[1] and len(ops[0]) > 3 * 20
+    assert all(str(Op.parse(name)) == name for _, name in ops[0])
     for rank in (0, 1):
         s = spans(events, rank)
         for step in range(3):
