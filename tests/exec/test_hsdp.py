@@ -98,3 +98,15 @@ def test_each_rank_moves_the_traffic_of_its_dimensions(pool6):
         want[key] = want.get(key, 0) + op_bytes(c.spec, op)
     got = pool6.run(text, 4, 1, timeout=JOB_S).comm_bytes
     assert all(g == want for g in got), (got[0], want)
+
+
+@pytest.mark.parametrize("flag", ["save", "resume"])
+def test_checkpoints_of_hsdp_schedules_are_refused(monkeypatch, tmp_path, flag):
+    from schedc.exec.executor import RunError, RunOptions
+    from schedc.exec.train import TrainOptions, run_main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the world check passes; nothing starts
+    c = compile_text(twin("2 x 2"), "hsdp.sched")
+    job = TrainOptions(**{flag: str(tmp_path / "ckpt")})
+    with pytest.raises(RunError, match=r"HSDP schedules \(mesh 2 x 2\) are not supported yet"):
+        run_main(c, RunOptions(device="cpu"), job)
