@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     res = search(base, opts)
     print(f"schedc: {args.file}: {res.counts()}")
     if not res.ranked:
+        if res.smallest_peak is None and res.first_refusal is not None:
+            raise res.first_refusal  # the checker refused every one: say why, located
         raise UserError(nothing_fits(args.file, opts, res))
     spec = res.ranked[0].spec
     print(

@@ -7,8 +7,10 @@
      memory  a lower bound on its predicted peak plus the activation estimate
      time    a lower bound on its simulated step (below)
 2. Drop candidates whose memory bound exceeds the budget (never compiled).
-3. Visit the rest in order of their time bound. Once the bound reaches the N-th best
-   predicted step found so far, no later candidate can enter the top N: stop.
+3. Visit the rest in order of their time bound. The result is the best N families (a
+   family: every knob but the FSDP unit partition, so rows differ in more than where the
+   units are cut; each row is its family's best partition). Once the bound reaches the
+   N-th best family's predicted step, no later candidate can enter the top N: stop.
 4. Compile each visited candidate through schedc.compiler (the checker's refusals are
    counted by diagnostic code), drop those whose predicted peak plus activations exceeds the
    budget, drop a plan already simulated, and simulate the rest (viz/simulate.py).
@@ -28,7 +30,6 @@ unless kept, reductions once per micro-step unless no_sync).
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,7 @@ class Result:
     simulated: int = 0
     seconds: float = 0.0
     smallest_peak: Candidate | None = None  # when nothing fits: the least memory found
+    first_refusal: CompileError | None = None  # what the checker said first, if anything
 
     @property
     def compiled(self) -> int:
@@ -227,15 +229,22 @@ def search(base: Base, options: Options = Options()) -> Result:
         # and equal bounds should go in enumeration order (larger micro-steps first)
         scored.append((round(lb_t, 12), i, k, lb_m))
     scored.sort(key=lambda x: (x[0], x[1]))
-    best: list[tuple[float, int, Candidate]] = []  # max-heap of the top N by -step
+    # the best candidate of each family (the knobs but the FSDP unit partition): the table
+    # lists families, so its rows differ in more than where the units are cut
+    best: dict[Knobs, tuple[float, int, Candidate]] = {}
     seen_plans: set = set()
     least: Candidate | None = None  # the least predicted peak, for "nothing fits"
     fits = [x for x in scored if budget is None or x[3] <= budget]
     res.pruned_memory = len(scored) - len(fits)
     for n, (lb_t, i, k, lb_m) in enumerate(fits):
-        if len(best) >= options.top and lb_t >= -best[0][0]:
-            res.pruned_time = len(fits) - n
+        if len(best) >= options.top and lb_t >= sorted(best.values())[options.top - 1][0]:
+            # nothing from here on can enter the top N: a new family would need to beat the
+            # N-th best, and a family already there its own best, which is no slower
+            res.pruned_time += len(fits) - n
             break
+        if family(k) in best and lb_t >= best[family(k)][0]:
+            res.pruned_time += 1  # cannot beat its own family's best partition
+            continue
         cand = Candidate(k, base.text(k, spec.model, options.budget_text), lb_t, lb_m)
         if not evaluate(cand, base, options, res, seen_plans):
             continue
@@ -245,14 +254,19 @@ def search(base: Base, options: Options = Options()) -> Result:
             res.over_budget += 1
             continue
         res.simulated += 1
-        heapq.heappush(best, (-round(cand.step, 12), -i, cand))  # ties: enumeration order
-        if len(best) > options.top:
-            heapq.heappop(best)
+        entry = (round(cand.step, 12), i, cand)  # ties: enumeration order
+        if family(k) not in best or entry[:2] < best[family(k)][:2]:
+            best[family(k)] = entry
     if not best and budget is not None:
         res.smallest_peak = least or smallest_peak(base, options, scored, spec.model)
-    res.ranked = [c for _, _, c in sorted(best, key=lambda x: (-x[0], -x[1]))]
+    res.ranked = [c for _, _, c in sorted(best.values(), key=lambda x: x[:2])[: options.top]]
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def family(k: Knobs) -> Knobs:
+    """What a table row stands for: the knobs but the unit partition (its best one)."""
+    return replace(k, groups=())
 
 
 def evaluate(cand: Candidate, base: Base, options: Options, res: Result, seen: set) -> bool:
@@ -263,6 +277,7 @@ def evaluate(cand: Candidate, base: Base, options: Options, res: Result, seen: s
     except CompileError as e:
         errors = [d for d in e.diagnostics if d.is_error] or e.diagnostics
         res.refused[errors[0].code if errors else "error"] += 1
+        res.first_refusal = res.first_refusal or e
         return False
     cand.compiled = c
     cand.peak, cand.activations = c.memory.peak, c.memory.activations

@@ -27,7 +27,7 @@ from schedc.model.arch import GPTConfig
 SEARCHED_SETTINGS = ("micro", "accumulate")
 BUCKET_CAPS = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)  # DDP's default is 25 MiB
 PREFETCH = (0, 1, 2)  # depth, forward and backward alike
-MAX_COMPOSITIONS = 64  # all contiguous partitions up to 2^6; balanced ones past that
+MAX_COMPOSITIONS = 16  # all contiguous partitions up to 5 blocks; balanced ones past that
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,14 @@ class Base:
     source: Source
     dropped: tuple[Span, ...]
     memory: str | None  # the file's `memory` size as written, the default budget
-    precision_fixed: bool  # the file states its precision
+    precision: Span | None  # the file's `precision` statement: dropped when tune searches it
     world: int = 1  # as written (the compiler judges it)
 
     @classmethod
     def read(cls, path: str | Path) -> Base:
         source = read_source(path)
         ast = to_ast(parse(source), source)  # a syntax error is the user's, located
-        dropped, memory, fixed, world = [], None, False, 1
+        dropped, memory, precision, world = [], None, None, 1
         for s in ast.stmts:
             if isinstance(s, Setting) and s.key in SEARCHED_SETTINGS:
                 dropped.append(s.span)
@@ -86,17 +86,19 @@ class Base:
             elif isinstance(s, DDP | FSDP | StreamDecl | Program):
                 dropped.append(s.span)
             elif isinstance(s, Precision):
-                fixed = True
+                precision = s.span
             if isinstance(s, Setting) and s.key == "world" and s.value.is_int:
                 world = int(s.value.text)
-        return cls(source, tuple(dropped), memory, fixed, world)
+        return cls(source, tuple(dropped), memory, precision, world)
 
-    def kept_text(self, *, blank: bool) -> str:
+    def kept_text(self, *, blank: bool, precision: bool = True) -> str:
         """The file without the dropped statements (and their trailing comments): blanked
-        with spaces, newlines kept, so positions hold (`blank`); or cut, for a file to read."""
+        with spaces, newlines kept, so positions hold (`blank`); or cut, for a file to read.
+        `precision`: keep the file's precision statement."""
         text = self.source.text
         out, at = [], 0
-        for sp in sorted(self.dropped):
+        drop = self.dropped + ((self.precision,) if self.precision and not precision else ())
+        for sp in sorted(drop):
             out.append(text[at : sp.start])
             end = sp.end
             eol = text.find("\n", end)
@@ -119,7 +121,8 @@ class Base:
 
     def text(self, k: Knobs, cfg: GPTConfig | None, budget: str | None, *, blank=True) -> str:
         """The candidate as a whole schedule (cfg: the model, for layer names)."""
-        return self.kept_text(blank=blank) + "\n" + knob_text(k, cfg, budget)
+        kept = self.kept_text(blank=blank, precision=k.precision is None)
+        return kept + "\n" + knob_text(k, cfg, budget)
 
 
 def knob_text(k: Knobs, cfg: GPTConfig | None, budget: str | None) -> str:

@@ -161,3 +161,14 @@ def test_measure_runs_the_finalists_and_refits_the_cost_model(capsys, tmp_path):
     assert cost.flops_tf32 != CostModel().flops_tf32
     assert json.loads(fit.read_text())["bandwidth"] > 0
     assert (tmp_path / "top" / "1.trace.json").exists()
+
+
+def test_a_searched_precision_replaces_the_files(capsys, tmp_path):
+    src = tmp_path / "bf16.sched"
+    src.write_text(NANO + "precision bf16\n")
+    best = tmp_path / "best.sched"
+    code, out, err = tune(capsys, str(src), "--precision", "fp32,bf16", "-o", str(best))
+    assert code == 0, err
+    assert "0 refused by the checker" in out
+    assert best.read_text().count("precision ") == 1
+    assert main(["check", str(best)]) == 0
