@@ -58,7 +58,7 @@ def measure(
         run = Run(file, file.with_suffix(".trace.json"), file.with_suffix(".log.jsonl"))
         run.log.unlink(missing_ok=True)
         cmd = command(file, cand.spec.world, steps, run.trace, run.log)
-        echo(f"schedc: measuring {i + 1}/{len(cands)}: {' '.join(cmd[1:])}")
+        echo(f"schedc: measuring {i + 1}/{len(cands)}: python {' '.join(cmd[1:])}")
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
