@@ -177,13 +177,16 @@ class Probe:
         gathers = sum(ag(n) * (1 if i == 0 or k.keep_all else s.accum) for i, n in enumerate(units))
         comm = gathers + n_reduce * sum(rs(n) for n in units)
         # between steps: parameter shards and Adam m, v. The tied unit stays gathered all
-        # step, so it is live beside every other unit's gather (kept ones: all of them, at
-        # the end) and beside its own unsharded gradient, which its reduce-scatter reads
+        # step, and its unsharded gradient is live from bwd[head] (the first backward of a
+        # micro-step) to its reduce-scatter after bwd[embed] (the last): so both are live
+        # when any other unit's first backward writes that unit's gradient, which needs
+        # that unit gathered (with every unit kept: all of them gathered)
         held = 3 * FP32 * sum(n // D for n in units)
-        others = sum(units[1:]) if k.keep_all else max(units[1:])
-        live = units[0] * g + max(others * g, units[0] * g)
-        if k.keep_all:
-            live = units[0] * g + others * g + units[0] * g
+        largest = max(units[1:])
+        gathered = units[0] + (sum(units[1:]) if k.keep_all else largest)
+        live = (gathered + units[0] + largest) * g
+        if r != g:  # the tied reduce-scatter's input, cast to the reduce dtype, beside both
+            live = max(live, 2 * units[0] * g + units[0] * r)
         return max(compute + head + tail, comm) + opt, held + live + acts
 
     def buckets(self, k: Knobs) -> list[tuple[int, frozenset[str]]]:
@@ -269,9 +272,11 @@ def family(k: Knobs) -> Knobs:
     return replace(k, groups=())
 
 
-def evaluate(cand: Candidate, base: Base, options: Options, res: Result, seen: set) -> bool:
-    """Compile, check and simulate one candidate; False when the checker refused it or its
-    plan was simulated already (counted in `res`)."""
+def evaluate(
+    cand: Candidate, base: Base, options: Options, res: Result, seen: set, timed: bool = True
+) -> bool:
+    """Compile, check and (`timed`) simulate one candidate; False when the checker refused
+    it or its plan was seen already (counted in `res`)."""
     try:
         c = compile_text(cand.text, base.source.path)
     except CompileError as e:
@@ -286,6 +291,8 @@ def evaluate(cand: Candidate, base: Base, options: Options, res: Result, seen: s
         res.duplicates += 1
         return False
     seen.add(key)
+    if not timed:
+        return True
     tl = simulate(c, options.cost)
     ov = overlap(tl)[tl.ranks[0]]
     cand.step, cand.comm, cand.exposed = tl.end, ov.comm, ov.exposed
@@ -303,7 +310,7 @@ def smallest_peak(base: Base, options: Options, scored, cfg) -> Candidate | None
             break
         cand = Candidate(k, base.text(k, cfg, None), 0.0, lb_m)
         spare = Result([])
-        if evaluate(cand, base, quiet, spare, set()):
+        if evaluate(cand, base, quiet, spare, set(), timed=False):
             if least is None or cand.peak + cand.activations < least.peak + least.activations:
                 least = cand
     return least

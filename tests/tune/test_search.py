@@ -61,9 +61,14 @@ def test_the_space_has_every_micro_size_and_partition():
         assert covered == list(range(12))
 
 
-def test_every_candidate_compiles_and_the_bounds_hold(base):
+@pytest.mark.parametrize("policy", ["", "precision bf16\n", "precision bf16 { reduce = bf16 }\n"])
+def test_every_candidate_compiles_and_the_bounds_hold(tmp_path, policy):
     """The pruning is sound only if no candidate beats its bounds: time <= simulated step,
-    memory <= predicted peak + activations, for every one."""
+    memory <= predicted peak + activations, for every one (in each dtype arrangement: the
+    bounds count casts where gather and reduce dtypes differ)."""
+    p = tmp_path / "nano.sched"
+    p.write_text(NANO + policy)
+    base = Base.read(p)
     every = everything(base, Options())
     assert len(every) > 50
     assert {c.knobs.strategy for c in every} == {"ddp", "fsdp"}
