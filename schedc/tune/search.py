@@ -261,7 +261,7 @@ def search(base: Base, options: Options = Options()) -> Result:
         if family(k) not in best or entry[:2] < best[family(k)][:2]:
             best[family(k)] = entry
     if not best and budget is not None:
-        res.smallest_peak = least or smallest_peak(base, options, scored, spec.model)
+        res.smallest_peak = smallest_peak(base, options, scored, spec.model, least)
     res.ranked = [c for _, _, c in sorted(best.values(), key=lambda x: x[:2])[: options.top]]
     res.seconds = time.perf_counter() - t0
     return res
@@ -299,11 +299,10 @@ def evaluate(
     return True
 
 
-def smallest_peak(base: Base, options: Options, scored, cfg) -> Candidate | None:
-    """When the memory bound excluded everything: compile in order of the bound until the
+def smallest_peak(base: Base, options: Options, scored, cfg, least=None) -> Candidate | None:
+    """When nothing fits: compile in order of the memory bound until the
     bound passes the least predicted peak found (the bound is a lower bound, so this finds
-    the true least)."""
-    least = None
+    the true least); `least`: the least found so far, where the search compiled some."""
     quiet = Options(None, None, options.cost, options.top, options.precisions)
     for _, _, k, lb_m in sorted(scored, key=lambda x: (x[3], x[1])):
         if least is not None and lb_m >= least.peak + least.activations:
