@@ -20,7 +20,9 @@ dispatches and what dispatching them costs on this host.
 
 Peak memory of a case while others are resident: the bytes it holds between steps
 (measured when it was built, after its first step) plus the highest allocation above
-everything resident while its own steps ran. On a CPU peak memory is not measured.
+everything resident while its own steps ran. On a CPU peak memory is not measured. Under
+the table, the process's max reserved memory and allocator retries (all cases share the
+caching allocator, so these are not per case).
 
 `--budget-s` bounds the whole run: when it is spent, the remaining rounds are skipped and
 the table says how many steps each case ran (scripts/gpu_check.sh runs this within 6
@@ -278,6 +280,14 @@ def main(argv=None) -> int:
         )
 
     table = summarize(a, device, cases, times, peaks, resident, first_loss, errors)
+    if device.type == "cuda":  # process-wide: every case shares the caching allocator
+        stats = torch.cuda.memory_stats(device)
+        table += (
+            f"\n\nallocator, whole process: max allocated "
+            f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB since the last case's "
+            f"reset, max reserved {torch.cuda.max_memory_reserved(device) / 2**20:.0f} MiB, "
+            f"allocation retries {stats.get('num_alloc_retries', 0)}"
+        )
     if a.profile:
         table += "\n\n" + profile(cases, device)
     print(table)

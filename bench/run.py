@@ -121,16 +121,82 @@ def run_case(case: str, world: int, sched: Path, a) -> dict:
     return json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mini")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=2)
-    ap.add_argument("--accum", type=int, default=2, help="micro-steps per update (k)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per case per round")
-    ap.add_argument("--rounds", type=int, default=3)
+# Every case bench/run.py can run: name -> what it trains (the --cases names).
+CASES = {
+    "loop": "the plain single-process training loop (world 1): the baseline of schedc-single",
+    "schedc-single": "schedc, world 1, the same micro split: against loop",
+    "torch-ddp": "torch DistributedDataParallel, bucket_cap 25 MiB: the DDP baseline",
+    "schedc-ddp-torch-layout": "schedc DDP with exactly torch DDP's buckets (read from "
+    "torch-ddp's first run): against torch-ddp",
+    "schedc-ddp-cap": "schedc DDP, `bucket_cap 25 MiB`: against torch-ddp",
+    "schedc-ddp-two": "schedc DDP, two buckets (seed 003's shape): against torch-ddp",
+    "torch-fsdp2": "torch FSDP2 (fully_shard), a unit per block and a root: the FSDP baseline",
+    "schedc-fsdp": "schedc FSDP, the same units, prefetch 1 each way: against torch-fsdp2",
+    "torch-ddp-bf16": "torch DDP, bf16 autocast and bf16_compress_hook",
+    "schedc-ddp-bf16": "schedc DDP, `precision bf16 { reduce = bf16 }`: against torch-ddp-bf16",
+    "torch-fsdp2-bf16": "FSDP2, bf16 autocast, MixedPrecisionPolicy(param_dtype=bf16)",
+    "schedc-fsdp-bf16": "schedc FSDP, `precision bf16`: against torch-fsdp2-bf16",
+}
+DEFAULT_CASES = {
+    "fp32": [c for c in CASES if not c.endswith("-bf16")],
+    "bf16": [c for c in CASES if c.endswith("-bf16")],
+    "both": ["torch-ddp", "schedc-ddp-cap", "torch-fsdp2", "schedc-fsdp"]
+    + [c for c in CASES if c.endswith("-bf16")],
+}
+
+
+def case_list(text: str) -> list[str]:
+    """--cases: comma-separated names from CASES."""
+    cases = [c.strip() for c in text.split(",") if c.strip()]
+    if unknown := [c for c in cases if c not in CASES]:
+        raise argparse.ArgumentTypeError(
+            f"unknown case {', '.join(unknown)}; the cases: {', '.join(CASES)}"
+        )
+    return cases
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0]
+        + " Every case trains the same model, global batch, micro split, seed and data; "
+        "each proves its step-0 gradients equal the single-process reference first.",
+        epilog="cases (--cases):\n"
+        + "".join(f"  {name:<25} {what}\n" for name, what in CASES.items())
+        + "\ndefault cases: --precision fp32: "
+        + ", ".join(DEFAULT_CASES["fp32"])
+        + "; bf16: the *-bf16 cases; both: the fp32 DDP and FSDP pairs and the bf16 ones."
+        + "\nThe schedules are written to out/bench/; the table goes to stdout (and --write).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model",
+        default="mini",
+        help="model size of schedc/model/arch.py's SIZES: nano, tiny, mini, gpt2, ... "
+        "(default mini, 30M parameters)",
+    )
+    ap.add_argument(
+        "--world", type=int, default=2, help="ranks of the data-parallel cases (default 2)"
+    )
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    ap.add_argument(
+        "--micro", type=int, default=2, help="sequences per rank per micro-step (default 2)"
+    )
+    ap.add_argument("--accum", type=int, default=2, help="micro-steps per update, k (default 2)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps each case runs first, per round (default 2)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=6, help="timed steps per case per round (default 6)"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds; each runs every case once, in a rotated order (default 3)",
+    )
     ap.add_argument(
         "--precision",
         choices=("fp32", "bf16", "both"),
@@ -138,9 +204,18 @@ def main() -> None:
         help="fp32: every case in fp32 (the recorded table); bf16: the DDP and "
         "FSDP pairs under bf16; both: those pairs in fp32 and in bf16",
     )
-    ap.add_argument("--cases", help="comma-separated cases (default: by --precision)")
+    ap.add_argument(
+        "--cases",
+        type=case_list,
+        metavar="A,B,...",
+        help="comma-separated cases to run, from the list below (default: by --precision)",
+    )
     ap.add_argument("--write", metavar="MD", help="record the table in this markdown file")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     from schedc.model.arch import SIZES
 
     a.layers = SIZES[a.model].n_layer
@@ -159,27 +234,8 @@ def main() -> None:
         "torch-fsdp2-bf16": ("torch-fsdp2", a.world, files["fsdp-bf16"], None),
         "schedc-fsdp-bf16": ("schedc", a.world, files["fsdp-bf16"], "torch-fsdp2-bf16"),
     }
-    pairs = ["torch-ddp", "schedc-ddp-cap", "torch-fsdp2", "schedc-fsdp"]
-    a.cases = a.cases or ",".join(
-        {
-            "fp32": [
-                "loop",
-                "schedc-single",
-                "torch-ddp",
-                "schedc-ddp-torch-layout",
-                "schedc-ddp-cap",
-                "schedc-ddp-two",
-                "torch-fsdp2",
-                "schedc-fsdp",
-            ],
-            "bf16": [
-                c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")
-            ],
-            "both": pairs
-            + [c + "-bf16" for c in ("torch-ddp", "schedc-ddp", "torch-fsdp2", "schedc-fsdp")],
-        }[a.precision]
-    )
-    cases = [c for c in a.cases.split(",") if c]
+    assert plan.keys() == CASES.keys(), "CASES lists every case plan runs"
+    cases = list(a.cases or DEFAULT_CASES[a.precision])
     if "schedc-ddp-torch-layout" in cases and "torch-ddp" in cases:
         cases.remove("torch-ddp")
         cases.insert(0, "torch-ddp")  # its layout is needed first

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import compile_file
+from schedc.exec.heap import heap_bytes as _heap_bytes
 from schedc.model.data import load_batches
 from schedc.model.reference import Reference, clip_coef, global_grad_norm, init_model, make_adamw
 
@@ -108,33 +108,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _MallInfo2
-
-
 def heap_bytes() -> int:
-    """Bytes glibc's malloc has handed out and not taken back (heap + mmapped chunks):
-    live memory, without the allocator's caching that RSS also counts."""
-    m = _libc.mallinfo2()
-    return m.uordblks + m.hblkhd
+    """Live heap (schedc.exec.heap: glibc's in-use bytes, without the allocator's cache)."""
+    return _heap_bytes() or 0
 
 
 class RSSPeak:

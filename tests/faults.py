@@ -9,6 +9,10 @@
     reduce-in-bf16            gradients reduced in bf16 though the schedule says fp32
     no-cast-back              a bf16 all-reduce's result never copied back into the fp32
                               bucket (the bucket keeps this rank's own gradient / D)
+    drop-gather-wait          the compute stream's first wait for an all-gather removed
+                              from the plan (the CUDA sanitizer must report it)
+    sleep comm|compute        torch.cuda._sleep before every op of that stream (CUDA only:
+                              a missing event shows as changed bits once one side is slow)
 
 Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
 """
@@ -93,5 +97,43 @@ def inject(ex, fault: str) -> None:
             collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done)
 
         ex.backend.collective = uncast
+    elif fault == "drop-gather-wait":
+        import dataclasses
+
+        from schedc.ir.op import COMPUTE, Kind
+        from schedc.ir.plan import Action
+
+        plan = ex.plan
+        k = next(
+            k
+            for k, i in enumerate(plan.instrs)
+            if i.kind is Action.WAIT
+            and i.stream == COMPUTE
+            and i.event in plan.producers
+            and plan.producers[i.event].kind is Kind.ALLGATHER
+        )
+        ex.plan = dataclasses.replace(plan, instrs=plan.instrs[:k] + plan.instrs[k + 1 :])
+    elif fault.startswith("sleep "):
+        import torch
+
+        which = fault.split()[1]
+        cycles = 2_000_000  # about a millisecond: longer than any nano kernel
+        backend = ex.backend
+        compute, collective = backend.compute, backend.collective
+
+        def nap(stream: str) -> None:
+            if stream == which:
+                with torch.cuda.stream(backend.streams[stream]):
+                    torch.cuda._sleep(cycles)
+
+        def slow_compute(stream, op, fn):
+            nap(stream)
+            compute(stream, op, fn)
+
+        def slow_collective(stream, op, launch, done):
+            nap(stream)
+            collective(stream, op, launch, done)
+
+        backend.compute, backend.collective = slow_compute, slow_collective
     else:
         raise ValueError(f"unknown fault {fault!r}")

@@ -37,6 +37,7 @@ class Job:
     trace: bool = False
     fault: str | None = None  # a deliberate executor bug (tests of the tests): tests/faults.py
     id: int = 0
+    heap: bool = False  # measure the peak live heap (no full tensors recorded, to not add any)
 
 
 @dataclass
@@ -101,7 +102,12 @@ def _run_job(job: Job, rank: int, groups):
         tag=f"job{job.id}",
     )
     opts = RunOptions(
-        device="cpu", dtype=getattr(torch, job.dtype), record=True, trace=job.trace, log=False
+        device="cpu",
+        dtype=getattr(torch, job.dtype),
+        record=not job.heap,
+        trace=job.trace,
+        log=False,
+        heap=job.heap,
     )
     ex = Executor(compiled, comm, opts)
     if job.fault:
@@ -206,13 +212,14 @@ class Pool:
         trace: bool = False,
         fault: str | None = None,
         timeout: float = JOB_TIMEOUT_S,
+        heap: bool = False,
     ) -> JobResult:
         """Run the schedule on ranks 0..world-1; JobFailed (with text and plan) if it cannot."""
         assert 1 <= world <= self.size, world
         if not self.alive:  # a worker died between jobs, or the last restart failed
             self.restart()
         self.jobs += 1
-        job = Job(text, world, steps, dtype, trace, fault, self.jobs)
+        job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap)
         deadline = time.monotonic() + timeout
         for r, c in enumerate(self.conns[:world]):
             try:

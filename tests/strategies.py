@@ -29,6 +29,8 @@ What they span (issue #6):
   another unit kept gathered; prefetch 0-3 each way; reshard_after_forward and no_sync;
   now and then gathers or reduce-scatters on another stream (`stream reducescatter = rs`,
   `stream allgather = compute`).
+* recompute (issue #16): in one case of four, some layers recompute (`recompute h.0, head`),
+  or every one of them; the executor's step must not change.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class Case:
     stated: str = "micro"  # which of micro / accumulate the file states: micro|accumulate|both
     clip: float = 1.0
     precision: str = "fp32"  # a PRECISIONS key
+    recompute: tuple[str, ...] = ()  # layers that recompute, forward order
     extra: tuple[str, ...] = field(default=(), compare=False)  # lines appended (mutations)
 
     @property
@@ -158,6 +161,8 @@ class Case:
         out += ["seed 7", OPTIMIZER.format(clip=_num(self.clip))]
         if line := PRECISIONS[self.precision][self.kind]:
             out.append(line)
+        if self.recompute:
+            out.append(f"recompute {refs(self.recompute, self.cfg)}")
         return out + self.layout.block(self.cfg) + list(self.extra)
 
     def text(self) -> str:
@@ -321,7 +326,17 @@ def cases(
         stated=draw(st.sampled_from(["micro", "accumulate", "both"])),
         clip=draw(st.sampled_from([1.0, 0.0])),
         precision=precision,
+        recompute=draw(recomputes(cfg)),  # drawn last: the axes before it draw as they did
     )
+
+
+@st.composite
+def recomputes(draw, cfg: GPTConfig) -> tuple[str, ...]:
+    """The recompute axis: in one case of four some layers recompute, or all of them."""
+    if draw(st.integers(0, 3)) != 3:
+        return ()
+    chosen = draw(st.sets(st.sampled_from(cfg.layers), min_size=1))
+    return tuple(x for x in cfg.layers if x in chosen)
 
 
 @st.composite
@@ -440,7 +455,7 @@ def summary() -> list[str]:
     if eq:
         by = ", ".join(f"{kind} w{w}: {n}" for (kind, w), n in sorted(eq.items()))
         lines.append(f"equivalence cases (fp32, vs the reference): {sum(eq.values())} [{by}]")
-    for family in ("precision", "float64", "pairs", "rewritten", "roundtrip", "fuzz"):
+    for family in ("precision", "recompute", "float64", "pairs", "rewritten", "roundtrip", "fuzz"):
         sub = {k[1:]: n for k, n in TALLY.items() if k[0] == family}
         if sub:
             by = ", ".join(

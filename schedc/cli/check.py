@@ -8,9 +8,10 @@ from pathlib import Path
 
 from schedc.cli.common import add_override_args, overrides
 from schedc.compiler import Compiled, compile_file
-from schedc.ir.plan import Action
-from schedc.ir.spec import Strategy
-from schedc.lang.diagnostics import CompileError, UserError, render_all
+from schedc.ir.op import COMPUTE, Kind
+from schedc.ir.plan import Action, Plan
+from schedc.ir.spec import Spec, Strategy
+from schedc.lang.diagnostics import CompileError, UserError, count, render_all
 from schedc.lang.params import describe_params
 from schedc.lang.resources import bundled_schedules
 from schedc.passes.memory import fmt_bytes
@@ -30,7 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["ast", "graph", "program", "plan"],
         help="print a stage's text form instead of the summary",
     )
-    p.add_argument("--rank", type=int, help="the rank whose graph/program/plan to dump")
+    p.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="with --dump: the rank whose graph, program or plan to print (default: the one "
+        "every rank without a `program ... on rank N` runs)",
+    )
     add_override_args(p)
 
 
@@ -108,21 +115,24 @@ def summary(c: Compiled) -> str:
     for ins in plan.instrs:
         if ins.kind is Action.RUN:
             n_ops[ins.stream] += 1
-    k = s.accum
     lines = [
         f"{c.source.path}: ok",
-        f"  model     {s.model_name}: {cfg.numel:,} params ({cfg.n_layer} layers, "
-        f"{cfg.n_head} heads, C={cfg.n_embd}, context {cfg.block_size}, vocab {cfg.vocab_size})",
-        f"  batch     {s.seqs:,} x {s.seq_len:,} = {s.tokens_per_step:,} tokens per update",
-        f"  split     world {s.world} x micro {s.micro} x {k} micro-step{'s' if k != 1 else ''}"
-        + (" (no_sync: only the last communicates)" if s.no_sync and k > 1 else ""),
+        f"  model     {s.model_name}: {cfg.numel:,} params ({count(cfg.n_layer, 'layer')}, "
+        f"{count(cfg.n_head, 'head')}, C={cfg.n_embd}, context {cfg.block_size}, "
+        f"vocab {cfg.vocab_size})",
+        f"  batch     {s.seqs:,} x {s.seq_len:,} = {count(s.tokens_per_step, 'token')} per update",
+        f"  split     world {s.world} x micro {s.micro} x {count(s.accum, 'micro-step')}"
+        + (" (no_sync: only the last communicates)" if s.no_sync and s.accum > 1 else ""),
     ]
     st = s.strategy
     if s.kind is Strategy.DDP:
-        how = f"bucket_cap {fmt_bytes(st.cap)}" if st.cap else "explicit buckets"
+        how = (
+            f"bucket_cap {fmt_bytes(st.cap)}, first {fmt_bytes(st.first)}"
+            if st.cap
+            else "explicit buckets"
+        )
         lines.append(
-            f"  strategy  DDP, {len(st.buckets)} buckets ({how}), overlap "
-            f"{'on' if st.overlap else 'off'}"
+            f"  strategy  DDP, {count(len(st.buckets), 'bucket')} ({how}), {_overlap(s, plan)}"
         )
         for b in st.buckets:
             lines.append(
@@ -130,9 +140,9 @@ def summary(c: Compiled) -> str:
             )
     elif s.kind is Strategy.FSDP:
         lines.append(
-            f"  strategy  FSDP, {len(st.units)} units, prefetch forward "
+            f"  strategy  FSDP, {count(len(st.units), 'unit')}, prefetch forward "
             f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
-            f"{'on' if st.reshard_after_forward else 'off'}"
+            f"{'on' if st.reshard_after_forward else 'off'}{_serialized(plan)}"
         )
         for u in st.units:
             keep = "  (kept gathered)" if u.keep else ""
@@ -142,10 +152,50 @@ def summary(c: Compiled) -> str:
     else:
         lines.append("  strategy  one process: gradients added across micro-steps")
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
-    lines.append(f"  streams   {comm} ops; {len(plan.producers)} events")
+    lines.append(f"  streams   ops: {comm}; {count(len(plan.producers), 'event')}")
     lines.append(f"  numerics  {s.numerics.describe(s.kind)}")
+    if s.recompute:
+        again = [layer for layer in cfg.layers if layer in s.recompute]
+        lines.append(f"  recompute {', '.join(again)} (input kept; forward again before backward)")
     m = c.memory
     mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.rows() if v)
     budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""
     lines.append(f"  memory    per rank{budget}: {mem}")
     return "\n".join(lines)
+
+
+def _overlap(s: Spec, plan: Plan) -> str:
+    """Whether all-reduce overlaps backward, as the plan places it, not as `overlap` reads:
+    `stream allreduce = compute` (or a program) puts it on the compute stream, after the
+    backward that precedes it there, whatever `overlap` says."""
+    streams = [
+        i.stream for i in plan.instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE
+    ]
+    serial = streams.count(COMPUTE)
+    if not serial:
+        return "overlap on"
+    if serial < len(streams):
+        return (
+            f"overlap for {len(streams) - serial} of {count(len(streams), 'all-reduce')} "
+            f"({serial} on the compute stream)"
+        )
+    if not s.strategy.overlap:
+        return "overlap off"
+    if s.streams[Kind.ALLREDUCE] == COMPUTE:
+        return "no overlap: `stream allreduce = compute` puts every all-reduce on compute"
+    return "no overlap: every all-reduce is written on the compute stream"
+
+
+def _serialized(plan: Plan) -> str:
+    """FSDP's collectives that run on the compute stream, where nothing overlaps them."""
+    kinds = [
+        k
+        for k in (Kind.ALLGATHER, Kind.REDUCESCATTER)
+        if any(op.kind is k for op in plan.collectives(COMPUTE))
+    ]
+    if not kinds:
+        return ""
+    names = " and ".join(
+        {"allgather": "all-gather", "reducescatter": "reduce-scatter"}[k] for k in kinds
+    )
+    return f"; {names} on the compute stream (no overlap)"

@@ -10,6 +10,15 @@ from pathlib import Path
 
 from schedc.lang.diagnostics import CompileError, UserError
 from schedc.lang.resolve import Overrides
+from schedc.model.arch import SIZES
+
+
+class RankError(UserError):
+    """A run that failed on one rank, said as `schedc: error on rank R: ...` (exit 1)."""
+
+    def __init__(self, rank: str, message: str):
+        super().__init__(message)
+        self.line = f"schedc: error on rank {rank}: {message}"
 
 
 def overrides(args) -> Overrides:
@@ -33,9 +42,17 @@ def _switch(value: str | None) -> bool | None:
 
 
 def add_override_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model size (overrides the file)")
-    p.add_argument("--steps", type=int, help="optimizer steps (overrides the file)")
-    p.add_argument("--seed", type=int, help="seed (overrides the file)")
+    p.add_argument(
+        "--model",
+        metavar="SIZE",
+        help=f"model size: {', '.join(SIZES)} (overrides the file)",
+    )
+    p.add_argument(
+        "--steps", type=int, metavar="N", help="optimizer steps to train (overrides the file)"
+    )
+    p.add_argument(
+        "--seed", type=int, metavar="N", help="seed of weights and data order (overrides the file)"
+    )
     p.add_argument(
         "--precision",
         metavar="POLICY",

@@ -16,6 +16,7 @@ import sys
 import traceback
 
 from schedc.cli import calibrate, check, render, run, tune
+from schedc.cli.common import RankError
 from schedc.lang.diagnostics import CompileError, UserError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
@@ -30,11 +31,15 @@ def _color(stream) -> bool:
     )
 
 
-def _report(e: CompileError) -> int:
-    print(e.render(color=_color(sys.stderr)), file=sys.stderr)
+def _report(e: CompileError) -> str:
+    text = e.render(color=_color(sys.stderr))
     n = e.error_count  # with those past the kept ones, which were only counted
-    print(f"{n:,} error{'s' if n != 1 else ''}", file=sys.stderr)
-    return EXIT_USER
+    return f"{text}\n{n:,} error{'s' if n != 1 else ''}"
+
+
+def _under_torchrun() -> bool:
+    """torchrun gives each rank a file for its error (schedc/exec/launcher.py)."""
+    return bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,7 +48,12 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USER, f"{self.prog}: error: {message}\n")
+        text = f"{self.prog}: error: {message}"
+        if self.prog.endswith(" run") and _under_torchrun():
+            from schedc.exec.launcher import tell_launcher  # torch: `run` under torchrun only
+
+            tell_launcher(text)
+        self.exit(EXIT_USER, text + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,24 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "run" and _under_torchrun():
+        from schedc.exec.launcher import recorded  # torch: `run` imports it anyway
+
+        return recorded(_verb)(args)  # torchrun's report shows schedc's error
+    return _verb(args)[0]
+
+
+def _verb(args: argparse.Namespace) -> tuple[int, str, str | None]:
+    """Run the verb; print its error, if any. Returns (exit code, the error as printed,
+    an internal error's traceback)."""
     try:
-        return VERBS[args.command].run(args) or 0
+        return VERBS[args.command].run(args) or 0, "", None
     except CompileError as e:
-        return _report(e)
+        return _say(EXIT_USER, _report(e))
+    except RankError as e:
+        return _say(EXIT_USER, e.line)
     except UserError as e:
-        print(f"schedc: error: {e}", file=sys.stderr)
-        return EXIT_USER
+        return _say(EXIT_USER, f"schedc: error: {e}")
     except KeyboardInterrupt:
-        return 130
+        return 130, "schedc: interrupted", None
     except BrokenPipeError:
-        return 0
+        return 0, "", None
     except Exception:
-        print(
-            "schedc: internal error (a bug in schedc; please report it with the schedule):",
-            file=sys.stderr,
-        )
-        traceback.print_exc()
-        return EXIT_INTERNAL
+        stack = traceback.format_exc()
+        text = "schedc: internal error (a bug in schedc; please report it with the schedule):"
+        print(text, file=sys.stderr)
+        print(stack, file=sys.stderr, end="")
+        return EXIT_INTERNAL, text, f"{text}\n{stack}"
+
+
+def _say(code: int, text: str) -> tuple[int, str, None]:
+    print(text, file=sys.stderr, flush=True)
+    return code, text, None
 
 
 if __name__ == "__main__":

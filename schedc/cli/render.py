@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from schedc.cli.common import check_output, overrides
-from schedc.compiler import compile_file
+from schedc.compiler import Compiled, compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.viz.cost import CostModel
 from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import panels_for, timeline_dot
+from schedc.viz.trace import TraceError, calibrate, load
 from schedc.viz.units import parse_rate, parse_time
 
 HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
@@ -52,9 +53,10 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cost_from_args(args: argparse.Namespace) -> CostModel:
+def cost_from_args(args: argparse.Namespace, base: CostModel | None = None) -> CostModel:
+    """Flags > --cost file > `base` (default: CostModel's defaults)."""
     try:
-        base = CostModel.load(args.cost) if args.cost else CostModel()
+        base = CostModel.load(args.cost) if args.cost else base or CostModel()
         return base.with_(
             flops=parse_rate(args.flops) if args.flops else None,
             bandwidth=parse_rate(args.bandwidth) if args.bandwidth else None,
@@ -91,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="with --trace: the predicted timeline above the measured one",
+        help="with --trace: the predicted timeline above the measured one, priced by the "
+        "cost model fitted to that trace (as `schedc calibrate` fits it) unless --cost is given",
     )
     p.add_argument(
         "--rank",
@@ -144,13 +147,15 @@ def run(args: argparse.Namespace) -> int:
         dot = graph_dot(compiled, args.rank, args.unfold)
         report = []
     else:
+        fitted = _fit_from_trace(compiled[0], args) if args.compare and not args.cost else None
         panels = panels_for(
             compiled,
-            cost_from_args(args),
+            cost_from_args(args, fitted),
             rank=args.rank,
             trace=args.trace,
             step=args.step,
             compare=args.compare,
+            cost_note=f"fitted to {Path(args.trace).name}" if fitted else "",
         )
         try:
             dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
@@ -170,3 +175,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     sys.stdout.flush()
     return 0
+
+
+def _fit_from_trace(c: Compiled, args: argparse.Namespace) -> CostModel:
+    """--compare without --cost: the prediction is priced by the model `schedc calibrate`
+    fits to the very trace it is compared with (defaults would predict a GPU: a 100 us
+    strip above a 275 ms CPU step). Says so, and what it fitted, in one line."""
+    try:
+        fit = calibrate(c, load(args.trace), name=args.trace)
+    except TraceError as e:
+        raise UserError(str(e)) from None
+    flags = [f"--{k}" for k in ("flops", "bandwidth", "latency") if getattr(args, k) is not None]
+    print(
+        f"schedc: no --cost: the prediction uses the cost model fitted to {args.trace} "
+        f"(as `schedc calibrate` fits it): {fit.cost.describe(c.spec.numerics)}"
+        + (f"; {', '.join(flags)} as given" if flags else "")
+        + "".join(f"; {n}" for n in fit.notes)
+    )
+    return fit.cost

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from schedc.cli.common import (
     COUNT,
     POSITIVE,
     TIMEOUT_S,
+    RankError,
     add_override_args,
     check_output,
     overrides,
@@ -27,11 +27,27 @@ HELP = "train: run a schedule under torchrun (world 1: alone)"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "file", nargs="?", help="the schedule (default: the bundled tiny_ddp_overlap.sched)"
+        "file",
+        nargs="?",
+        metavar="FILE.sched",
+        help='the schedule (default: the bundled tiny_ddp_overlap.sched); a `data "path"` '
+        "in it is read relative to the working directory",
     )
     add_override_args(p)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where to train: cuda (one GPU per rank, LOCAL_RANK's; NCCL), cpu (gloo; "
+        "OMP_NUM_THREADS threads per rank if set, else 1 per rank when a node runs several, "
+        "all cores at world 1), or auto (default): cuda when torch sees a GPU, else cpu",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="OUT.json",
+        help="write a Chrome/Perfetto trace of every step (one track per rank and stream; "
+        "`schedc render --trace` and `schedc calibrate` read it)",
+    )
     p.add_argument(
         "--timeout",
         type=TIMEOUT_S,
@@ -48,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoint every N steps, and after the last (default 100)",
     )
     p.add_argument(
-        "--keep", type=COUNT, default=2, help="checkpoints to keep (default 2; 0 keeps every one)"
+        "--keep",
+        type=COUNT,
+        default=2,
+        metavar="N",
+        help="with --save: the newest N checkpoints are kept, older ones deleted "
+        "(default 2; 0 keeps every one)",
     )
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     p.add_argument(
@@ -65,7 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on a non-finite loss or gradient norm: stop the run (default), or "
         "skip that update and say so",
     )
-    p.add_argument("--log-json", metavar="FILE", help="also append each step as JSON to FILE")
+    p.add_argument(
+        "--log-json",
+        metavar="FILE",
+        help="also append each step to FILE as one JSON object a line: step, loss, lr, "
+        "grad_norm, dt_ms, tokens_per_s, skipped (a boolean), skip_reason",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         raise UserError(f"--checkpoint-key {e}") from None
     opts = RunOptions(
-        device=args.device, timeout_s=args.timeout, trace=bool(args.trace), nonfinite=args.nonfinite
+        device=args.device,
+        timeout_s=args.timeout,
+        trace=bool(args.trace),
+        nonfinite=args.nonfinite,
+        heap=True,  # CPU: predicted vs measured peak at the end (a thread reads it every ms)
     )
     job = TrainOptions(
         save=args.save,
@@ -106,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_main(compiled, opts, job)
     except RunError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"schedc: error on rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 1
+        raise RankError(os.environ.get("RANK", "0"), str(e)) from None
     except CheckpointError as e:
         raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1

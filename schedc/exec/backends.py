@@ -5,6 +5,9 @@ The plan (lower.py) is the same on both; only what a stream and an event are dif
 CUDA: one torch.cuda.Stream per schedule stream, one NCCL process group per comm stream
 (its own NCCL stream, so collectives of different streams can overlap), torch.cuda.Event
 for each `record`/`wait`, tensors handed across streams kept alive with record_stream.
+Gathered units are the exception: the executor keeps their storage until the stream that
+allocated it has waited for the free's event (`mark`/`wait_mark`, FSDP2's all-gather state),
+so the next gather can reuse it and memory stays bounded by the prefetch window.
 
 CPU: the compute stream is the main thread, so a compute op is complete when it returns.
 Each comm stream is a gloo process group with a single worker thread: collectives issued
@@ -17,6 +20,7 @@ Retiring strictly in issue order keeps every result bitwise reproducible.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -105,6 +109,16 @@ class CPUBackend:
         src, pending = self.events[event]
         if pending is not None:
             self._retire(src, pending)  # compute events are complete already
+
+    def mark(self, stream: str) -> object:
+        """A point on `stream` (compute: now, for the compute op that just returned is
+        complete); `wait_mark` makes another stream wait for it. Used for gathered storage."""
+        if stream != COMPUTE:
+            raise ValueError("on CPU only compute points are marked (a free runs on compute)")
+        return (stream, now())
+
+    def wait_mark(self, stream: str, mark: object) -> None:
+        pass  # a compute point is complete when it is marked
 
     def poll(self) -> None:
         """Retire finished collectives at the head of each queue (never blocks)."""
@@ -198,21 +212,26 @@ def _gloo_group(comm, stream: str):
 class CUDABackend:
     """NCCL: a CUDA stream and a process group per schedule stream, CUDA events between."""
 
-    def __init__(self, streams: tuple[str, ...], comm, trace: bool, device: torch.device):
+    def __init__(
+        self,
+        streams: tuple[str, ...],
+        comm,
+        trace: bool,
+        device: torch.device,
+        collectives: str = "nccl",
+    ):
         self.device = device
         self.trace = trace
         self.streams = {
             s: (torch.cuda.current_stream(device) if s == COMPUTE else torch.cuda.Stream(device))
             for s in streams
         }
-        ranks = (
-            list(range(comm.world))
-            if comm.group is None
-            else dist.get_process_group_ranks(comm.group)
+        self.rank, self.world = comm.rank, comm.world
+        self.groups = stream_groups(streams, comm, collectives)
+        # gloo (several ranks on one GPU, tests): which tensor collectives it lacks on CUDA
+        self.fallbacks: set[str] = (
+            _gloo_cuda_gaps(self.groups[streams[0]], device) if collectives == "gloo" else set()
         )
-        self.groups = {
-            s: dist.new_group(ranks, timeout=comm.timeout, backend="nccl") for s in streams
-        }
         self.events: dict[int, torch.cuda.Event] = {}
         self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._base: torch.cuda.Event | None = None
@@ -254,6 +273,14 @@ class CUDABackend:
     def wait(self, stream: str, event: int) -> None:
         self.streams[stream].wait_event(self.events[event])
 
+    def mark(self, stream: str) -> torch.cuda.Event:
+        e = torch.cuda.Event()
+        e.record(self.streams[stream])
+        return e
+
+    def wait_mark(self, stream: str, mark: torch.cuda.Event) -> None:
+        self.streams[stream].wait_event(mark)
+
     def poll(self) -> None:
         pass
 
@@ -275,12 +302,22 @@ class CUDABackend:
     def all_reduce(t: torch.Tensor) -> Launch:
         return lambda pg: dist.all_reduce(t, group=pg)
 
-    @staticmethod
-    def all_gather(out: torch.Tensor, shard: torch.Tensor) -> Launch:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Launch:
+        if "all_gather_into_tensor" in self.fallbacks:  # gloo: the list form, into the views
+            return lambda pg: dist.all_gather(list(out.chunk(self.world)), shard, group=pg)
         return lambda pg: dist.all_gather_into_tensor(out, shard, group=pg)
 
-    @staticmethod
-    def reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> Launch:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Launch:
+        if "reduce_scatter_tensor" in self.fallbacks:
+            # gloo without a CUDA reduce-scatter: all-reduce the whole buffer, keep this rank's
+            # shard, [rank * s, (rank + 1) * s), the same offsets FlatUnit owns; D/2 x the bytes
+            def launch(pg):
+                summed = full.clone()
+                dist.all_reduce(summed, group=pg)
+                n = out.numel()
+                out.copy_(summed[self.rank * n : (self.rank + 1) * n])
+
+            return launch
         return lambda pg: dist.reduce_scatter_tensor(out, full, group=pg)
 
     def keep_alive(self, t: torch.Tensor, stream: str) -> None:
@@ -291,4 +328,74 @@ class CUDABackend:
         pass
 
     def stats(self) -> dict:
-        return {"cuda_max_allocated": torch.cuda.max_memory_allocated(self.device)}
+        """The caching allocator's peaks: what tensors held (allocated), what it took from
+        the device (reserved: what another process or an OOM sees), and how often it had to
+        free its cache and retry an allocation (a sign of fragmentation or a host running
+        ahead of the frees)."""
+        return {
+            "cuda_max_allocated": torch.cuda.max_memory_allocated(self.device),
+            "cuda_max_reserved": torch.cuda.max_memory_reserved(self.device),
+            "cuda_alloc_retries": torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0),
+        }
+
+
+def stream_groups(streams: tuple[str, ...], comm, backend: str) -> dict[str, object]:
+    """One process group per stream, over the job's ranks (`comm.group`'s, or the world's).
+
+    `use_local_synchronization=True`: only the members call new_group and only they join
+    its barrier (torch.distributed.new_group's documentation), so schedc can run on a
+    subgroup of a larger job; every member creates the groups in the same order (the
+    schedule's stream order), which the same documentation asks for to avoid a deadlock
+    between overlapping groups.
+    """
+    ranks = (
+        list(range(comm.world)) if comm.group is None else dist.get_process_group_ranks(comm.group)
+    )
+    return {
+        s: dist.new_group(
+            ranks, timeout=comm.timeout, backend=backend, use_local_synchronization=True
+        )
+        for s in streams
+    }
+
+
+LAUNCH_ORDER = "NCCL_LAUNCH_ORDER_IMPLICIT"
+
+
+def nccl_launch_order(n_collective_streams: int) -> bool:
+    """Order NCCL kernel launches across communicators by host issue order, when more than
+    one stream carries collectives; returns whether it is set. Call before any NCCL
+    communicator exists (NCCL reads its parameters once per process).
+
+    Several collective streams are several NCCL communicators in flight on one GPU, whose
+    kernels can start in different orders on different ranks: a deadlock when both cannot be
+    resident. NCCL >= 2.26 orders them by host launch order when NCCL_LAUNCH_ORDER_IMPLICIT=1
+    (NCCL user guide, "Using multiple NCCL communicators concurrently", and its environment
+    variables page); schedc issues collectives from one thread in the plan's order, which
+    the checker proves is the same on every rank. One comm stream needs nothing: the default
+    group's scalars (norm, loss) are issued after every comm stream drained into compute,
+    and the next step's collectives wait for the step start. A value the user set wins.
+    """
+    if n_collective_streams < 2:
+        return False
+    os.environ.setdefault(LAUNCH_ORDER, "1")
+    return os.environ[LAUNCH_ORDER] == "1"
+
+
+def _gloo_cuda_gaps(pg, device: torch.device) -> set[str]:
+    """The tensor collectives gloo refuses for CUDA tensors in this torch (it stages
+    all-reduce and list all-gather through host memory). Probed once on every rank: a
+    refused collective fails before it communicates, so every rank sees the same set."""
+    gaps = set()
+    world = dist.get_world_size(pg)
+    x = torch.ones(world, device=device)
+    for name, call in (
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(x.clone(), x[:1], group=pg)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(x[:1].clone(), x, group=pg)),
+    ):
+        try:
+            call()
+        except (RuntimeError, NotImplementedError, ValueError):
+            gaps.add(name)
+    torch.cuda.synchronize(device)
+    return gaps

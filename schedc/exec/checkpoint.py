@@ -89,17 +89,7 @@ def executor_state(ex) -> dict[str, torch.Tensor]:
         for u in ex.units.values():
             local = u.shard[: _kept(u)]
             parts = [p for group in u.optimizer_params() for p in group]
-            st = [opt.state.get(p, {}) for p in parts]
-            m = (
-                torch.cat([s.get("exp_avg", torch.zeros(p.numel())) for s, p in zip(st, parts)])
-                if parts
-                else local.new_zeros(0)
-            )
-            v = (
-                torch.cat([s.get("exp_avg_sq", torch.zeros(p.numel())) for s, p in zip(st, parts)])
-                if parts
-                else local.new_zeros(0)
-            )
+            m, v = (unit_moment(opt, parts, key, local) for key in ("exp_avg", "exp_avg_sq"))
             for key, t in (("param", local), ("exp_avg", m), ("exp_avg_sq", v)):
                 state[f"unit.{u.name}.{key}"] = DTensor.from_local(
                     t.contiguous(),
@@ -118,6 +108,20 @@ def executor_state(ex) -> dict[str, torch.Tensor]:
     return state
 
 
+def unit_moment(opt, parts, key: str, local: torch.Tensor) -> torch.Tensor:
+    """One AdamW moment of a unit's shard, flat: the optimizer's where it has one, zeros where
+    it has none yet (before the first update, and the template a resume loads into).
+
+    The zeros are made on the parameter's device and in its dtype: a resume on CUDA loads into
+    this template and hands its slices to AdamW, which refuses moments on another device
+    than their parameter (FSDP2's sharded state lives on the parameter's device too)."""
+    if not parts:
+        return local.new_zeros(0)
+    return torch.cat(
+        [opt.state.get(p, {}).get(key, torch.zeros_like(p).reshape(-1)) for p in parts]
+    )
+
+
 def load_executor_state(ex, state: dict[str, torch.Tensor], step: int) -> None:
     opt = ex.optimizer
     step_t = lambda: torch.tensor(float(step))  # noqa: E731  (AdamW keeps step as a tensor)
@@ -130,11 +134,11 @@ def load_executor_state(ex, state: dict[str, torch.Tensor], step: int) -> None:
             off = 0
             for p in (p for group in u.optimizer_params() for p in group):
                 k = p.numel()
-                if step > 0:
+                if step > 0:  # on the parameter's device, whatever DCP loaded into
                     opt.state[p] = {
                         "step": step_t(),
-                        "exp_avg": m[off : off + k].clone(),
-                        "exp_avg_sq": v[off : off + k].clone(),
+                        "exp_avg": m[off : off + k].to(p.device, p.dtype, copy=True),
+                        "exp_avg_sq": v[off : off + k].to(p.device, p.dtype, copy=True),
                     }
                 off += k
         return

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.exec.backends import CPUBackend, CUDABackend, Timed
+from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_order
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
+from schedc.exec.heap import HeapPeak
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
@@ -93,6 +94,12 @@ class RunOptions:
     record: bool = False  # keep full gradients and parameters of each step (tests)
     log: bool = True
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip"
+    # the stream groups' backend on CUDA: "nccl", or "gloo" (several ranks on one GPU, tests)
+    collectives: str = "nccl"
+    # wait for the device at the end of every step; off, only the plan's events and the
+    # step start order one step after the other (tests that nothing else is needed)
+    sync_each_step: bool = True
+    heap: bool = False  # CPU: measure each step's peak live heap (schedc/exec/heap.py)
 
 
 @dataclass
@@ -174,7 +181,11 @@ class Executor:
         self.loss_scale = 1.0 / spec.accum
         streams = tuple(spec.stream_names())  # every rank builds the same stream groups
         if self.device.type == "cuda":
-            self.backend = CUDABackend(streams, comm, options.trace, self.device)
+            if options.collectives == "nccl":  # train.py set it before any communicator
+                nccl_launch_order(len(collective_streams(self.plan)))
+            self.backend = CUDABackend(
+                streams, comm, options.trace, self.device, options.collectives
+            )
         else:
             self.backend = CPUBackend(streams, comm, options.trace)
         self.buckets: dict[str, FlatBucket] = {}
@@ -204,16 +215,21 @@ class Executor:
             self.buckets = {b.name: FlatBucket(b, self.params) for b in specs}
             self.optimizer = make_adamw(self.params.items(), spec.optim)
         self._fused: tuple[Plan, list] | None = None
+        # gathered units freed on compute whose storage is not yet given back: unit ->
+        # (the free's mark on compute, the stream whose gather allocated the storage)
+        self.pending_frees: dict[str, tuple[object, str]] = {}
+        self.gathered_on: dict[str, str] = {}
         self.step_index = 0
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Timed]] = []
+        self.trace_steps: list[tuple[int, int, int]] = []  # (step, start, end), ns, as spans
 
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> StepStats:
         spec, s = self.spec, self.step_index
-        t0 = time.perf_counter()
+        t0, t0_ns = time.perf_counter(), time.perf_counter_ns()  # the clock of Timed spans
         self.micro = [
             _Micro(
                 *(
@@ -228,8 +244,21 @@ class Executor:
         self.scattered: set[str] = set()  # units reduce-scattered so far this step
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
-        self.execute()
-        self.backend.synchronize()
+        if self.opts.heap and self.device.type == "cpu" and s > 0:  # step 0 creates AdamW's m, v
+            # what lives before the plan runs: the states and this step's token batches
+            held = self._held_bytes() + sum(
+                t.untyped_storage().nbytes() for m in self.micro for t in (m.x, m.y)
+            )
+            with HeapPeak() as heap:
+                self.execute(heap.sample)
+                self._reclaim(None)  # the step's last frees: no gather follows them
+                self.backend.synchronize()
+            self.mem["heap_peak"] = max(self.mem.get("heap_peak", 0), held + heap.grew)
+        else:
+            self.execute()
+            self._reclaim(None)  # the step's last frees: no gather follows them in this step
+            if self.opts.sync_each_step or self.opts.trace:
+                self.backend.synchronize()
         self.at = None  # between steps
         dt = time.perf_counter() - t0
         stats = self.result
@@ -239,6 +268,7 @@ class Executor:
         if self.opts.trace:
             self.trace_spans += [(s, sp) for sp in self.backend.spans]
             self.backend.spans.clear()
+            self.trace_steps.append((s, t0_ns, time.perf_counter_ns()))
         self.step_index += 1
         return stats
 
@@ -250,10 +280,13 @@ class Executor:
             self._fused = (self.plan, fuse(self.plan, self.spec.model, enabled=not self.opts.trace))
         return self._fused[1]
 
-    def execute(self) -> None:
-        """Issue the plan, item by item; on failure, show where in the plan."""
+    def execute(self, between=None) -> None:
+        """Issue the plan, item by item; on failure, show where in the plan. `between` is
+        called after each item (the heap's reading between ops)."""
         backend, instrs = self.backend, self.plan.instrs
         for item in self.items:
+            if between is not None:
+                between()
             k = self.at = item.first if isinstance(item, Segment) else item
             try:
                 with _range(item if isinstance(item, Segment) else instrs[item]):
@@ -280,6 +313,8 @@ class Executor:
             self.backend.compute(stream, op, self._optimizer_step)
         elif kind.is_collective:
             self._collective(stream, op)
+        elif kind is Kind.RECOMPUTE:
+            self.backend.compute(stream, op, lambda: self._recompute(op))
         else:  # a forward or backward written outside the compute stream's fusable runs
             self.compute(Segment(kind, op.mb, (op.target,), -1))
 
@@ -300,11 +335,23 @@ class Executor:
         else:
             # cut the graph here: what is below runs its backward on its own, later
             inp = mb.out[self.layers[i - 1]].detach().requires_grad_()
-        with self._autocast():
+        # a layer that recomputes (fuse gives it a segment of its own) keeps only its input:
+        # its forward saves nothing for backward, and runs again at recompute[layer]
+        again = first in self.spec.recompute
+        with self._autocast(), torch.no_grad() if again else contextlib.nullcontext():
             out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
             mb.loss = out.detach()
+
+    def _recompute(self, op: Op) -> None:
+        """The forward of a recomputing layer again, from its kept input, now with autograd:
+        the same kernels on the same values (no dropout, no randomness in GPT-2's layers),
+        so backward reads exactly the activations a plain forward would have saved."""
+        mb, layer = self.micro[op.mb], op.target
+        with self._autocast():
+            out = self.regions(layer, layer)(mb.inp[layer], mb.y if layer == "head" else None)
+        mb.out[layer] = out
 
     def _autocast(self):
         """The compute dtype's autocast around a forward. Backward runs outside it: autograd
@@ -330,9 +377,37 @@ class Executor:
             self._measure()
 
     def _free(self, op: Op) -> None:
+        """The unit's last use on compute is done; its storage goes back later, by _reclaim.
+
+        Not record_stream: the storage was allocated by a gather on a comm stream, and a block
+        freed with record_stream is reusable only once the allocator sees compute pass the
+        free, so a host running ahead allocates every new gather afresh and reserved memory
+        grows with how far it runs ahead, not with the prefetch window. FSDP2 instead keeps
+        the all-gather result referenced with an event recorded after its last use
+        (AllGatherState in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) and
+        drops it right after the all-gather stream has waited for that event
+        (`_wait_all_gather_streams_on_event`, then `all_gather_state = None`), so the next
+        gather on that stream reuses the block at once. schedc does the same.
+        """
         unit = self.units[op.target]
-        self.backend.keep_alive(unit.full, COMPUTE)  # compute read it; the allocator must wait
-        unit.release()
+        unit.drop_grad_views()
+        mark = self.backend.mark(COMPUTE)  # after the unit's last use on compute
+        self.pending_frees[unit.name] = (mark, self.gathered_on.get(unit.name, COMPUTE))
+
+    def _reclaim(self, stream: str | None, unit: str | None = None) -> None:
+        """Give back the storage of freed units that a gather on `stream` could reuse (those
+        its stream allocated, and `unit`, about to be gathered again); every one, with None.
+
+        Ordering invariant: the allocating stream waits for the free's mark *before* the
+        storage is dropped, so the caching allocator (which reuses a block on the stream that
+        allocated it, in stream order) cannot hand it to work that runs before compute is done
+        with it."""
+        for name, (mark, alloc) in list(self.pending_frees.items()):
+            if stream is None or alloc == stream or name == unit:
+                if alloc != COMPUTE:
+                    self.backend.wait_mark(alloc, mark)
+                self.units[name].release()
+                del self.pending_frees[name]
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -362,6 +437,9 @@ class Executor:
             unit = self.units[op.target]
             # every rank's shard arrives, in the gather dtype: the full unit
             self._count(op, unit.shard.numel() * D, unit.full.dtype)
+
+            self._reclaim(stream, unit.name)  # freed storage this gather may reuse
+            self.gathered_on[unit.name] = stream
 
             def launch(pg, unit=unit):
                 full = unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
@@ -455,6 +533,8 @@ class Executor:
                 raise RunError(why)
             stats.skipped = why  # every rank sees the same global values, so all skip
             for u in self.units.values():
+                if u.shard_grad is not None:
+                    self.backend.keep_alive(u.shard_grad, COMPUTE)  # as in _release_grads
                 u.drop_shard_grad()
             self.result = stats
             return
@@ -470,6 +550,21 @@ class Executor:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
 
+    def _held_bytes(self) -> int:
+        """Bytes of the model states alive between steps, from the tensors themselves:
+        parameters (FSDP: shards), DDP's gradient buckets, AdamW's m and v."""
+        if self.units:
+            held = [u.shard for u in self.units.values()]
+        else:
+            held = list(self.params.values()) + [b.flat for b in self.buckets.values()]
+        held += [
+            t
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]
+        return sum(t.untyped_storage().nbytes() for t in held)
+
     def _release_grads(self) -> None:
         """After the update: measure the model states, then free FSDP's gradient shards."""
         if self.units:
@@ -484,6 +579,11 @@ class Executor:
         ]  # Adam m and v, not the step count
         self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
         for u in self.units.values():
+            if u.shard_grad is not None:
+                # allocated on a comm stream by the reduce-scatter, read by compute (norm, clip,
+                # AdamW): freed now on the host, its block must wait for compute (FSDP2 keeps
+                # the gradient referenced until the next step instead, _fsdp_collectives.py)
+                self.backend.keep_alive(u.shard_grad, COMPUTE)
             u.drop_shard_grad()
 
     def _nonfinite(self, stats: StepStats) -> str:
@@ -512,7 +612,10 @@ class Executor:
         for u in self.units.values():
             src = u.shard_grad if grad else u.shard
             full = torch.empty(u.padded, dtype=src.dtype, device=src.device)
-            if self.comm.world > 1:
+            if "all_gather_into_tensor" in getattr(self.backend, "fallbacks", ()):
+                # gloo on CUDA tensors (ranks sharing a GPU) without the flat form: the list
+                dist.all_gather(list(full.chunk(self.comm.world)), src, group=self.comm.group)
+            elif self.comm.world > 1:
                 dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
             else:
                 full.copy_(src)
@@ -537,7 +640,12 @@ class Executor:
         self.backend.close()
 
     def trace_events(self) -> list[dict]:
-        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans)
+        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)
+
+
+def collective_streams(plan: Plan) -> set[str]:
+    """The streams the plan issues collectives on (each is a communicator on a GPU)."""
+    return {i.stream for i in plan.instrs if i.kind is Action.RUN and i.op.is_collective}
 
 
 def _range(item):
@@ -576,16 +684,43 @@ class PlanError(RunError):
 # -- traces ---------------------------------------------------------------------------------------
 
 
-def chrome_events(rank: int, streams, spans: list[tuple[int, Timed]]) -> list[dict]:
-    """Chrome/Perfetto trace events: one process per rank, one thread per stream."""
+def chrome_events(
+    rank: int, streams, spans: list[tuple[int, Timed]], steps: list[tuple[int, int, int]] = ()
+) -> list[dict]:
+    """Chrome/Perfetto trace events: one process per rank, one thread per stream, each op a
+    slice named by its IR text (the same text on every rank); with `steps`, a "steps" thread
+    drawn above them whose slices `step N` run from the step's start (before its batch is
+    loaded) to the end of its synchronize."""
     tid = {s: i for i, s in enumerate(streams)}
     events = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
         {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
     ]
-    for s, i in tid.items():
+    threads = [*tid.items(), *([("steps", len(tid))] if steps else [])]
+    for s, i in threads:
+        sort = -1 if i == len(tid) else i  # the steps track first
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}},
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": rank,
+                "tid": i,
+                "args": {"sort_index": sort},
+            },
+        ]
+    for step, start, end in steps:
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}}
+            {
+                "name": f"step {step}",
+                "ph": "X",
+                "pid": rank,
+                "tid": len(tid),
+                "ts": start / 1e3,
+                "dur": max(0.0, (end - start) / 1e3),
+                "cat": "step",
+                "args": {"step": step},
+            }
         )
     for step, sp in spans:
         ev = {

@@ -10,8 +10,10 @@ for it (16 bytes/param / D). The module parameters are permanent views of one fu
 buffer per unit whose *storage* is allocated by each all-gather and resized to zero by
 each free (FSDP2's technique). That matters: autograd saves views of weights (a Linear
 saves w.t()), so swapping `p.data` would neither free the memory nor let backward see a
-re-gathered buffer; resizing the shared storage does both, and a use after free fails
-loudly (the storage is empty) instead of reading stale memory.
+re-gathered buffer; resizing the shared storage does both, and a use after the release
+fails loudly (the storage is empty) instead of reading stale memory. The release comes a
+little after the plan's free: once the stream that gathered the unit has waited for the
+free (the executor's _reclaim, FSDP2's all-gather state), so the next gather reuses it.
 
 Under a bf16 gather (FSDP2's param_dtype) the full buffer, and so the parameters the layers
 compute with and the unsharded gradients autograd writes for them, are bf16; the shard, the
@@ -124,10 +126,14 @@ class FlatUnit:
         self.full.untyped_storage().resize_(self.full_bytes)
         return self.full
 
-    def release(self) -> None:
-        """Free the gathered parameters: the storage every view shares goes to zero bytes."""
+    def drop_grad_views(self) -> None:
+        """The parameters stop pointing at an unsharded gradient (a free, before release)."""
         for p, _, _, _ in self.layout:
             p.grad = None
+
+    def release(self) -> None:
+        """Free the gathered parameters: the storage every view shares goes to zero bytes."""
+        self.drop_grad_views()
         self.full.untyped_storage().resize_(0)
 
     # gradients ---------------------------------------------------------------------------

@@ -48,6 +48,8 @@ Item = int | Segment  # an instruction index, or a run of fused compute instruct
 def fuse(plan: Plan, model: GPTConfig, enabled: bool = True) -> list[Item]:
     """The plan as items to execute, with fusable compute runs grouped into Segments."""
     index = {layer: i for i, layer in enumerate(model.layers)}
+    # a recomputing layer's forward runs alone (without autograd), as does the recompute
+    alone = {(op.target, op.mb) for op in plan.ops if op.kind is Kind.RECOMPUTE}
     runs: list[list[int]] = []  # runs of instruction indexes that may fuse
     for k, ins in enumerate(plan.instrs):
         op = ins.op
@@ -69,6 +71,7 @@ def fuse(plan: Plan, model: GPTConfig, enabled: bool = True) -> list[Item]:
             and prev.kind in (Kind.FWD, Kind.BWD)
             and plan.instrs[runs[-1][-1]].stream == COMPUTE
             and index[op.target] == index[prev.target] + step
+            and not (op.kind is Kind.FWD and {(op.target, op.mb), (prev.target, prev.mb)} & alone)
         ):
             runs[-1].append(k)
         else:

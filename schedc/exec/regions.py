@@ -100,10 +100,10 @@ class Regions:
         return first
 
     def _why(self, first: str, last: str, e: BaseException) -> str:
-        what = f"{first}" if first == last else f"{first} .. {last}"
+        what = f"layer {first}" if first == last else f"layers {first} .. {last}"
         text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
         return (
-            f"compile on: torch.compile (backend {self.backend}) failed on layer(s) "
+            f"compile on: torch.compile (backend {self.backend}) failed on "
             f"{what}: {type(e).__name__}: {text}; run with --compile off (or `compile off` "
             "in the schedule) to train uncompiled"
         )

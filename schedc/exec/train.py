@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import socket
@@ -26,15 +27,26 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.exec.executor import Comm, Executor, PlanError, RunError, RunOptions, pick_device
+from schedc.exec.backends import nccl_launch_order
+from schedc.exec.executor import (
+    Comm,
+    Executor,
+    PlanError,
+    RunError,
+    RunOptions,
+    collective_streams,
+    pick_device,
+)
+from schedc.exec.launcher import tell_launcher
 from schedc.ir.plan import Action, Plan
-from schedc.model.data import fingerprint, load_batches
-from schedc.model.reference import format_log
+from schedc.model.data import CORPUS, DataError, fingerprint, load_batches
+from schedc.model.reference import fmt_eta, format_log, step_label
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,19 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     }
 
 
+def data_error(e: DataError, source) -> str:
+    """A data file that cannot be read, and, when the schedule named it by a relative path
+    that does not exist, where schedc looked: the working directory, not the schedule's."""
+    text = str(e)
+    path = Path(str(source))
+    if str(source) != CORPUS and not path.is_absolute() and not path.exists():
+        text += (
+            f" (a relative `data` path is read from the working directory, {os.getcwd()}, "
+            "not from the schedule's directory: run from there, or write an absolute path)"
+        )
+    return text
+
+
 def check_gpus(local_world: int, device_count: int) -> None:
     """More ranks on this node than it has GPUs would put two ranks on one device, and NCCL
     refuses that only later, with a stack of errors on every rank: say it first, in one line."""
@@ -168,14 +193,19 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
             f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}"
         )
-    if device.type == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    threads = (
+        cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if device.type == "cpu" else ""
+    )
+    if device.type == "cuda":  # before the first NCCL communicator exists
+        nccl_launch_order(len(collective_streams(compiled.plan(int(os.environ.get("RANK", 0))))))
     comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
     where = _here("start-up")
     watch_sigterm(comm)
     try:
-        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        try:
+            batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        except DataError as e:
+            raise RunError(data_error(e, spec.data.source)) from None
         # agree first: building the executor creates a process group per stream, which would
         # wait forever for a rank whose schedule has other streams
         flags = run_flags(job, device, opts)
@@ -189,18 +219,26 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             where = _here(f"loading {job.resume}")
             step = checkpoint.load(ex, job.resume, key=job.key)
             log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
+        n = torch.get_num_threads()
         log(
             comm,
             f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
-            f"{spec.accum} micro-step(s) of {spec.micro} x {spec.seq_len}, {spec.steps} steps "
-            f"on {device.type} ({torch.get_num_threads()} thread(s) per rank)",
+            f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
+            f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "
+            f"on {device.type} ({n} thread{'s' if n != 1 else ''} per rank{threads})",
         )
         records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+        clock = RunClock(ex.step_index, spec.steps)
         while ex.step_index < spec.steps:
             where = _here(f"step {ex.step_index}")
             st = ex.step()
+            eta = clock.done(st)
             if st.skipped:
-                log(comm, f"step {st.step:4d} | skipped: {st.skipped}")
+                log(
+                    comm,
+                    f"{step_label(st.step, spec.steps)} | skipped: {st.skipped} | "
+                    f"dt {st.dt_ms:.2f}ms | eta {fmt_eta(eta)}",
+                )
             else:
                 log(
                     comm,
@@ -212,22 +250,12 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
                         st.dt_ms,
                         st.tokens_per_s,
                         mfu(spec, st.tokens_per_s, device),
+                        steps=spec.steps,
+                        eta_s=eta,
                     ),
                 )
             if records:
-                records.write(
-                    json.dumps(
-                        {
-                            "step": st.step,
-                            "loss": st.loss,
-                            "lr": st.lr,
-                            "grad_norm": st.grad_norm,
-                            "dt_ms": st.dt_ms,
-                            "skipped": st.skipped,
-                        }
-                    )
-                    + "\n"
-                )
+                records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
                 records.flush()
             if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
                 where = _here(f"saving step {ex.step_index}")
@@ -238,6 +266,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             write_trace(job.trace, ex, comm)
         if comm.rank == 0 and opts.log:
             report_memory(compiled, ex)
+        log(comm, clock.summary(peak_memory(device)))
     except KeyboardInterrupt:
         raise
     except (checkpoint.CheckpointError, RunError) as e:
@@ -254,6 +283,107 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         fail(comm, f"{type(e).__name__}: {e}", where)
     dist.destroy_process_group()
     return 0
+
+
+def cpu_threads(local_world: int) -> str:
+    """Set torch's intra-op threads on a CPU run, unless the user chose: OMP_NUM_THREADS
+    (torch has read it already; torchrun sets 1 when it starts several ranks and nothing is
+    set) is kept as it is. Otherwise 1 thread per rank when a node runs several (torchrun's
+    own default, so that a job launched by hand gets the same), all cores at world 1.
+    Returns where the count came from, for the start line."""
+    if omp := os.environ.get("OMP_NUM_THREADS", "").strip():
+        return f", OMP_NUM_THREADS={omp}"  # torch uses at most the cores it has
+    torch.set_num_threads(1 if local_world > 1 else max(1, os.cpu_count() or 1))
+    return ""
+
+
+def log_record(st) -> dict:
+    """One --log-json line: numbers as JSON numbers (a non-finite one, which JSON cannot
+    hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped)."""
+
+    def num(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return {
+        "step": st.step,
+        "loss": num(st.loss),
+        "lr": num(st.lr),
+        "grad_norm": num(st.grad_norm),
+        "dt_ms": num(st.dt_ms),
+        "tokens_per_s": num(st.tokens_per_s),
+        "skipped": bool(st.skipped),
+        "skip_reason": st.skipped or None,
+    }
+
+
+class RunClock:
+    """Wall time of a run's steps: the ETA after each, and the summary at the end.
+
+    The first step of a run pays for warm-up (allocations, gloo/NCCL connections, lazy
+    initialisation: 2-3x a later step on CPU), so once a later step is done the ETA and the
+    mean tokens/s leave it out. The ETA is wall time per step (checkpoints and logging
+    included) times the steps left; tokens/s is tokens over the steps' own time (dt)."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps = first, steps
+        self.t0 = time.perf_counter()
+        self.t_warm: float | None = None  # when the first step ended
+        self.stats: list = []
+
+    def done(self, st) -> float:
+        """Record a finished step; return the seconds left, estimated."""
+        now = time.perf_counter()
+        self.stats.append(st)
+        if self.t_warm is None:
+            self.t_warm = now
+            per_step = now - self.t0
+        else:
+            per_step = (now - self.t_warm) / (len(self.stats) - 1)
+        return per_step * (self.steps - 1 - st.step)
+
+    def summary(self, peak: str) -> str:
+        """The run in one paragraph: steps, total time, mean tokens/s without the warm-up
+        step, final loss, updates skipped, peak memory."""
+        if not self.stats:
+            return f"schedc: done: nothing to run (resumed at step {self.first} of {self.steps})"
+        total = time.perf_counter() - self.t0
+        sts, n = self.stats, len(self.stats)
+        later = sts[1:] or sts
+        tok_s = sum(s.tokens_per_s * s.dt_ms for s in later) / sum(s.dt_ms for s in later)
+        which = (
+            f"mean over steps {later[0].step}-{later[-1].step} (step {sts[0].step}, the "
+            f"warm-up, took {sts[0].dt_ms / 1e3:.2f}s and is left out)"
+            if n > 1
+            else f"of step {sts[0].step} alone, warm-up included"
+        )
+        losses = [s.loss for s in sts if not s.skipped]
+        final = f"final loss {losses[-1]:.6f}" if losses else "no update made (all skipped)"
+        skipped = n - len(losses)
+        text = (
+            f"schedc: done: {n} step{'s' if n != 1 else ''} ({sts[0].step}-{sts[-1].step}"
+            f" of {self.steps}) in {fmt_eta(total)}; {tok_s:,.0f} tokens/s {which}; {final}"
+        )
+        if skipped:
+            text += f"; {skipped} update{'s' if skipped != 1 else ''} skipped (--nonfinite skip)"
+        return f"{text}; {peak}" if peak else text
+
+
+def peak_memory(device: torch.device) -> str:
+    """Rank 0's peak memory, as the summary says it: CUDA's max allocated on a GPU, the
+    process's peak resident set on a CPU (Linux and macOS), or nothing where unknown."""
+    from schedc.passes.memory import fmt_bytes
+
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        return f"peak CUDA memory allocated {fmt_bytes(peak)} (rank 0)"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return ""
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return f"peak RSS {fmt_bytes(rss * scale)} (rank 0's process)"
 
 
 # Dense peak FLOP/s by device name, for MFU (bf16 tensor cores, as nanoGPT reports MFU;
@@ -339,6 +469,8 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
         lines.append(f"schedc: rank {comm.rank}: rank {r} failed too, at {text}")
     with _report:  # the SIGTERM report, if it came first, exits the process in here
         print("\n".join(lines), file=sys.stderr, flush=True)
+        if not silent:  # else a silent peer is the likelier root cause: torchrun names it
+            tell_launcher("\n".join(lines))  # under torchrun: shown in its report
         sys.stdout.flush()
         os._exit(1)
 
@@ -397,9 +529,11 @@ def plan_position(ex: Executor | None) -> str:
     if ins.kind is Action.RUN:
         text = f"{ins.op} on stream {ins.stream}"
     elif ins.kind is Action.WAIT:
-        text = f"wait on stream {ins.stream} for e{ins.event} = {plan.producers[ins.event]}"
+        what = plan.producers.get(ins.event, "the step start")
+        text = f"wait on stream {ins.stream} for e{ins.event} = {what}"
     else:
-        text = f"record e{ins.event} on stream {ins.stream} after {plan.producers[ins.event]}"
+        what = plan.producers.get(ins.event, "the step start")
+        text = f"record e{ins.event} on stream {ins.stream} after {what}"
     return f"step {ex.step_index}, instruction {k} ({text})"
 
 
@@ -517,6 +651,15 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
     text = "; ".join(
         f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
     )
+    if meas.get("heap_peak"):  # CPU: live heap over the steps after the first
+        text += (
+            f"; peak (states, buffers, activations) {fmt_bytes(pred.peak)} predicted, "
+            f"{fmt_bytes(meas['heap_peak'])} measured (live heap)"
+        )
     if "cuda_max_allocated" in meas:
-        text += f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}"
+        text += (
+            f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}, max reserved "
+            f"{fmt_bytes(meas['cuda_max_reserved'])}, allocator retries "
+            f"{meas['cuda_alloc_retries']}"
+        )
     print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
     fwd[h.3]@mb1             forward of layer h.3 in micro-step 1
     bwd[embed]@mb0           backward of layer embed in micro-step 0
+    recompute[h.3]@mb1       forward of h.3 again, from its kept input, right before its bwd
     allreduce[b1]@mb3        all-reduce (average) of bucket b1's gradients
     allgather[u2]@mb0:fwd    all-gather of unit u2's shards, for its forward use
     free[u2]@mb0:fwd         release of u2's gathered parameters after that use
@@ -23,6 +24,7 @@ from typing import NamedTuple
 class Kind(str, Enum):
     FWD = "fwd"
     BWD = "bwd"
+    RECOMPUTE = "recompute"
     ALLREDUCE = "allreduce"
     ALLGATHER = "allgather"
     REDUCESCATTER = "reducescatter"
@@ -56,7 +58,7 @@ COMM = "comm"  # the default stream of collectives
 
 class Op(NamedTuple):
     kind: Kind
-    target: str = ""  # a layer (fwd/bwd), bucket (allreduce) or unit (gather/free/RS)
+    target: str = ""  # a layer (fwd/bwd/recompute), bucket (allreduce) or unit (gather/free/RS)
     mb: int = -1  # micro-step; -1 for the optimizer step
     phase: Phase | None = None  # allgather and free only
 
@@ -130,3 +132,7 @@ def fwd(layer: str, mb: int) -> Op:
 
 def bwd(layer: str, mb: int) -> Op:
     return Op(Kind.BWD, layer, mb)
+
+
+def recompute(layer: str, mb: int) -> Op:
+    return Op(Kind.RECOMPUTE, layer, mb)

@@ -6,6 +6,9 @@ A plan is what both backends execute, unchanged:
     record <stream> e<i>     mark the point after the producer on the producer's stream
     wait   <stream> e<i>     make the consumer's stream wait for that point
 
+One event has no producer op: the step start (`step_start`), recorded on compute at the
+head of the plan and waited for at the head of every comm stream.
+
 `passes.lower` makes plans; the executor, the checker, the simulator and the dumps read them.
 """
 
@@ -46,6 +49,9 @@ class Plan:
     instrs: tuple[Instr, ...]
     producers: dict[int, Op]  # event -> the op it follows
     consumers: dict[int, tuple[Op, ...]]  # event -> the ops that wait for it
+    # the event recorded on compute before the step's first op, waited for at the head of
+    # every comm stream (None: no comm stream); not in producers or consumers
+    step_start: int | None = None
 
     @property
     def ops(self) -> list[Op]:
@@ -71,13 +77,17 @@ class Plan:
         """The plan as text; `mark` points at one instruction (a failure, say)."""
         who = "every rank" if self.rank is None else f"rank {self.rank}"
         n_ops = sum(1 for i in self.instrs if i.kind is Action.RUN)
+        n_streams, n_events = len(self.streams), len(self.producers)
         lines = [
-            f"# plan for {who}: {n_ops} ops on {len(self.streams)} streams "
-            f"({', '.join(self.streams)}), {len(self.producers)} events"
+            f"# plan for {who}: {n_ops} ops on {n_streams} stream{'s' * (n_streams != 1)} "
+            f"({', '.join(self.streams)}), {n_events} event{'s' * (n_events != 1)}"
+            + (" and the step start" if self.step_start is not None else "")
         ]
         for k, ins in enumerate(self.instrs):
             text = f"{k:5d}  {ins}"
-            if ins.kind is Action.RECORD:
+            if ins.event is not None and ins.event == self.step_start:
+                text += "    # step start" if ins.kind is Action.RECORD else "    # for step start"
+            elif ins.kind is Action.RECORD:
                 text += f"    # after {self.producers[ins.event]}"
             elif ins.kind is Action.WAIT:
                 text += f"    # for {self.producers[ins.event]}"

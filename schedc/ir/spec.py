@@ -42,6 +42,11 @@ class Strategy(str, Enum):
     def label(self) -> str:
         return {"single": "single-process", "ddp": "DDP", "fsdp": "FSDP"}[self.value]
 
+    @property
+    def a_label(self) -> str:
+        """The label after its article, as said aloud: "an FSDP" (eff-ess-dee-pee)."""
+        return ("an " if self is Strategy.FSDP else "a ") + self.label
+
 
 class Dtype(str, Enum):
     """A floating-point format a schedule computes or communicates in."""
@@ -152,7 +157,8 @@ class DDPSpec:
     buckets: tuple[BucketSpec, ...]  # in launch order
     overlap: bool = True
     no_sync: bool = True
-    cap: int | None = None
+    cap: int | None = None  # bucket_cap's bytes, when it made the buckets
+    first: int | None = None  # and the first bucket's (`first`, default min(cap, 1 MiB))
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,8 @@ class Spec:
     streams: dict[Kind, str]
     programs: tuple[ProgramSpec, ...]
     numerics: Numerics = field(default_factory=Numerics)
+    # layers whose forward keeps only its input and runs again right before their backward
+    recompute: frozenset[str] = frozenset()
     where: dict[str, Span] = field(default_factory=dict, compare=False)
 
     @property

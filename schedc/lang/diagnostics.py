@@ -86,6 +86,11 @@ CODES: dict[str, str] = {
     "optimizer-wait": "the optimizer step does not wait for every reduction",
     # sharding at run time
     "use-after-free": "a unit's parameters used while it is not gathered",
+    # recomputation
+    "recompute-gather": "a recompute that can run before its layer's unit is gathered",
+    "recompute-late": "a backward that can start before the recompute of its layer",
+    "recompute-freed": "a recompute of a layer not declared `recompute`: its forward freed "
+    "its input",
     # SPMD
     "spmd": "ranks that would issue different collectives, or in a different order",
     # warnings
@@ -333,6 +338,11 @@ class Diagnostics:
                 unkept_errors=self.unkept_errors,
                 unkept_warnings=self.unkept_warnings,
             )
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 bucket`, `2 buckets`, `1,024 tokens`: a number and its noun, agreeing."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def did_you_mean(word: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:

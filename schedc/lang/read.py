@@ -65,8 +65,11 @@ def source_from_bytes(data: bytes, path: str = "<input>") -> Source:
         text = _newlines(data[skipped:].decode("utf-8"))
     except UnicodeDecodeError as e:
         good = _newlines(data[skipped : skipped + e.start].decode("utf-8"))
-        src = Source(path, good)
         bad = skipped + e.start
+        # the excerpt shows the bad byte's line to its end, each undecodable byte as U+FFFD
+        end = data.find(b"\n", bad)
+        rest = data[bad : end if end >= 0 else len(data)].decode("utf-8", errors="replace")
+        src = Source(path, good + _newlines(rest))
         raise CompileError(
             [
                 Diagnostic(

@@ -44,9 +44,11 @@ from schedc.lang.syntax import (
     Name,
     Num,
     Optimizer,
+    OtherSetting,
     Precision,
     Prefetch,
     Program,
+    Recompute,
     Ref,
     Schedule,
     Setting,
@@ -95,6 +97,17 @@ UNITS = {
     "GiB": 1 << 30,
     "TiB": 1 << 40,
 }
+# the statements each block takes, as the grammar spells their keywords
+BLOCK_KEYS = {
+    "ddp": ("bucket", "bucket_cap", "overlap", "no_sync"),
+    "fsdp": ("unit", "prefetch", "reshard_after_forward", "no_sync", "recompute"),
+}
+# words inside a block's statements, which a misspelling may be nearest to
+BLOCK_WORDS = {
+    "ddp": {"first": "it follows bucket_cap: `bucket_cap 25 MiB first 1 MiB`"},
+    "fsdp": {"keep": "it ends a unit: `unit tied = wte.weight keep`"},
+}
+BLOCK_ARTICLE = {"ddp": "a ddp", "fsdp": "an fsdp"}  # as said aloud: "an eff-ess-dee-pee"
 MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
 DEFAULT_STEPS = 20
 DEFAULT_SEED = 1337
@@ -327,6 +340,12 @@ class _Resolver:
             )
 
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
+        recompute = self.recompute(
+            single(Recompute, "recompute", "`recompute`"),
+            next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
+            model,
+            strategy,
+        )
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
         programs = self.programs(by_type.get(Program, []), model, strategy, world, accum, streams)
         self.diag.raise_if_any()
@@ -348,6 +367,7 @@ class _Resolver:
             streams=streams,
             programs=programs,
             numerics=numerics,
+            recompute=recompute,
             where=dict(self.seen),
         )
 
@@ -604,8 +624,8 @@ class _Resolver:
         if "gather" in chosen and Strategy.of(strategy) is not Strategy.FSDP:
             self.err(
                 "conflict",
-                f"gather is the dtype FSDP units are all-gathered in; a "
-                f"{Strategy.of(strategy).label} schedule gathers none",
+                f"gather is the dtype FSDP units are all-gathered in; "
+                f"{Strategy.of(strategy).a_label} schedule gathers none",
                 where["gather"],
                 hint="drop `gather`, or use an fsdp block",
             )
@@ -618,6 +638,48 @@ class _Resolver:
                 hint=f"compute in {numerics.gather} too, or gather in fp32",
             )
         return numerics
+
+    # -- recomputation -------------------------------------------------------------------------
+
+    def recompute(
+        self, top: Recompute | None, in_fsdp: Recompute | None, cfg: GPTConfig | None, strategy
+    ) -> frozenset[str]:
+        """The layers that recompute: named as layers and ranges at top level, as units
+        inside the fsdp block (every layer that reads the unit's parameters)."""
+        out: set[str] = set()
+        if cfg is None:
+            return frozenset()
+        if top is not None:
+            for ref in top.refs:
+                names = [n for n in (ref.first, ref.last) if n is not None]
+                found = [self.layer_name(n, cfg) for n in names]
+                if None in found:
+                    continue
+                idx = sorted(cfg.layer_index(x) for x in found)  # a range in either direction
+                out.update(cfg.layers[idx[0] : idx[-1] + 1])
+        if in_fsdp is not None and isinstance(strategy, FSDPSpec):
+            if self.once("fsdp.recompute", in_fsdp.span, "`recompute` in the fsdp block"):
+                units = {u.name: u for u in strategy.units}
+                for ref in in_fsdp.refs:
+                    if ref.last is not None:
+                        self.err(
+                            "syntax",
+                            "inside fsdp, recompute names units one by one, not a range",
+                            ref.span,
+                            hint=f"write `recompute {ref.first.text}, {ref.last.text}`, or name "
+                            "layers with a top-level `recompute h.0 .. h.3`",
+                        )
+                    elif ref.first.text not in units:
+                        self.err(
+                            "unknown-name",
+                            f"unknown unit '{ref.first.text}'",
+                            ref.first.span,
+                            hint=did_you_mean(ref.first.text, units)
+                            or f"units: {', '.join(units)}",
+                        )
+                    else:
+                        out.update(units[ref.first.text].layers)
+        return frozenset(out)
 
     # -- references to layers and parameters --------------------------------------------------
 
@@ -757,9 +819,10 @@ class _Resolver:
     # -- DDP --------------------------------------------------------------------------------------
 
     def ddp(self, block: DDP, cfg: GPTConfig) -> DDPSpec:
-        buckets = [s for s in block.stmts if isinstance(s, BucketDecl)]
-        caps = [s for s in block.stmts if isinstance(s, BucketCap)]
-        toggles = self.toggles(block.stmts, {"overlap", "no_sync"}, "ddp")
+        stmts = self.block_stmts(block.stmts, "ddp")
+        buckets = [s for s in stmts if isinstance(s, BucketDecl)]
+        caps = [s for s in stmts if isinstance(s, BucketCap)]
+        toggles = self.toggles(stmts, "ddp")
         head_span = self.src.span(block.span.start, block.span.start + 3)
         for c in caps:
             self.once("bucket_cap", c.span, "bucket_cap")
@@ -781,8 +844,10 @@ class _Resolver:
             if cap is None or first is None:
                 return DDPSpec((), toggles.get("overlap", True), toggles.get("no_sync", True))
             specs = tuple(auto_buckets(cfg, cap, first))
-            return DDPSpec(specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap)
-        elif not buckets:
+            return DDPSpec(
+                specs, toggles.get("overlap", True), toggles.get("no_sync", True), cap, first
+            )
+        elif not buckets and len(stmts) == len(block.stmts):  # else a misspelling said it
             self.err(
                 "missing-setting",
                 "the ddp block has no buckets",
@@ -828,34 +893,57 @@ class _Resolver:
                     "layers",
                 )
 
-    def toggles(self, stmts, allowed: set[str], block: str) -> dict[str, bool]:
+    def block_stmts(self, stmts, block: str) -> list:
+        """The statements of a ddp or fsdp block that it takes; each other one is an
+        [unknown-setting] naming what the block takes (the grammar parses the statements of
+        both blocks, and a statement beginning with any name, in either)."""
+        takes = BLOCK_KEYS[block]
+        kept = []
+        for s in stmts:
+            key = _keyword(s)
+            if key in takes:
+                kept.append(s)
+                continue
+            owner = next((b for b, keys in BLOCK_KEYS.items() if key in keys), None)
+            listed = f"{block} takes {', '.join(takes)}"
+            if owner is not None:
+                hint = f"`{key}` is {BLOCK_ARTICLE[owner]} setting; {listed}"
+            else:  # a word that ends a line (`kep`) reads as a statement of its own
+                words = BLOCK_WORDS[block].items()
+                hint = did_you_mean(key, takes) or next(
+                    (f"did you mean '{w}'? ({ex})" for w, ex in words if did_you_mean(key, [w])),
+                    listed,
+                )
+            span = (
+                s.key.span
+                if isinstance(s, OtherSetting)
+                else self.src.span(s.span.start, s.span.start + len(key))
+            )
+            self.err("unknown-setting", f"{BLOCK_ARTICLE[block]} block has no '{key}'", span, hint)
+            self.refs_ok = False  # a misspelled bucket or unit: coverage would repeat it
+        return kept
+
+    def toggles(self, stmts, block: str) -> dict[str, bool]:
         out = {}
         for t in stmts:
-            if isinstance(t, Toggle):
-                if t.key not in allowed:
-                    self.err(
-                        "unknown-setting",
-                        f"a {block} block has no '{t.key}'",
-                        t.span,
-                        hint=f"{block} takes {', '.join(sorted(allowed))}",
-                    )
-                elif self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
-                    out[t.key] = t.value.on
+            if isinstance(t, Toggle) and self.once(f"{block}.{t.key}", t.span, f"'{t.key}'"):
+                out[t.key] = t.value.on
         return out
 
     # -- FSDP -------------------------------------------------------------------------------------
 
     def fsdp(self, block: FSDP, cfg: GPTConfig) -> FSDPSpec:
-        units = [s for s in block.stmts if isinstance(s, UnitDecl)]
-        toggles = self.toggles(block.stmts, {"reshard_after_forward", "no_sync"}, "fsdp")
+        stmts = self.block_stmts(block.stmts, "fsdp")
+        units = [s for s in stmts if isinstance(s, UnitDecl)]
+        toggles = self.toggles(stmts, "fsdp")
         head_span = self.src.span(block.span.start, block.span.start + 4)
         depth = {"forward": 1, "backward": 1}
-        for p in (s for s in block.stmts if isinstance(s, Prefetch)):
+        for p in (s for s in stmts if isinstance(s, Prefetch)):
             if self.once(f"prefetch.{p.direction}", p.span, f"prefetch {p.direction}"):
                 v = self.int_of(p.depth, f"prefetch {p.direction}", 0, 64)
                 if v is not None:
                     depth[p.direction] = v
-        if not units:
+        if not units and len(stmts) == len(block.stmts):  # else a misspelling said it
             self.err(
                 "missing-setting",
                 "the fsdp block has no units",
@@ -1013,7 +1101,7 @@ class _Resolver:
             return None
         if cfg is None or op.kind is Kind.STEP:
             return op
-        if op.kind in (Kind.FWD, Kind.BWD):
+        if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
             targets, what = cfg.layers, "layer"
         elif op.kind is Kind.ALLREDUCE:
             targets = [b.name for b in strategy.buckets] if isinstance(strategy, DDPSpec) else []
@@ -1024,7 +1112,7 @@ class _Resolver:
         if not targets:
             self.err(
                 "unexpected-op",
-                f"{op} has no place in a {Strategy.of(strategy).label} schedule",
+                f"{op} has no place in {Strategy.of(strategy).a_label} schedule",
                 span,
                 hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
                 "and reduce-scatter units",
@@ -1078,6 +1166,19 @@ def _fp32_breaks(key: str, v: float) -> str | None:
     if key == "clip" and v > 0 and tiny:
         return "so clipping would scale every gradient to zero"
     return None
+
+
+def _keyword(stmt) -> str:
+    """The keyword a ddp or fsdp block statement begins with."""
+    if isinstance(stmt, (Toggle, OtherSetting)):
+        return stmt.key if isinstance(stmt, Toggle) else stmt.key.text
+    return {
+        BucketDecl: "bucket",
+        BucketCap: "bucket_cap",
+        UnitDecl: "unit",
+        Prefetch: "prefetch",
+        Recompute: "recompute",
+    }[type(stmt)]
 
 
 def _first(*values):

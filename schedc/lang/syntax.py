@@ -167,14 +167,34 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """`recompute h.0 .. h.11` (layers), or inside fsdp `recompute u1, u3` (units)."""
+
+    refs: tuple[Ref, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class OtherSetting:
+    """A statement in a ddp or fsdp block that begins with a name no statement has (`overlpa
+    on`, `bucket_cap_mb = 25`): recorded as written, for the resolver to name."""
+
+    key: Name
+    span: Span
+
+
+BlockStmt = BucketDecl | BucketCap | Toggle | UnitDecl | Prefetch | Recompute | OtherSetting
+
+
+@dataclass(frozen=True)
 class DDP:
-    stmts: tuple[BucketDecl | BucketCap | Toggle, ...]
+    stmts: tuple[BlockStmt, ...]  # either block's statements parse in both; resolve judges
     span: Span
 
 
 @dataclass(frozen=True)
 class FSDP:
-    stmts: tuple[UnitDecl | Prefetch | Toggle, ...]
+    stmts: tuple[BlockStmt, ...]
     span: Span
 
 
@@ -219,6 +239,7 @@ Stmt = (
     | Optimizer
     | Precision
     | Toggle
+    | Recompute
     | DDP
     | FSDP
     | StreamDecl
@@ -390,6 +411,12 @@ class _ToAST(Transformer):
 
     def fsdp(self, meta, c):
         return FSDP(tuple(c), self._span(meta))
+
+    def other_setting(self, meta, c):
+        return OtherSetting(c[0], self._span(meta))
+
+    def recompute(self, meta, c):
+        return Recompute(c[0], self._span(meta))
 
     # streams and programs
     def stream(self, meta, c):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from schedc.ir.spec import DDPSpec, FSDPSpec, Spec
-from schedc.lang.diagnostics import Diagnostic, Note
+from schedc.lang.diagnostics import Diagnostic, Note, count
 from schedc.model.batching import sequence_ids
 
 
@@ -147,7 +147,7 @@ def meaning(spec: Spec) -> dict[str, str]:
         "model": _model(spec),
         "world": str(spec.world),
         "batch": f"{spec.seqs} x {spec.seq_len}",
-        "split": f"micro {spec.micro} x {spec.accum} micro-steps",
+        "split": f"micro {spec.micro} x {count(spec.accum, 'micro-step')}",
         "steps": str(spec.steps),
         "seed": str(spec.seed),
         "data source": _data(spec),

@@ -9,6 +9,10 @@ Rules, each with its code (errors.CODES):
   cross-stream needs by an event [missing-event], reductions after the last gradient
   write [early-reduce], the optimizer after every reduction [optimizer-wait], a unit's
   parameters only while gathered [use-after-free]
+* a recompute reruns its layer's forward with the layer's unit gathered [recompute-gather],
+  is complete before its layer's backward [recompute-late] (which releases what the
+  layer kept), and is of a layer declared `recompute`, whose forward kept its input: any
+  other forward saved activations and freed its input [recompute-freed]
 * every rank issues the same collectives in the same order on each stream   [spmd]
 * the predicted peak memory fits the declared budget   [memory-budget]
 
@@ -115,7 +119,15 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
             )
             ok = False
         if d.get("stream") is not None and not d.get("required"):
-            if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
+            if op.kind is Kind.RECOMPUTE and op.target not in spec.recompute:
+                diag.error(
+                    "recompute-freed",
+                    f"{op} reruns {op.target}'s forward from its input, but {op.target} does "
+                    f"not recompute: its forward saved activations and freed its input",
+                    d["span"],
+                    hint=f"declare `recompute {op.target}` (a top-level statement), or drop {op}",
+                )
+            elif op.is_collective and spec.no_sync and not spec.communicates(op.mb):
                 diag.error(
                     "nosync-comm",
                     f"{op} communicates in micro-step {op.mb}, but no_sync "
@@ -243,6 +255,18 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
             f"free a unit only after its last reader: place {v} after {u}"
             + (" or wait for it" if cross else ""),
         )
+    if v.kind is Kind.RECOMPUTE and PARAMS in whys:
+        return (
+            "recompute-gather",
+            f"{v} reruns {v.target}'s forward before {u} gathers '{u.target}'",
+            wait if cross else f"place {u} before {v}",
+        )
+    if v.kind is Kind.BWD and u.kind is Kind.RECOMPUTE:
+        return (
+            "recompute-late",
+            f"{v} reads the activations {u} rebuilds, but can start before it",
+            f"place {u} right before {v}",
+        )
     if PARAMS in whys and not cross:
         return (
             "use-after-free",
@@ -362,11 +386,17 @@ def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | Non
         hint = "raise `memory`"
         if spec.kind is Strategy.FSDP:
             hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
-        at = f"after {report.peak_at}" if report.peak_at else "model states alone"
+        if report.largest == "activations":
+            hint = "recompute layers (`recompute h.0 .. h.N`), use a smaller `micro`, or raise " + (
+                "`memory`"
+            )
+        at = f"at {report.peak_at}" if report.peak_at else "model states alone"
+        parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in report.parts)
         diag.error(
             "memory-budget",
             f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
-            f"exceeds the budget of {fmt_bytes(spec.memory)}",
+            f"exceeds the budget of {fmt_bytes(spec.memory)}; the largest part is "
+            f"{report.largest} ({parts})",
             spec.where.get("memory"),
             hint=hint,
         )

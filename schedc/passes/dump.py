@@ -10,6 +10,7 @@ import dataclasses
 
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
+from schedc.lang.diagnostics import count
 from schedc.lang.syntax import Schedule
 from schedc.passes.graph import ScheduleGraph
 
@@ -56,8 +57,8 @@ def dump_graph(sg: ScheduleGraph) -> str:
     g = sg.g
     n_needs = sum(1 for _ in sg.needs())
     lines = [
-        f"# graph: {g.number_of_nodes()} ops, {len(sg.programs)} streams, "
-        f"{n_needs} needs, {len(sg.events())} events"
+        f"# graph: {count(g.number_of_nodes(), 'op')}, {count(len(sg.programs), 'stream')}, "
+        f"{count(n_needs, 'need')}, {count(len(sg.events()), 'event')}"
     ]
     for stream, ops in sg.programs.items():
         for op in ops:

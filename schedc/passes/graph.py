@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd
+from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd, recompute
 from schedc.ir.source import Span
 from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
 
 # why a consumer needs its producer
 ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
 GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
-SAVED = "saved activations"  # bwd[L] reads what fwd[L] saved
+SAVED = "saved activations"  # bwd[L] reads what fwd[L] (or recompute[L]) saved
+INPUT = "kept input"  # recompute[L] reruns forward from the input fwd[L] kept
 PARAMS = "gathered parameters"  # compute reads a unit's full parameters
 GRADS = "complete gradients"  # a reduction reads gradients its writers produced
 REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
@@ -107,7 +108,10 @@ def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, str]]:
     i = layers.index(op.target)
     if op.kind is Kind.FWD:
         return [(fwd(layers[i - 1], op.mb), ACT)] if i else []
-    needs = [(fwd(op.target, op.mb), SAVED)]
+    if op.kind is Kind.RECOMPUTE:
+        return [(fwd(op.target, op.mb), INPUT)]
+    maker = recompute if op.target in spec.recompute else fwd
+    needs = [(maker(op.target, op.mb), SAVED)]
     if i + 1 < len(layers):
         needs.insert(0, (bwd(layers[i + 1], op.mb), GRAD_IN))
     return needs
@@ -130,6 +134,9 @@ def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
         done: set[str] = set()
         launched = 0
         for layer in reversed(cfg.layers):
+            if layer in spec.recompute:  # right before its backward: the shortest lifetime
+                again = recompute(layer, j)
+                seq.emit(again, _compute_needs(spec, again), _span_of_compute(spec, again))
             op = bwd(layer, j)
             needs = _compute_needs(spec, op)
             if j and spec.communicates(j - 1):
@@ -221,7 +228,7 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
                 needs.append((keep_gather[u.name], PARAMS))
             else:
                 needs.append((source_gather[use_at[(u.name, i)]], PARAMS))
-        seq.emit(op, needs, spec.where.get("model"))
+        seq.emit(op, needs, _span_of_compute(spec, op))
         for u in rs_after.get(i, []):
             writers = unit_writers[u.name]
             rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
@@ -246,14 +253,26 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     return seq
 
 
+def _span_of_compute(spec: Spec, op: Op) -> Span | None:
+    if op.kind is Kind.RECOMPUTE:
+        return spec.where.get("recompute") or spec.where.get("fsdp.recompute")
+    return spec.where.get("model")
+
+
 def _compute_order(spec: Spec) -> list[Op]:
-    """Every fwd and bwd of the step, in the order the compute stream runs them."""
+    """Every fwd, recompute and bwd of the step, in the order the compute stream runs them."""
     layers = spec.model.layers
     return [
         op
         for j in range(spec.accum)
         for op in [fwd(layer, j) for layer in layers]
-        + [bwd(layer, j) for layer in reversed(layers)]
+        + [
+            again
+            for layer in reversed(layers)
+            for again in (
+                [recompute(layer, j), bwd(layer, j)] if layer in spec.recompute else [bwd(layer, j)]
+            )
+        ]
     ]
 
 

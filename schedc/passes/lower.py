@@ -5,13 +5,21 @@ its consumer's `run`, for an event recorded immediately after its producer's `ru
 (ordering invariant: a record follows its producer and precedes every wait for it).
 The issue order is a topological order of the run graph that prefers the canonical
 sequence, so a collective is issued the moment its inputs are ready.
+
+A plan with comm streams opens with one more event, the step start: recorded on compute
+before anything else and waited for at the head of every comm stream. The step's first
+collectives read what the previous step's optimizer (or a resume) wrote on compute, and
+allocate memory that compute freed; this edge orders them after it. It is FSDP2's
+`_root_pre_forward` (torch/distributed/fsdp/_fully_shard/_fsdp_state.py: "Wait for optimizer
+before implicitly prefetched all-gathers", all-gather streams `wait_event` on the post-optim
+event or `wait_stream` on the current stream). It is numbered after the ops' events.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from schedc.ir.op import Op
+from schedc.ir.op import COMPUTE, Op
 from schedc.ir.plan import Action, Instr, Plan
 from schedc.passes.graph import ScheduleGraph
 
@@ -55,6 +63,12 @@ def lower(sg: ScheduleGraph) -> Plan:
             waits_for.setdefault(v, []).append(e)
 
     instrs: list[Instr] = []
+    streams = tuple(s for s, ops in sg.programs.items() if ops)
+    comm_streams = [s for s in streams if s != COMPUTE]
+    start = len(event_of) if comm_streams else None
+    if start is not None:
+        instrs.append(Instr(Action.RECORD, COMPUTE, event=start))
+        instrs += [Instr(Action.WAIT, s, event=start) for s in comm_streams]
     for op in order:
         stream = g.nodes[op]["stream"]
         for e in sorted(waits_for.get(op, [])):
@@ -62,11 +76,11 @@ def lower(sg: ScheduleGraph) -> Plan:
         instrs.append(Instr(Action.RUN, stream, op=op))
         if op in event_of:
             instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
-    streams = tuple(s for s, ops in sg.programs.items() if ops)
     return Plan(
         sg.rank,
         streams,
         tuple(instrs),
         {e: op for op, e in event_of.items()},
         {e: tuple(vs) for e, vs in consumers.items()},
+        step_start=start,
     )

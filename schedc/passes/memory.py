@@ -12,8 +12,11 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
   param_dtype: bf16 halves it), from its all-gather to its free.
 * unsharded gradients (FSDP): a unit's full flat gradient in the gather dtype (autograd
   writes a parameter's gradient in the parameter's dtype), per micro-step (one for the
-  whole step under no_sync), from the first backward that writes it to the reduce-scatter
-  that consumes it.
+  whole step under no_sync), from the first backward that writes it until the
+  reduce-scatter that consumes it is retired: the executor retires a stream's collectives
+  in order when a wait reaches one of them, the finished ones after each backward, and
+  all before the update (exec/backends.py `wait`, `poll`, `drain`; on CUDA the caching
+  allocator may reuse the buffer sooner: there the count is an upper bound).
 * communication buffers: the temporaries of one collective, live at its op in the issue
   order and released after it (a stream runs its collectives one at a time), in bytes:
 
@@ -40,10 +43,18 @@ Communication volume (`op_bytes`) follows the same dtypes: an all-gather moves P
 bytes, a reduce-scatter P x r, an all-reduce n x r, per rank (the executor's
 `StepStats.comm_bytes` counts the same from its buffers).
 
-Activations are estimated separately (one micro-step's worth, in the compute dtype) and
-are not part of the budget: they depend on kernels schedc does not choose. The executor
-measures the states, gathered and unsharded-gradient peaks from its own buffers, so the
-two can be compared.
+* optimizer temporaries, at the step: foreach AdamW's sqrt(v), 4 bytes a parameter on
+  the rank; FSDP's global norm first squares each gradient shard in float64, a copy and
+  its square, 16 bytes an element of the largest shard (whichever is larger).
+* activations (issue 16): what autograd saves per layer per micro-step, derived in
+  `layer_acts` from GPT-2's ops at the model's shapes, micro size and compute dtype;
+  added at each fwd (a recomputing layer adds only its input), added back at its
+  recompute and released at its bwd, with each op's transient on top while it runs.
+
+The peak is taken over the plan's issue order of the sum of all of these, and is what the
+`memory` budget is checked against. The executor measures the states, gathered and
+unsharded-gradient peaks from its own buffers, and on a CPU the whole peak as live heap
+(schedc/exec/heap.py), so each can be compared with its prediction.
 """
 
 from __future__ import annotations
@@ -51,8 +62,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedc.ir.op import Kind, Op
-from schedc.ir.plan import Plan
-from schedc.ir.spec import Spec, Strategy, UnitSpec
+from schedc.ir.plan import Action, Plan
+from schedc.ir.spec import Dtype, Spec, Strategy, UnitSpec
 from schedc.model.arch import FP32
 
 
@@ -62,9 +73,19 @@ class MemoryReport:
     gathered_peak: int  # the most full-size unit parameters live at once (gather dtype)
     grads_peak: int  # the most unsharded unit gradients live at once (gather dtype)
     comm_peak: int  # the most collective temporaries live at once (casts, outputs)
-    peak: int  # the peak of the total, along the issue order
-    peak_at: str  # the op after which the peak is reached
-    activations: int  # estimate for one micro-step, outside the budget
+    peak: int  # the peak of the total, activations included, along the issue order
+    peak_at: str  # the op at which the peak is reached
+    activations: int  # the most activation bytes live at once (saved, kept, transient)
+    buffers_peak: int = 0  # the peak without activations (states, units, grads, comm)
+    parts: tuple[tuple[str, int], ...] = ()  # what the peak is made of, largest first
+    # the peak at op boundaries: without an op's own transients (its activation scratch and
+    # the optimizer's temporaries), which live only inside the op
+    settled_peak: int = 0
+
+    @property
+    def largest(self) -> str:
+        """The largest contributor to the peak, in words."""
+        return self.parts[0][0] if self.parts else "model states"
 
     def rows(self) -> list[tuple[str, int]]:
         return [
@@ -72,8 +93,8 @@ class MemoryReport:
             ("gathered units (peak)", self.gathered_peak),
             ("unsharded grads (peak)", self.grads_peak),
             ("comm buffers (peak)", self.comm_peak),
+            ("activations (peak)", self.activations),
             ("total (peak)", self.peak),
-            ("activations (estimate)", self.activations),
         ]
 
 
@@ -91,49 +112,111 @@ def bucket_numel(spec: Spec, name: str) -> int:
     return sum(spec.model.param(p).numel for p in b.params)
 
 
+class _Ledger:
+    """The walk along the issue order: what is live after each op, the peak and its parts."""
+
+    def __init__(self, spec: Spec, held: int):
+        self.held, self.gathered, self.grads = held, 0, 0
+        self.acts = Activations(spec)
+        self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations
+        self.peak: tuple[int, str, tuple] = (held + self.acts.live, "", ())
+        self.buffers = held
+        self.settled = held + self.acts.live
+
+    def at(self, op: Op, comm: int = 0, optimizer: int = 0) -> None:
+        """Account `op`: its activations (saved, kept, transient) with its temporaries."""
+        live, transient = self.acts.step(op)
+        self.peaks = [
+            max(self.peaks[0], self.gathered),
+            max(self.peaks[1], self.grads),
+            max(self.peaks[2], comm),
+            max(self.peaks[3], live + transient),
+        ]
+        buffers = self.held + self.gathered + self.grads + comm
+        self.buffers = max(self.buffers, buffers)
+        self.settled = max(self.settled, buffers - comm + live)
+        total = buffers + live + transient + optimizer
+        if total > self.peak[0]:
+            parts = (
+                ("model states", self.held),
+                ("gathered units", self.gathered),
+                ("unsharded gradients", self.grads),
+                ("communication buffers", comm),
+                ("activations", live + transient),
+                ("optimizer temporaries", optimizer),
+            )
+            self.peak = (total, str(op), parts)
+
+    def report(self, states: int) -> MemoryReport:
+        total, at, parts = self.peak
+        parts = tuple(sorted(((n, v) for n, v in parts if v), key=lambda p: -p[1]))
+        g, gr, c, a = self.peaks
+        return MemoryReport(states, g, gr, c, total, at, a, self.buffers, parts, self.settled)
+
+
 def predict(spec: Spec, plan: Plan) -> MemoryReport:
-    acts = activation_estimate(spec)
     r = spec.numerics.reduce.nbytes
     if spec.kind is not Strategy.FSDP:
         states = 4 * FP32 * spec.model.numel
-        peak, comm = (states, ""), 0
-        if spec.kind is Strategy.DDP and r != FP32:  # bf16_compress_hook's cast of a bucket
-            for op in plan.ops:
-                if op.kind is Kind.ALLREDUCE:
-                    temp = bucket_numel(spec, op.target) * r
-                    comm = max(comm, temp)
-                    if states + temp > peak[0]:
-                        peak = (states + temp, str(op))
-        return MemoryReport(states, 0, 0, comm, peak[0], peak[1], acts)
+        led = _Ledger(spec, states)
+        for op in plan.ops:
+            comm = 0
+            if spec.kind is Strategy.DDP and r != FP32 and op.kind is Kind.ALLREDUCE:
+                comm = bucket_numel(spec, op.target) * r  # bf16_compress_hook's cast
+            # foreach AdamW: sqrt(v) into a new list of tensors, fp32 per parameter
+            led.at(op, comm, FP32 * spec.model.numel if op.kind is Kind.STEP else 0)
+        return led.report(states)
     fs, D = spec.strategy, spec.world
     g = spec.numerics.gather.nbytes
     numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P, per unit
     states = sum(4 * FP32 * (n // D) for n in numel.values())
     # between steps a rank holds its parameter shard and Adam m, v; each gradient shard
     # exists from the unit's first reduce-scatter of the step until the update
-    held = sum(3 * FP32 * (n // D) for n in numel.values())
+    led = _Ledger(spec, sum(3 * FP32 * (n // D) for n in numel.values()))
     writers = {u.name: spec.writers(u.params) for u in fs.units}
-
-    gathered = grads = 0
-    peak = (held, "")
-    peaks = [0, 0, 0]
     grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
     scattered: set[str] = set()  # units reduce-scattered so far in the step
     key = (lambda mb: 0) if fs.no_sync else (lambda mb: mb)
-    for op in plan.ops:
+    # gradients reduce-scattered but not yet retired: stream -> [(issue index, (unit, key))]
+    retiring: dict[str, list[tuple[int, tuple[str, int]]]] = {}
+    stream_of = {ins.op: ins.stream for ins in plan.instrs if ins.kind is Action.RUN}
+    issued = {op: i for i, op in enumerate(plan.ops)}
+
+    def retire(stream: str | None, upto: int | None) -> None:
+        for s in [stream] if stream is not None else list(retiring):
+            keep = []
+            for i, live in retiring.get(s, []):
+                if upto is None or i <= upto:
+                    grad_live.discard(live)
+                    led.grads -= numel[live[0]] * g
+                else:
+                    keep.append((i, live))
+            retiring[s] = keep
+
+    for ins in plan.instrs:
+        if ins.kind is Action.WAIT and ins.event != plan.step_start:
+            # a wait retires its stream's queue up to the op it waits for (FIFO); the step
+            # start has no producer op (comm streams wait for compute: nothing to retire)
+            producer = plan.producers[ins.event]
+            retire(stream_of[producer], issued[producer])
+        if ins.kind is not Action.RUN:
+            continue
+        op = ins.op
+        if op.kind is Kind.STEP:
+            retire(None, None)  # the update drains every stream first
         comm = 0  # this op's temporaries (see the module's docstring)
         if op.kind is Kind.ALLGATHER:
-            gathered += numel[op.target] * g
+            led.gathered += numel[op.target] * g
             if g != FP32:
                 comm = numel[op.target] // D * g  # the shard, cast for the gather
         elif op.kind is Kind.FREE:
-            gathered -= numel[op.target] * g
+            led.gathered -= numel[op.target] * g
         elif op.kind is Kind.BWD:
             for u in fs.units:
                 live = (u.name, key(op.mb))
                 if op.target in writers[u.name] and live not in grad_live:
                     grad_live.add(live)
-                    grads += numel[u.name] * g
+                    led.grads += numel[u.name] * g
         elif op.kind is Kind.REDUCESCATTER:
             n, first = numel[op.target], op.target not in scattered
             if r != g:
@@ -141,34 +224,129 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             if not (first and r == FP32):
                 comm += n // D * r  # the output shard, added (or cast back) into the fp32 one
             if first:
-                held += n // D * FP32  # the gradient shard comes into being
-        peaks = [max(peaks[0], gathered), max(peaks[1], grads), max(peaks[2], comm)]
-        total = held + gathered + grads + comm
-        if total > peak[0]:
-            peak = (total, str(op))
+                led.held += n // D * FP32  # the gradient shard comes into being
+        optimizer = 0
+        if op.kind is Kind.STEP:
+            # the global norm squares each gradient shard in float64 (a copy and its square:
+            # 16 bytes an element, one unit at a time), then foreach AdamW's sqrt(v) (fp32)
+            optimizer = max(
+                2 * 8 * max(n // D for n in numel.values()),
+                FP32 * sum(n // D for n in numel.values()),
+            )
+        led.at(op, comm, optimizer)
         if op.kind is Kind.REDUCESCATTER:
-            # the unsharded gradient and the temporaries are released once it is done
+            # its input lives until the collective is retired (exec/backends.py)
             scattered.add(op.target)
             live = (op.target, key(op.mb))
-            if live in grad_live:
-                grad_live.discard(live)
-                grads -= numel[op.target] * g
-    return MemoryReport(states, peaks[0], peaks[1], peaks[2], peak[0], peak[1], acts)
+            if live in grad_live and all(live != x for q in retiring.values() for _, x in q):
+                retiring.setdefault(ins.stream, []).append((issued[op], live))
+    return led.report(states)
 
 
-def activation_estimate(spec: Spec) -> int:
-    """Bytes saved for backward by one micro-step (a rough, documented estimate).
+# -- activations ----------------------------------------------------------------------------------
 
-    Per block and token: about 34 C values (inputs of the LayerNorms, the qkv projection,
-    attention output, MLP input and GELU input, x4 for the 4C hidden) plus the attention
-    probabilities when the kernel materializes them (n_head x T), in the compute dtype
-    (autocast saves the bf16 copies its matmuls read); the head keeps the logits and their
-    gradient (2 V per token) in fp32, since autocast runs the cross-entropy in fp32.
+
+@dataclass(frozen=True)
+class LayerActs:
+    """Bytes one layer holds for one micro-step (see `layer_acts`)."""
+
+    saved: int  # what autograd saves for its backward, its input included
+    kept: int  # what a recomputing layer keeps instead: its input
+    fwd: int  # transient on top while its forward runs
+    bwd: int  # transient on top while its backward runs
+
+
+def layer_acts(spec: Spec, layer: str) -> LayerActs:
+    """What autograd saves for one layer of GPT-2 in one micro-step, in bytes.
+
+    N = micro x seq_len tokens, C = n_embd, H = n_head, V = vocab, fp32 compute (the
+    tensors autograd saves, read with saved_tensors_hooks on torch 2.13's CPU kernels;
+    views of one storage count once):
+
+    block h.i   16 C + 4 + H per token, fp32:
+                ln_1: its input x (C) and mean, rstd (1 + 1); c_attn: ln_1's output (C);
+                scaled_dot_product_attention (the CPU flash kernel, chosen for causal
+                attention without dropout in fp32 and bf16; CUDA's flash and efficient
+                kernels save the same): q, k, v (views of c_attn's output, 3 C), its output
+                (C, laid out (B, T, H, hs), so the transpose back is a view that attn.c_proj
+                saves for free) and the log-sum-exp (H); ln_2: x + attn (C) and mean, rstd;
+                c_fc: ln_2's output (C); GELU: c_fc's output (4 C); mlp.c_proj: GELU's
+                output (4 C). The residual adds save nothing.
+    embed       the position indices, 8 T bytes (int64); the token ids are the batch's.
+    head        2 C + 2 + V per token: ln_f's input and output, mean and rstd, and
+                log_softmax's output (cross_entropy = log_softmax + nll_loss, which saves
+                the targets: the batch's). The logits themselves are not saved.
+
+    bf16 autocast (`compute = bf16`) saves the bf16 copies its matmuls read: per block 14 C
+    bf16 + 2 C fp32 (the LayerNorms' inputs) + 4 + H fp32 per token, plus the bf16 casts
+    of the block's weights (12 C^2 x 2 bytes, made again by every forward); the head the
+    bf16 logits (V x 2) besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
+
+    A recomputing layer keeps only its input during forward (a block: N C in the compute
+    dtype's residual stream, fp32; embed: nothing beyond the batch; head: N C), and holds
+    `saved` again from its recompute to its backward.
+
+    Transients, on top while the op runs (measured on the CPU heap, rounded up to whole
+    tensors): a block's forward, the attention projection and MLP outputs before their
+    residual adds (2 C); its backward, the gradients of the 4 C hidden and its input (about
+    4 C + 4 C + 2 C); the head's forward, the logits (V); its backward, the gradient of
+    log_softmax's output and of the logits (2 V) and of its input (C); embed's backward the
+    gradient of its output (C).
     """
-    cfg, tokens = spec.model, spec.micro * spec.seq_len
-    per_block = tokens * (34 * cfg.n_embd) * spec.numerics.compute.nbytes
-    head = tokens * 2 * cfg.vocab_size * FP32
-    return cfg.n_layer * per_block + head
+    cfg, N = spec.model, spec.micro * spec.seq_len
+    C, H, V = cfg.n_embd, cfg.n_head, cfg.vocab_size
+    bf16 = spec.numerics.compute is not Dtype.FP32
+    c = spec.numerics.compute.nbytes
+    if layer == "embed":
+        return LayerActs(8 * spec.seq_len, 0, N * C * FP32, N * C * FP32)
+    if layer == "head":
+        saved = N * ((2 * C + 2 + V) * FP32 if not bf16 else (C + 2 + V) * FP32 + (C + V) * c)
+        return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)
+    if bf16:
+        saved = N * (14 * C * c + (2 * C + 4 + H) * FP32) + 12 * C * C * c
+    else:
+        saved = N * (16 * C + 4 + H) * FP32
+    return LayerActs(saved, N * C * FP32, N * 2 * C * FP32, N * 10 * C * FP32)
+
+
+class Activations:
+    """Activation bytes live along a plan: each fwd adds what its layer saves (or keeps, when
+    it recomputes), a recompute adds the rest back, a bwd releases its layer's; the step's
+    token batches (int64 ids and targets of every micro-step) live throughout."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.of = {layer: layer_acts(spec, layer) for layer in spec.model.layers}
+        self.batches = spec.accum * 2 * spec.micro * spec.seq_len * 8
+        self.live = self.batches
+        self.held: dict[tuple[str, int], int] = {}
+
+    def step(self, op: Op) -> tuple[int, int]:
+        """Account one op; (live after it, its transient on top while it runs)."""
+        if op.kind not in (Kind.FWD, Kind.RECOMPUTE, Kind.BWD):
+            return self.live, 0
+        a, key = self.of[op.target], (op.target, op.mb)
+        if op.kind is Kind.FWD:
+            now = a.kept if op.target in self.spec.recompute else a.saved
+            self.held[key] = now
+            self.live += now
+            return self.live, a.fwd
+        if op.kind is Kind.RECOMPUTE:
+            self.live += a.saved - self.held.get(key, 0)
+            self.held[key] = a.saved
+            return self.live, a.fwd
+        transient = a.bwd + self.live  # its saved tensors live until its backward ends
+        self.live -= self.held.pop(key, 0)
+        return self.live, transient - self.live
+
+
+def activation_peak(spec: Spec, plan: Plan) -> int:
+    """The most activation bytes live at once along the plan."""
+    acts, peak = Activations(spec), 0
+    for op in plan.ops:
+        live, transient = acts.step(op)
+        peak = max(peak, live + transient)
+    return peak
 
 
 def op_bytes(spec: Spec, op: Op) -> int:

@@ -100,7 +100,7 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"{path}: unknown cost parameter(s) {', '.join(unknown)}; "
+                f"{path}: unknown cost parameter{'s' * (len(unknown) != 1)} {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
         values = {k: float(v) for k, v in data.items() if v is not None}
@@ -126,8 +126,9 @@ def ring_factor(kind: Kind, world: int) -> float:
 
 
 def op_flops(spec: Spec, op: Op) -> float:
-    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward)."""
-    if op.kind not in (Kind.FWD, Kind.BWD):
+    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward; a
+    recompute is its layer's forward again)."""
+    if op.kind not in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return 0.0
     f = spec.model.layer_fwd_flops(op.target, spec.micro * spec.seq_len, spec.seq_len)
     return 2 * f if op.kind is Kind.BWD else f
@@ -147,7 +148,7 @@ def optimizer_bytes(spec: Spec) -> float:
 
 
 def duration(spec: Spec, op: Op, cost: CostModel) -> float:
-    if op.kind in (Kind.FWD, Kind.BWD):
+    if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return op_flops(spec, op) / cost.rate(spec.numerics)
     if op.is_collective:
         return cost.latency + comm_volume(spec, op) / cost.bandwidth

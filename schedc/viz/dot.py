@@ -18,6 +18,7 @@ ENGINE = {"graph": "dot", "timeline": "neato"}
 COLORS = {
     Kind.FWD: ("#a5d8ff", "#1971c2"),
     Kind.BWD: ("#b2f2bb", "#2f9e44"),
+    Kind.RECOMPUTE: ("#e5dbff", "#7048e8"),  # a forward again, in backward: its own violet
     Kind.FREE: ("#f1f3f5", "#868e96"),
     Kind.STEP: ("#dee2e6", "#1e1e1e"),
     Kind.ALLREDUCE: ("#ffc9c9", "#e03131"),
@@ -49,6 +50,14 @@ def html(text: str) -> str:
     )
 
 
+def command(engine: str, dot_file: str, out_file: str) -> str:
+    """The Graphviz command line that draws `dot_file` as schedc would: a timeline's nodes
+    carry fixed positions, which only `neato -n2` keeps (`dot` would lay them out anew)."""
+    fmt = Path(out_file).suffix.lstrip(".").lower()
+    pinned = " -n2" if engine == "neato" else ""
+    return f"{engine}{pinned} -T{fmt} {dot_file} -o {out_file}"
+
+
 class GraphvizMissing(Exception):
     pass
 
@@ -65,7 +74,8 @@ def write(dot: str, out: Path, engine: str) -> None:
             f"writing {out.name} needs Graphviz's `{engine}` program, which is not on PATH; "
             "install Graphviz (Debian/Ubuntu: `sudo apt-get install graphviz`, macOS: "
             "`brew install graphviz`, conda: `conda install graphviz`), or write DOT text "
-            f"with -o {out.with_suffix('.dot').name} and render it elsewhere"
+            f"with -o {out.with_suffix('.dot').name} and render it elsewhere with "
+            f"`{command(engine, out.with_suffix('.dot').name, out.name)}`"
         )
     import graphviz
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
+from schedc.lang.diagnostics import count
 from schedc.viz.dot import COLORS, EVENT_COLOR, FONT, attrs, html, q
 
 
@@ -23,13 +24,13 @@ def describe(c: Compiled) -> str:
     k = f"{s.accum} micro-step{'s' if s.accum != 1 else ''} of {s.micro} x {s.seq_len} tokens"
     if s.kind is Strategy.DDP:
         st = s.strategy
-        how = f"{len(st.buckets)} bucket{'s' if len(st.buckets) != 1 else ''}"
+        how = count(len(st.buckets), "bucket")
         sync = ", no_sync" if s.no_sync and s.accum > 1 else ""
         return f"DDP, world {s.world}, {k}, {how}{sync}"
     if s.kind is Strategy.FSDP:
         st = s.strategy
         return (
-            f"FSDP, world {s.world}, {k}, {len(st.units)} units, prefetch forward "
+            f"FSDP, world {s.world}, {k}, {count(len(st.units), 'unit')}, prefetch forward "
             f"{st.prefetch_forward} / backward {st.prefetch_backward}"
         )
     return f"one process, {k}, gradients added across micro-steps"
@@ -70,7 +71,15 @@ def _fold_label(ops: list[Op], folded: range) -> str:
 def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = False) -> str:
     """The schedule graph(s) as DOT for `dot`: what runs on which stream and what waits."""
     graph = attrs(
-        rankdir="TB", fontname=q(FONT), fontsize=16, labelloc="t", nodesep="0.3", ranksep="0.22"
+        # newrank: rank the whole graph at once. Without it dot ranks each stream cluster on
+        # its own and joins them, and events between clusters may point upward (fsdp_prefetch)
+        newrank="true",
+        rankdir="TB",
+        fontname=q(FONT),
+        fontsize=16,
+        labelloc="t",
+        nodesep="0.3",
+        ranksep="0.22",
     )
     node = attrs(
         fontname=q(FONT),

@@ -9,7 +9,7 @@ from schedc.ir.op import Kind, Op
 from schedc.viz.simulate import Interval, Timeline
 from schedc.viz.units import fmt_time
 
-COMPUTING = frozenset({Kind.FWD, Kind.BWD, Kind.STEP})  # what hides communication
+COMPUTING = frozenset({Kind.FWD, Kind.BWD, Kind.RECOMPUTE, Kind.STEP})  # hides communication
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,8 @@ def simulate(
         runs[r] = []
         stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
         for ins in plan.instrs:
+            if ins.kind is Action.WAIT and ins.event == plan.step_start:
+                continue  # the step starts at time 0: nothing to wait for in one step
             if ins.kind is Action.WAIT:
                 p = plan.producers[ins.event]
                 waits.setdefault(ins.stream, []).append(node(r, stream_of[p], p))

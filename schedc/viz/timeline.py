@@ -14,7 +14,7 @@ are drawn plain, exposed pieces striped, and the caption totals both per rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from schedc.compiler import Compiled
@@ -79,9 +79,11 @@ def panels_for(
     trace: str | None = None,
     step: int | None = None,
     compare: bool = False,
+    cost_note: str = "",
 ) -> list[Panel]:
     """The panels a timeline draws: predicted for each schedule, or the measured step of
-    `trace` (with the prediction above it when `compare`); one rank, or all."""
+    `trace` (with the prediction above it when `compare`); one rank, or all. `cost_note`
+    says where the cost model came from, in the predicted panels' subtitles."""
     ranks = [rank] if rank is not None else None
     if not trace:
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
@@ -90,7 +92,12 @@ def panels_for(
         tl = measured(c, load(trace), step, ranks, name=trace)
     except TraceError as e:
         raise UserError(str(e)) from None
-    panels = [Panel.of(c, simulate(c, cost, ranks))] if compare else []
+    panels = []
+    if compare:
+        predicted = simulate(c, cost, ranks)
+        if cost_note:
+            predicted = replace(predicted, note=f"{predicted.note}; {cost_note}")
+        panels.append(Panel.of(c, predicted))
     return panels + [Panel.of(c, tl)]
 
 
@@ -108,6 +115,11 @@ class Box:
     @property
     def start(self) -> float:
         return self.items[0].start
+
+    @property
+    def key(self) -> tuple[Op, ...]:
+        """What the box draws, the same on every rank that runs it: it is named once."""
+        return tuple(i.op for i in self.items)
 
     @property
     def end(self) -> float:
@@ -135,12 +147,7 @@ class Box:
             ]
         if op.is_collective:
             tail = f":{op.phase.value}" if op.phase else ""
-            return [
-                str(op),
-                f"{ABBR[op.kind]} {op.target}{tail}",
-                f"{ABBR[op.kind]} {op.target}",
-                ABBR[op.kind],
-            ]
+            return [str(op), f"{ABBR[op.kind]} {op.target}{tail}", short(op)]
         if op.kind is Kind.STEP:
             return ["optimizer.step", "optimizer", "opt"]
         if op.kind is Kind.FREE:
@@ -153,6 +160,11 @@ class Box:
             f"{ops}: {fmt_time(self.end - self.start)} "
             f"({fmt_time(self.start)} .. {fmt_time(self.end)})"
         )
+
+
+def short(op: Op) -> str:
+    """A collective's shortest name, `AR b1`: what a mark's row in the table calls it."""
+    return f"{ABBR[op.kind]} {op.target}"
 
 
 def _unit_of(spec, layers: list[str]) -> str | None:
@@ -173,7 +185,7 @@ def boxes(c: Compiled, lane: list[Interval], rank: int, unfold: bool) -> list[Bo
     waits: set[Op] = set()
     pending: set[str] = set()
     for ins in plan.instrs:  # a wait belongs to the next run on its stream
-        if ins.kind is Action.WAIT:
+        if ins.kind is Action.WAIT and ins.event != plan.step_start:
             pending.add(ins.stream)
         elif ins.kind is Action.RUN and ins.stream in pending:
             pending.discard(ins.stream)
@@ -227,6 +239,7 @@ class Canvas:
         size: float = 10,
         tooltip: str | None = None,
         style: str | None = None,
+        cls: str | None = None,
         pen: float = 1.0,
         font: str = INK,
     ) -> None:
@@ -247,6 +260,7 @@ class Canvas:
                 fontsize=f"{size:g}",
                 fontcolor=q(font),
                 tooltip=q(tooltip) if tooltip else None,
+                **{"class": q(cls)} if cls else {},
             )
         )
 
@@ -260,6 +274,7 @@ class Canvas:
         color: str = INK,
         align: str = "l",
         bold: bool = False,
+        cls: str | None = None,
     ) -> float:
         """Text whose left (align l), centre (c) or right (r) edge is at x, top at y."""
         w = text_width(text, size) + 6
@@ -278,12 +293,14 @@ class Canvas:
                 fontsize=f"{size:g}",
                 fontcolor=q(color),
                 fontname=q(FONT + "-Bold" if bold else FONT),
+                **{"class": q(cls)} if cls else {},
             )
         )
         return w
 
     def dot(self) -> str:
         head = [
+            "// positions are pinned: draw with `neato -n2 -Tsvg THIS.dot -o OUT.svg`",
             "digraph timeline {",
             "  graph "
             + attrs(splines="false", outputorder="nodesfirst", bgcolor=q("white"), pad="0.2")
@@ -365,25 +382,32 @@ def _panel(cv: Canvas, p: Panel, y: float, v: View, width: float, unfold: bool) 
     y += 20
     cv.text(0, y, p.subtitle(), size=10, color="#495057")
     y += 20
+    lanes = {
+        (r, s): [b for b in boxes(c, tl.on(r, s), r, unfold) if v.clip(b.start, b.end)]
+        for r in tl.ranks
+        for s in tl.streams
+    }
+    names = _names(tl.spec, lanes, v)
+    marks = _marks(lanes, names)
     for r in tl.ranks:
         y = _markers(cv, tl, r, y, v)
         for s in tl.streams:
-            lane = tl.on(r, s)
             cv.box(LEFT, y, width, LANE, fill="#f8f9fa", stroke="#e9ecef")
             who = f"rank {r}\n" if len(tl.ranks) > 1 else ""
             cv.text(
                 LEFT - 8, y + LANE / 2 - (15 if who else 8), f"{who}{s}\nstream", size=10, align="r"
             )
-            has_comm = False
-            for b in boxes(c, lane, r, unfold):
-                if v.clip(b.start, b.end) is None:
-                    continue
-                has_comm |= b.op.is_collective
-                _draw_box(cv, tl.spec, b, p.overlap[r], v, y + 3, LANE - 6)
+            lane = lanes[(r, s)]
+            # frees last: a free's tick lies on the edge of the boxes around it
+            for b in sorted(lane, key=lambda b: b.op.kind is Kind.FREE):
+                _draw_box(cv, b, names[b.key], p.overlap[r], v, y + 3, LANE - 6)
             y += LANE + 2
-            if has_comm:
-                _notes(cv, [x for x in p.overlap[r].items if x.interval.stream == s], v, y)
+            if any(b.op.is_collective and b.op not in marks for b in lane):
+                mine = [x for x in p.overlap[r].items if x.interval.stream == s]
+                _notes(cv, [x for x in mine if x.interval.op not in marks], v, y)
                 y += NOTE
+            if any(b.op in marks for b in lane):
+                y = _mark_row(cv, [b for b in lane if b.op in marks], marks, v, y)
         if tl.spec.kind is Strategy.FSDP:
             y = _gathered(cv, tl, r, v, y, width)
         y += 6
@@ -397,15 +421,136 @@ def _panel(cv: Canvas, p: Panel, y: float, v: View, width: float, unfold: bool) 
     for line in lines:
         cv.text(0, y, line, size=11)
         y += 15
-    return y
+    return _table(cv, p, marks, y, LEFT + width)
 
 
-def _draw_box(cv: Canvas, spec, b: Box, ov: Overlap, v: View, y: float, h: float) -> None:
+def _width(b: Box, v: View) -> float:
+    """The drawn width of a box, in points (a zero-length op is still a hairline)."""
     start, end = v.clip(b.start, b.end)
-    x0, x1 = v.x(start), v.x(end)
-    w = max(x1 - x0, 0.8)
+    return max(v.x(end) - v.x(start), 0.8)
+
+
+def _names(
+    spec, lanes: dict[tuple[int, str], list[Box]], v: View
+) -> dict[tuple, tuple[str, float]]:
+    """One label per op (or run of ops) for every rank, and its font size: the longest
+    candidate that fits its narrowest box on any rank, else the shortest in smaller type;
+    "" where none fits (a collective then gets a mark)."""
+    narrowest: dict[tuple, tuple[float, Box]] = {}
+    for lane in lanes.values():
+        for b in lane:
+            w = _width(b, v)
+            if b.key not in narrowest or w < narrowest[b.key][0]:
+                narrowest[b.key] = (w, b)
+    out = {}
+    for k, (w, b) in narrowest.items():
+        tries = [(t, 10.0) for t in b.labels(spec)] + [(b.labels(spec)[-1], 8.0)]
+        out[k] = next(((t, size) for t, size in tries if _fits(t, w, size)), ("", 10.0))
+    return out
+
+
+def _marks(lanes: dict[tuple[int, str], list[Box]], names: dict[tuple, tuple]) -> dict[Op, int]:
+    """Collectives too narrow for any label, numbered 1, 2, ... by when they first start;
+    the number marks the op under its box on every rank and keys its row of the table."""
+    first: dict[Op, float] = {}
+    for lane in lanes.values():
+        for b in lane:
+            if b.op.is_collective and not names[b.key][0]:
+                first[b.op] = min(first.get(b.op, math.inf), b.start)
+    ordered = sorted(first, key=lambda op: (first[op], str(op)))
+    return {op: n for n, op in enumerate(ordered, 1)}
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[3, 4, 5, 7] -> "3..5,7"."""
+    out: list[tuple[int, int]] = []
+    for n in sorted(numbers):
+        if out and out[-1][1] == n - 1:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((n, n))
+    return ",".join(f"{a}" if a == b else f"{a},{b}" if b == a + 1 else f"{a}..{b}" for a, b in out)
+
+
+def _mark_row(cv: Canvas, marked: list[Box], marks: dict[Op, int], v: View, y: float) -> float:
+    """Under a lane: a tick under each marked collective and its number; numbers that would
+    collide share one text (`3..13`), but each op keeps its own tick and its own table row."""
+    groups: list[tuple[float, float, list[int]]] = []  # (first x, last x, numbers)
+    for b in sorted(marked, key=lambda b: b.start):
+        start, end = v.clip(b.start, b.end)
+        x = (v.x(start) + v.x(end)) / 2
+        cv.box(x - 0.4, y - 1, 0.8, 4, fill=INK, cls="mark")
+        groups.append((x, x, [marks[b.op]]))
+        while len(groups) > 1:  # merge into the group before while their texts would touch
+            (a, z, ns), (a2, z2, ns2) = groups[-2], groups[-1]
+            if (a2 + z2) / 2 - text_width(_ranges(ns2), 8) / 2 >= (a + z) / 2 + text_width(
+                _ranges(ns), 8
+            ) / 2 + 3:
+                break
+            groups[-2:] = [(a, z2, ns + ns2)]
+    for a, z, ns in groups:
+        cv.text((a + z) / 2, y + 2, _ranges(ns), size=8, align="c", bold=True, cls="mark")
+    return y + 14
+
+
+def _status(x) -> tuple[str, str]:
+    """A collective's hidden/exposed split as words, and their colour."""
+    share = x.hidden / x.interval.length if x.interval.length > 0 else 1.0
+    if share >= 0.99:
+        return "hidden", GREEN
+    if share <= 0.01:
+        return f"exposed {fmt_time(x.exposed)}", RED
+    return f"{100 * share:.0f}% hidden, {fmt_time(x.exposed)} exposed", "#e8590c"
+
+
+def _share(x) -> str:
+    """`hidden`, `exposed`, or `40% hidden`: the words of a table row."""
+    share = x.hidden / x.interval.length if x.interval.length > 0 else 1.0
+    if share >= 0.99:
+        return "hidden"
+    return "exposed" if share <= 0.01 else f"{100 * share:.0f}% hidden"
+
+
+def _table(cv: Canvas, p: Panel, marks: dict[Op, int], y: float, right: float) -> float:
+    """The marked collectives, one row each: mark, short name, IR text, and per rank its
+    time and hidden/exposed split; in as many columns as fit the picture's width."""
+    if not marks:
+        return y
+    y += 4
+    cv.text(0, y, "collectives too narrow to label, by their mark under the lane:", size=10)
+    y += 15
+    rows = []
+    for op, n in sorted(marks.items(), key=lambda kv: kv[1]):
+        per = []
+        for r, ov in p.overlap.items():
+            x = next((x for x in ov.items if x.interval.op == op), None)
+            if x is not None:
+                who = "" if len(p.overlap) == 1 else f"rank {r} "
+                per.append(f"{who}{fmt_time(x.interval.length)}, {_share(x)}")
+        rows.append((str(n), f"{short(op)}  {op}: {'; '.join(per)}"))
+    mark_w = max(text_width(m, 9) for m, _ in rows) + 8
+    col_w = mark_w + max(text_width(t, 9) for _, t in rows) + 24
+    cols = max(1, min(len(rows), int(right // col_w)))
+    per_col = math.ceil(len(rows) / cols)
+    for i, (m, text) in enumerate(rows):
+        x, row_y = (i // per_col) * col_w, y + (i % per_col) * 13
+        cv.text(x + mark_w - 4, row_y, m, size=9, align="r", bold=True, cls="legend_mark")
+        cv.text(x + mark_w, row_y, text, size=9, cls="legend_row")
+    return y + per_col * 13 + 4
+
+
+def _draw_box(
+    cv: Canvas, b: Box, name: tuple[str, float], ov: Overlap, v: View, y: float, h: float
+) -> None:
+    label, size = name
+    start, end = v.clip(b.start, b.end)
+    x0 = v.x(start)
+    w = _width(b, v)
     fill, stroke = COLORS[b.op.kind]
-    label = next((t for t in b.labels(spec) if _fits(t, w, 10)), "")
+    if b.op.kind is Kind.FREE and w < 3:  # a free takes ~1 us: a tick, so it can be seen,
+        # standing out of the lane's boxes above and below
+        cv.box(x0 - 0.8, y - 3, 1.6, h + 6, fill="#495057", tooltip=b.tooltip(), cls="free")
+        return
     if not b.op.is_collective:
         style = "filled,dashed" if b.op.kind is Kind.FREE else "filled"
         cv.box(
@@ -416,6 +561,7 @@ def _draw_box(cv: Canvas, spec, b: Box, ov: Overlap, v: View, y: float, h: float
             fill=fill,
             stroke=stroke,
             label=label,
+            size=size,
             tooltip=b.tooltip(),
             style=style,
             pen=0.8 if w >= 4 else 0.3,
@@ -444,6 +590,7 @@ def _draw_box(cv: Canvas, spec, b: Box, ov: Overlap, v: View, y: float, h: float
         h,
         stroke=stroke,
         label=label,
+        size=size,
         tooltip=b.tooltip(),
         pen=1.2 if w >= 6 else 0.4,
         style="solid",
@@ -458,13 +605,7 @@ def _notes(cv: Canvas, items, v: View, y: float) -> None:
         if iv.length <= 0 or v.clip(iv.start, iv.end) is None:
             continue
         a, b = v.clip(iv.start, iv.end)
-        share = x.hidden / iv.length
-        if share >= 0.99:
-            text, color = "hidden", GREEN
-        elif share <= 0.01:
-            text, color = f"exposed {fmt_time(x.exposed)}", RED
-        else:
-            text, color = f"{100 * share:.0f}% hidden, {fmt_time(x.exposed)} exposed", "#e8590c"
+        text, color = _status(x)
         centre = (v.x(a) + v.x(b)) / 2
         w = text_width(text, 9)
         if centre - w / 2 >= free_from + 4 and w <= v.x(b) - v.x(a) + 60:
@@ -568,6 +709,7 @@ def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
     names = {
         Kind.FWD: "forward",
         Kind.BWD: "backward",
+        Kind.RECOMPUTE: "recompute",
         Kind.FREE: "free",
         Kind.STEP: "optimizer step",
         Kind.ALLREDUCE: "all-reduce",
@@ -577,7 +719,10 @@ def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
     x = 0.0
     for k in kinds:
         fill, stroke = COLORS[k]
-        cv.box(x, y, 16, 10, fill=fill, stroke=stroke, pen=0.8)
+        if k is Kind.FREE:  # drawn as a tick (see _draw_box)
+            cv.box(x + 7.2, y - 2, 1.6, 14, fill="#495057")
+        else:
+            cv.box(x, y, 16, 10, fill=fill, stroke=stroke, pen=0.8)
         x += 20 + cv.text(x + 20, y - 2, names[k], size=10)
     if any(i.op.is_collective for p in panels for i in p.timeline.intervals):
         cv.box(

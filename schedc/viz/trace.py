@@ -327,6 +327,28 @@ def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
                 {"name": "thread_name", "ph": "M", "pid": r, "tid": t, "args": {"name": s}}
             )
     tid = {s: t for t, s in enumerate(tl.streams)}
+    for r in tl.ranks:  # the step's slice on the steps track, as the executor writes it
+        mine = [i for i in tl.intervals if i.rank == r]
+        start = min((i.start for i in mine), default=0.0)
+        events += [
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": r,
+                "tid": len(tid),
+                "args": {"name": "steps"},
+            },
+            {
+                "name": f"step {step}",
+                "ph": "X",
+                "pid": r,
+                "tid": len(tid),
+                "ts": start * 1e6,
+                "dur": (max((i.end for i in mine), default=0.0) - start) * 1e6,
+                "cat": "step",
+                "args": {"step": step},
+            },
+        ]
     for i in tl.intervals:
         ev = {
             "name": str(i.op),

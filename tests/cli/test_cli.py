@@ -7,6 +7,7 @@ a few run `python -m schedc` to see what a shell sees.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +47,11 @@ def test_a_legal_schedule_exits_0_with_a_summary(capsys):
         "  strategy  DDP, 2 buckets (explicit buckets), overlap on",
         "    b1        1.51 MiB  head .. h.2",
         "    b2        3.58 MiB  h.1 .. embed",
-        "  streams   compute 49, comm 2 ops; 3 events",
+        "  streams   ops: compute 49, comm 2; 3 events",
         "  numerics  compute fp32, reduce fp32; master weights and AdamW fp32; tf32 auto (on "
         "CUDA), compile off",
-        "  memory    per rank: model states 20.36 MiB, total (peak) 20.36 MiB, activations "
-        "(estimate) 12.50 MiB",
+        "  memory    per rank: model states 20.36 MiB, activations (peak) 10.21 MiB, "
+        "total (peak) 30.57 MiB",
     ]
 
 
@@ -69,6 +70,79 @@ def test_the_summary_claims_only_the_dtypes_a_strategy_uses(capsys, file, dtypes
         f"  numerics  {dtypes}; master weights and AdamW fp32; tf32 auto (on CUDA), "
         "compile on\n" in out
     )
+
+
+def _strategy_line(capsys, tmp_path, text: str) -> list[str]:
+    """The summary's strategy line and the lines under it, for a schedule written here."""
+    path = tmp_path / "s.sched"
+    path.write_text(text)
+    code, out, err = check(capsys, str(path))
+    assert code == 0, err
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("  strategy  "))
+    return lines[i:]
+
+
+TINY_DDP = "model tiny world 2 batch 8 x 64 micro 2\n"
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ("ddp { bucket_cap 1 MiB }", "overlap on"),
+        ("ddp { bucket_cap 1 MiB  overlap off }", "overlap off"),
+        (  # `overlap` is on (the default), but no all-reduce can overlap anything
+            "ddp { bucket_cap 1 MiB }\nstream allreduce = compute",
+            "no overlap: `stream allreduce = compute` puts every all-reduce on compute",
+        ),
+        ("ddp { bucket_cap 1 MiB }\nstream allreduce = ar", "overlap on"),  # a stream of its own
+    ],
+)
+def test_the_summary_says_where_all_reduce_runs_not_what_overlap_reads(
+    capsys, tmp_path, extra, says
+):
+    line = _strategy_line(capsys, tmp_path, TINY_DDP + extra)[0]
+    assert line.endswith(f"), {says}"), line
+
+
+def test_the_summary_says_when_fsdp_collectives_run_on_compute(capsys, tmp_path):
+    text = (REPO / FSDP).read_text()
+    assert "no overlap" not in _strategy_line(capsys, tmp_path, text)[0]
+    line = _strategy_line(capsys, tmp_path, text + "stream allgather = compute\n")[0]
+    assert line.endswith("; all-gather on the compute stream (no overlap)"), line
+
+
+def test_bucket_cap_first_makes_the_first_bucket_and_the_summary_shows_it(capsys, tmp_path):
+    plain = _strategy_line(capsys, tmp_path, TINY_DDP + "ddp { bucket_cap 1 MiB }")
+    first = _strategy_line(capsys, tmp_path, TINY_DDP + "ddp { bucket_cap 1 MiB first 256 KiB }")
+    assert "(bucket_cap 1.00 MiB, first 1.00 MiB)" in plain[0]  # the default: min(cap, 1 MiB)
+    assert "(bucket_cap 1.00 MiB, first 256.00 KiB)" in first[0]
+    # the first bucket closes at 256 KiB (passing it by its last parameter), not at 1 MiB
+    assert first[1].split()[:3] == ["b1", "257.50", "KiB"], first[1]
+    assert plain[1].split()[:3] == ["b1", "1.01", "MiB"], plain[1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "model nano { n_layer = 1  n_head = 1 } world 1 batch 1 x 1 micro 1\n"
+        "ddp { bucket b1 = embed .. head }",
+        "model nano { n_layer = 1  n_head = 1 } world 2 batch 2 x 1 micro 1\n"
+        "fsdp { unit all = embed .. head }",
+    ],
+    ids=["ddp", "fsdp"],
+)
+def test_the_summary_counts_in_the_singular(capsys, tmp_path, text):
+    path = tmp_path / "one.sched"
+    path.write_text(text)
+    code, out, _ = check(capsys, str(path))
+    assert code == 0
+    assert "(1 layer, 1 head," in out and "x 1 micro-step\n" in out
+    assert ", 1 bucket (" in out or ", 1 unit," in out
+    assert not re.search(r"\b1 [a-z-]+s\b", out), out  # no "1 buckets", "1 units", ...
+    for dump in ("graph", "plan"):
+        code, out, _ = check(capsys, str(path), "--dump", dump)
+        assert not re.search(r"\b1 [a-z-]+s\b", out.splitlines()[0]), out.splitlines()[0]
 
 
 def test_no_files_checks_every_bundled_schedule(capsys):
@@ -188,11 +262,15 @@ def test_dump_plan(capsys):
     code, out, _ = check(capsys, FSDP, "--dump", "plan")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0] == "# plan for every rank: 59 ops on 2 streams (compute, comm), 26 events"
-    assert lines[1:4] == [
-        "    0  run    comm     allgather[tied]@mb0:fwd",
-        "    1  run    comm     allgather[u1]@mb0:fwd",
-        "    2  record comm     e0    # after allgather[u1]@mb0:fwd",
+    assert lines[0] == (
+        "# plan for every rank: 59 ops on 2 streams (compute, comm), 26 events and the step start"
+    )
+    assert lines[1:6] == [
+        "    0  record compute  e26    # step start",
+        "    1  wait   comm     e26    # for step start",
+        "    2  run    comm     allgather[tied]@mb0:fwd",
+        "    3  run    comm     allgather[u1]@mb0:fwd",
+        "    4  record comm     e0    # after allgather[u1]@mb0:fwd",
     ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schedc.compiler import compile_file
+from schedc.compiler import compile_file, compile_text
 from schedc.exec.fuse import Segment, fuse
 from schedc.ir.op import Kind
 from schedc.ir.plan import Action
@@ -74,3 +74,27 @@ def test_fsdp_cuts_at_every_unit_boundary():
 
 def test_disabled_fusion_runs_every_op_alone():
     assert all(len(s.layers) == 1 for s in segments("ddp_overlap.sched", enabled=False))
+
+
+def test_a_recomputing_layer_runs_its_forward_alone_and_cuts_its_backward():
+    """h.1 recomputes: its forward (without autograd) is a segment of its own, the recompute
+    op stands between bwd[h.2] and bwd[h.1], and backward pieces end at h.1's input."""
+    text = (SCHEDULES / "tiny_1gpu.sched").read_text() + "\nrecompute h.1\n"
+    c = compile_text(text)
+    items = fuse(c.plan(), c.spec.model)
+    segs = [(s.kind, s.layers) for s in items if isinstance(s, Segment) and s.mb == 0]
+    assert segs == [
+        (Kind.FWD, ("embed", "h.0")),
+        (Kind.FWD, ("h.1",)),
+        (Kind.FWD, ("h.2", "h.3")),
+        (Kind.FWD, ("head",)),
+        (Kind.BWD, ("head",)),
+        (Kind.BWD, ("h.3", "h.2")),
+        (Kind.BWD, ("h.1",)),
+        (Kind.BWD, ("h.0", "embed")),
+    ]
+    plan = c.plan()
+    alone = [plan.instrs[i].op for i in items if not isinstance(i, Segment)]
+    assert [str(op) for op in alone if op is not None and op.kind is Kind.RECOMPUTE][:1] == [
+        "recompute[h.1]@mb0"
+    ]

@@ -1,7 +1,8 @@
 """Generated schedules compute what one process computes (issue #6).
 
 Hypothesis draws valid schedules (tests/strategies.py: world 1-4, k 1-8, any contiguous
-bucket or unit partition, byte caps, prefetch 0-3, overlap, no_sync, reshard) and real
+bucket or unit partition, byte caps, prefetch 0-3, overlap, no_sync, reshard, recompute
+of some or all layers in one case of four) and real
 gloo ranks (tests/pool.py) run them; after 1-2 optimizer steps the gradients and
 parameters must equal the single-process reference within tests/oracle.py's tolerances
 (fp32, and float64 with a far tighter one). Each DDP and FSDP schedule also draws a
@@ -76,6 +77,10 @@ def _tally(case) -> None:
         tally("equivalence", case.kind, case.world)
     else:
         tally("precision", case.kind, case.precision)
+    if case.recompute:  # some layers ran forward again before their backward
+        tally(
+            "recompute", case.kind, "all" if len(case.recompute) == len(case.cfg.layers) else "some"
+        )
 
 
 @settings(max_examples=examples(N_DDP))

@@ -6,7 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedc.ir.op import COLLECTIVES, REDUCTIONS, STEP, Kind, Op, OpSyntaxError, Phase, bwd, fwd
+from schedc.ir.op import (
+    COLLECTIVES,
+    REDUCTIONS,
+    STEP,
+    Kind,
+    Op,
+    OpSyntaxError,
+    Phase,
+    bwd,
+    fwd,
+    recompute,
+)
 
 LAYERS = st.sampled_from(["embed", "head"]) | st.integers(0, 200).map(lambda i: f"h.{i}")
 GROUPS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,12}", fullmatch=True)  # bucket/unit names
@@ -18,7 +29,7 @@ def ops(draw) -> Op:
     kind = draw(st.sampled_from(list(Kind)))
     if kind is Kind.STEP:
         return STEP
-    target = draw(LAYERS if kind in (Kind.FWD, Kind.BWD) else GROUPS)
+    target = draw(LAYERS if kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE) else GROUPS)
     phase = draw(st.sampled_from(list(Phase))) if kind in (Kind.ALLGATHER, Kind.FREE) else None
     return Op(kind, target, draw(MBS), phase)
 
@@ -40,6 +51,7 @@ def test_equal_text_means_equal_ops(a, b):
     [
         ("fwd[h.3]@mb1", fwd("h.3", 1)),
         ("bwd[embed]@mb0", bwd("embed", 0)),
+        ("recompute[h.3]@mb1", recompute("h.3", 1)),
         ("allreduce[b1]@mb3", Op(Kind.ALLREDUCE, "b1", 3)),
         ("allgather[u2]@mb0:fwd", Op(Kind.ALLGATHER, "u2", 0, Phase.FWD)),
         ("free[u2]@mb0:bwd", Op(Kind.FREE, "u2", 0, Phase.BWD)),
@@ -54,7 +66,13 @@ def test_the_documented_forms(text, op):
 def test_kinds_and_streams():
     assert COLLECTIVES == {Kind.ALLREDUCE, Kind.ALLGATHER, Kind.REDUCESCATTER}
     assert REDUCTIONS == {Kind.ALLREDUCE, Kind.REDUCESCATTER}
-    assert [k for k in Kind if k.is_compute] == [Kind.FWD, Kind.BWD, Kind.FREE, Kind.STEP]
+    assert [k for k in Kind if k.is_compute] == [
+        Kind.FWD,
+        Kind.BWD,
+        Kind.RECOMPUTE,
+        Kind.FREE,
+        Kind.STEP,
+    ]
     assert Kind("allreduce") is Kind.ALLREDUCE and Kind.STEP == "optimizer.step"
     assert Op(Kind.ALLREDUCE, "b1", 0).is_collective and not fwd("h.0", 0).is_collective
 

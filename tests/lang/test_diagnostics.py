@@ -82,20 +82,12 @@ FAIL = [
         id="syntax-keyword-typo",
     ),
     pytest.param(
-        NANO + "ddp { bucket b1 = head, h.1, h.0, embed  overlp on }",
+        "model nano\nworld 1 wrold 2\n",
         "syntax",
-        "unexpected 'overlp'",
-        "overlp",
-        "did you mean 'overlap'?",
-        id="syntax-typo-in-block",
-    ),
-    pytest.param(
-        NANO + "ddp { bucket_cap 1 MiB  reshard_after_forward on }",
-        "syntax",
-        "unexpected 'reshard_after_forward'",
-        "reshard_after_forward",
-        "expected 'bucket', 'bucket_cap', 'first', 'no_sync', 'overlap', '}'",
-        id="syntax-fsdp-keyword-in-ddp",
+        "unexpected 'wrold'",
+        "wrold",
+        "did you mean 'world'?",
+        id="syntax-top-level-typo",
     ),
     pytest.param(
         "model nano\nworld",
@@ -202,6 +194,97 @@ FAIL = [
         "beta",
         "did you mean 'betas'?",
         id="unknown-optim-key",
+    ),
+    # a ddp or fsdp block: a misspelled statement, or the other block's, is named with what
+    # the block takes (the grammar parses any name where a statement begins)
+    pytest.param(
+        NANO + "ddp { bucket b1 = head, h.1, h.0, embed  overlp on }",
+        "unknown-setting",
+        "a ddp block has no 'overlp'",
+        "overlp",
+        "did you mean 'overlap'?",
+        id="ddp-setting-typo",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_capp 1 MiB }",  # not `bucket_cap` followed by a stray `p`
+        "unknown-setting",
+        "a ddp block has no 'bucket_capp'",
+        "bucket_capp",
+        "did you mean 'bucket_cap'?",
+        id="ddp-keyword-lengthened",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_cap_mb = 25 }",  # torch's spelling
+        "unknown-setting",
+        "a ddp block has no 'bucket_cap_mb'",
+        "bucket_cap_mb",
+        "did you mean 'bucket_cap'?",
+        id="ddp-torch-spelling",
+    ),
+    pytest.param(
+        NANO + "ddp { buckte b1 = head, h.1 .. h.0, embed }",
+        "unknown-setting",
+        "a ddp block has no 'buckte'",
+        "buckte",
+        "did you mean 'bucket'?",
+        id="ddp-bucket-typo",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_cap 1 MiB  reshard_after_forward on }",
+        "unknown-setting",
+        "a ddp block has no 'reshard_after_forward'",
+        "reshard_after_forward",
+        "`reshard_after_forward` is an fsdp setting; ddp takes bucket, bucket_cap, overlap, "
+        "no_sync",
+        id="fsdp-keyword-in-ddp",
+    ),
+    pytest.param(
+        NANO + "ddp { bucket_cap 1 MiB  unit u = embed .. head }",
+        "unknown-setting",
+        "a ddp block has no 'unit'",
+        "unit",
+        "`unit` is an fsdp setting",
+        id="fsdp-unit-in-ddp",
+    ),
+    pytest.param(
+        FSDP.replace(" }", "  overlap on }"),
+        "unknown-setting",
+        "an fsdp block has no 'overlap'",
+        "overlap",
+        "`overlap` is a ddp setting; fsdp takes unit, prefetch, reshard_after_forward, no_sync",
+        id="ddp-keyword-in-fsdp",
+    ),
+    pytest.param(
+        FSDP.replace(" }", "  prefetch_forward = 2 }"),  # FSDP2's spelling
+        "unknown-setting",
+        "an fsdp block has no 'prefetch_forward'",
+        "prefetch_forward",
+        "did you mean 'prefetch'?",
+        id="fsdp-setting-typo",
+    ),
+    pytest.param(
+        FSDP.replace("unit u2", "unti u2"),
+        "unknown-setting",
+        "an fsdp block has no 'unti'",
+        "unti",
+        "did you mean 'unit'?",
+        id="fsdp-unit-typo",
+    ),
+    pytest.param(
+        FSDP.replace("h.1, head", "h.1, head kep"),
+        "unknown-setting",
+        "an fsdp block has no 'kep'",
+        "kep",
+        "did you mean 'keep'? (it ends a unit: `unit tied = wte.weight keep`)",
+        id="fsdp-keep-typo",
+    ),
+    pytest.param(
+        FSDP.replace(" }", "  frobnicate on }"),
+        "unknown-setting",
+        "an fsdp block has no 'frobnicate'",
+        "frobnicate",
+        "fsdp takes unit, prefetch, reshard_after_forward, no_sync",
+        id="fsdp-setting-unlike-any",
     ),
     pytest.param(
         "model gpt3\nworld 1\nbatch 8 x 32\nmicro 2",
@@ -482,7 +565,8 @@ FAIL = [
     pytest.param(
         DDP + "memory 1 KiB",
         "memory-budget",
-        "predicted peak 686.00 KiB per rank (model states alone) exceeds the budget of 1.00 KiB",
+        "predicted peak 1.32 MiB per rank (at bwd[head]@mb0) exceeds the budget of 1.00 KiB; "
+        "the largest part is model states (model states 686.00 KiB, activations 669.75 KiB)",
         "memory 1 KiB",
         "raise `memory`",
         id="memory-ddp",
@@ -490,9 +574,10 @@ FAIL = [
     pytest.param(
         FSDP + "memory 100 KiB",
         "memory-budget",
-        "per rank (after reducescatter[u2]@mb0) exceeds the budget of 100.00 KiB",
+        "per rank (at bwd[head]@mb0) exceeds the budget of 100.00 KiB; the largest part is "
+        "activations (activations 668.75 KiB, model states 257.25 KiB",
         "memory 100 KiB",
-        "lower `prefetch forward`",
+        "recompute layers (`recompute h.0 .. h.N`)",
         id="memory-fsdp",
     ),
     # streams and events
@@ -560,7 +645,7 @@ FAIL = [
     pytest.param(
         FSDP + "program comm { allreduce[b1]@mb0 }",
         "unexpected-op",
-        "allreduce[b1]@mb0 has no place in a FSDP schedule",
+        "allreduce[b1]@mb0 has no place in an FSDP schedule",
         "allreduce[b1]@mb0",
         "FSDP schedules gather, free and reduce-scatter units",
         id="unexpected-kind",
@@ -646,6 +731,40 @@ FAIL = [
         "free[u1]@mb0:fwd",
         "free a unit only after its last reader",
         id="use-after-free",
+    ),
+    # recomputation: u2 (h.1, head) recomputes; the compute stream written out
+    pytest.param(
+        FSDP.replace("unit u2 = h.1, head }", "unit u2 = h.1, head  recompute u2 }")
+        + FSDP_COMPUTE.replace(
+            "  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n  bwd[h.1]@mb0\n",
+            "  recompute[head]@mb0\n  bwd[head]@mb0 after allgather[u2]@mb0:bwd\n"
+            "  recompute[h.1]@mb0\n  bwd[h.1]@mb0\n",
+        ),
+        "recompute-gather",
+        "recompute[head]@mb0 reruns head's forward before allgather[u2]@mb0:bwd gathers 'u2'",
+        "recompute[head]@mb0",
+        "write `recompute[head]@mb0 after allgather[u2]@mb0:bwd`",
+        id="recompute-gather",
+    ),
+    pytest.param(
+        "recompute h.1\n"
+        + DDP
+        + DDP_COMPUTE.replace("bwd[h.1]@mb0", "bwd[h.1]@mb0  recompute[h.1]@mb0").replace(
+            "bwd[h.1]@mb1", "recompute[h.1]@mb1  bwd[h.1]@mb1"
+        ),
+        "recompute-late",
+        "bwd[h.1]@mb0 reads the activations recompute[h.1]@mb0 rebuilds, but can start before it",
+        "bwd[h.1]@mb0",
+        "place recompute[h.1]@mb0 right before bwd[h.1]@mb0",
+        id="recompute-late",
+    ),
+    pytest.param(
+        DDP + DDP_COMPUTE.replace("bwd[h.1]@mb0", "recompute[h.1]@mb0  bwd[h.1]@mb0"),
+        "recompute-freed",
+        "recompute[h.1]@mb0 reruns h.1's forward from its input, but h.1 does not recompute",
+        "recompute[h.1]@mb0",
+        "declare `recompute h.1`",
+        id="recompute-freed",
     ),
     # SPMD
     pytest.param(
@@ -777,6 +896,14 @@ def test_encoding(data, message, col):
     assert (d.span.line, d.span.col) == (1 if col == 11 else 2, col)
     assert "is this a binary file?" in d.hint
     assert info.value.render().startswith(f"t.sched:{d.span.line}:{col}: error: {message}")
+
+
+def test_an_encoding_error_shows_its_line_to_the_end():
+    """The rest of the line after the bad byte is shown, undecodable bytes as U+FFFD."""
+    with pytest.raises(CompileError) as info:
+        source_from_bytes(b"model nano\nworld 1  # caf\xe9, saved as Latin-1\nsteps 2\n", "t.sched")
+    lines = info.value.render().splitlines()
+    assert lines[1:3] == ["  2 | world 1  # caf\ufffd, saved as Latin-1", "    |               ^"]
 
 
 def test_disagree():

@@ -13,6 +13,7 @@ by a chain of events (an independent replay of the plan, not the compiler's own 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 
 from schedc.compiler import Compiled, compile_file, compile_text
 from schedc.ir.op import COMM, COMPUTE, STEP, Kind, Op, Phase, bwd, fwd
-from schedc.ir.plan import Action, Plan
+from schedc.ir.plan import Action, Instr, Plan
 from schedc.lang.resources import bundled_schedules
 from tests.goldens import GOLDEN, assert_golden
 
@@ -113,7 +114,8 @@ def test_every_event_is_recorded_after_its_producer_and_waited_before_its_consum
         if ins.kind is Action.RUN:
             j = k - 1
             while j >= 0 and instrs[j].kind is Action.WAIT and instrs[j].stream == ins.stream:
-                waits[ins.op].append(instrs[j].event)
+                if instrs[j].event != plan.step_start:  # tested on its own below
+                    waits[ins.op].append(instrs[j].event)
                 j -= 1
     events = g.events()
     assert len(plan.producers) == len({u for u, _ in events})
@@ -138,6 +140,58 @@ def test_every_need_holds_in_the_replayed_plan(name):
         assert set(at) == set(g.placed())
         for u, v, whys in g.needs():
             assert before(started, at, u, v), f"{v} can start before {u} ({', '.join(whys)})"
+
+
+def _two_steps(plan: Plan) -> tuple[tuple[Instr, ...], list[Op]]:
+    """The plan issued twice, as the executor does step after step: the second copy's events
+    renumbered and its ops moved to micro-steps 1000+ so both steps' ops are distinct.
+    Returns the instructions and the second step's ops."""
+    shift = max([*plan.producers, plan.step_start or 0]) + 1
+    second = tuple(
+        dataclasses.replace(
+            i,
+            op=i.op._replace(mb=i.op.mb + 1000) if i.op is not None else None,
+            event=i.event + shift if i.event is not None else None,
+        )
+        for i in plan.instrs
+    )
+    return plan.instrs + second, [i.op for i in second if i.op is not None]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_step_begins_with_the_comm_streams_waiting_on_compute(name):
+    """Issue 20, hazard 1: a step's first collectives read what the previous step's optimizer
+    wrote on compute, so every comm stream waits, before its first work, for the step start:
+    an event recorded on compute before anything else. Replayed over two steps, every op of
+    the second step starts after the first step's update, on every stream."""
+    c = compiled(name)
+    for plan in c.plans.values():
+        comm = [s for s in plan.streams if s != COMPUTE]
+        if not comm:
+            assert plan.step_start is None
+            continue
+        n = len(comm)
+        assert plan.instrs[0] == Instr(Action.RECORD, COMPUTE, event=plan.step_start)
+        assert list(plan.instrs[1 : 1 + n]) == [
+            Instr(Action.WAIT, s, event=plan.step_start) for s in comm
+        ]
+        assert plan.instrs[1 + n].kind is Action.RUN
+        assert plan.step_start not in plan.producers
+        instrs, second = _two_steps(plan)
+        started, at = replay(dataclasses.replace(plan, instrs=instrs))
+        for op in second:
+            assert before(started, at, STEP, op), f"the next step's {op} can overtake the update"
+
+
+def test_without_the_step_start_the_next_step_overtakes_the_update():
+    """The replay above sees the hazard when the step start is taken out of the plan."""
+    plan = compiled("fsdp_prefetch.sched").plan()
+    bare = tuple(i for i in plan.instrs if i.kind is Action.RUN or i.event != plan.step_start)
+    broken = dataclasses.replace(plan, instrs=bare, step_start=None)
+    instrs, second = _two_steps(broken)
+    started, at = replay(dataclasses.replace(broken, instrs=instrs))
+    gather = next(op for op in second if op.kind is Kind.ALLGATHER)  # its first collective
+    assert not before(started, at, STEP, gather)
 
 
 def test_the_replay_sees_a_missing_wait():

@@ -38,12 +38,17 @@ def events(real_trace) -> list[dict]:
     return json.loads((real_trace / "t.json").read_text())["traceEvents"]
 
 
+def _op_span(e) -> bool:
+    """An "X" event that is an op's span (not a `step N` slice, which schedc does not read)."""
+    return e["ph"] == "X" and e.get("cat") != "step"
+
+
 def first_x(evs) -> int:
-    return next(i for i, e in enumerate(evs) if e["ph"] == "X")
+    return next(i for i, e in enumerate(evs) if _op_span(e))
 
 
 def last_x(evs) -> int:
-    return max(i for i, e in enumerate(evs) if e["ph"] == "X")
+    return max(i for i, e in enumerate(evs) if _op_span(e))
 
 
 def cli(capsys, *argv) -> tuple[int, str]:

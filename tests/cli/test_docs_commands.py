@@ -1,0 +1,134 @@
+"""The commands README.md and docs/*.md show in ```sh blocks run, exit 0 (issue 19).
+
+Every line of every ```sh (bash, shell, console) block is a case: the quick `schedc check`,
+`schedc render`, `schedc calibrate` and world-1 `python -m schedc run` commands are run
+(render writes into a temporary directory instead of docs/render/, so the committed pictures
+stay as they are; `run` gets `--steps 2`, which overrides the file's steps); every other
+line is skipped with the reason printed, so a new command is either run or explained.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedc.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"```(?:sh|bash|shell|console)\n(.*?)```", re.S)
+
+# Why a line is not run here: the first prefix that matches.
+SKIP = [
+    (
+        "make ",
+        "installs and runs the whole suite or the demo (tests/exec/test_run.py runs the demo's command)",
+    ),
+    ("torchrun ", "multi-rank (tests/exec/test_run.py and tests/cli/test_run_log.py run torchrun)"),
+    ("python -m torch.distributed.run", "multi-rank: writes the trace the next commands read"),
+    ("python -m pytest", "the test suite itself"),
+    ("scripts/", "builds a fresh venv: minutes"),
+    ("ruff ", "lint (make test and CI run it)"),
+    ("python bench/", "a benchmark: minutes"),
+    ("head -c", "makes a key file, not a schedc command"),
+]
+
+
+def commands() -> list[tuple[str, str]]:
+    """(where, command) for every command line of every sh block: continuations joined,
+    a `$ ` prompt and a trailing `# comment` removed."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in BLOCK.finditer(text):
+            line_no = text[: m.start()].count("\n") + 2
+            joined = m.group(1).replace("\\\n", " ")
+            for k, line in enumerate(joined.splitlines()):
+                cmd = re.sub(r"\s+#\s.*$", "", line.strip()).removeprefix("$ ").strip()
+                if cmd and not cmd.startswith("#"):
+                    out.append((f"{doc.relative_to(ROOT)}:{line_no + k}", cmd))
+    return out
+
+
+def classify(cmd: str) -> str | None:
+    """None: run it; else why not."""
+    bare = re.sub(r"^([A-Z_]+=\S*\s+)+", "", cmd)  # VAR=value prefixes
+    for prefix, why in SKIP:
+        if bare.startswith(prefix):
+            return why
+    argv = shlex.split(bare)
+    if argv[:1] == ["schedc"]:
+        args = argv[1:]
+    elif argv[:3] == ["python", "-m", "schedc"]:
+        args = argv[3:]
+    else:
+        return "not a schedc command"
+    if any(a.startswith("[") or a in ("FILE.sched", "RUN.json") for a in args):
+        return "a synopsis, not a command"
+    if missing := [a for a in args if a.endswith(".sched") and not (ROOT / a).is_file()]:
+        return f"{missing[0]} is the text's own example, not a file in the repository"
+    if "out/t.json" in args and not (ROOT / "out" / "t.json").exists():
+        return "reads out/t.json, the trace the two-rank torchrun command above writes"
+    return None
+
+
+CASES = commands()
+
+
+def test_the_docs_show_commands_of_every_verb():
+    """The extraction finds what the README shows (so an empty list cannot pass)."""
+    runnable = [c for _, c in CASES if classify(c) is None]
+    for verb in ("check", "render", "run"):
+        assert any(re.match(rf"(python -m )?schedc {verb}\b", c) for c in runnable), verb
+
+
+def outputs_to(argv: list[str], tmp: Path) -> list[str]:
+    """-o PATH -> -o tmp/NAME: the docs' pictures are drawn, not overwritten."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a in ("-o", "--output"):
+            out[i + 1] = str(tmp / Path(out[i + 1]).name)
+    return out
+
+
+@pytest.mark.parametrize(
+    "where,cmd",
+    [
+        pytest.param(w, c, id=w, marks=[pytest.mark.torch] if " run " in f"{c} " else [])
+        for w, c in CASES
+    ],
+)
+def test_a_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
+    why = classify(cmd)
+    if why:
+        pytest.skip(why)
+    argv = outputs_to(shlex.split(cmd), tmp_path)
+    monkeypatch.chdir(ROOT)
+    if argv[0] == "python":  # python -m schedc run ...: torch, a process of its own
+        r = subprocess.run(
+            [sys.executable, *argv[1:], "--steps", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        )
+        assert r.returncode == 0, f"{where}: {cmd}\n{r.stderr}"
+        assert "schedc: done: 2 steps" in r.stdout, r.stdout
+        return
+    if argv[1] == "render" and not argv[-1].endswith(".dot") and not shutil.which("dot"):
+        pytest.skip("svg/png/pdf need Graphviz's dot and neato")
+    try:
+        code = main(argv[1:])
+    except SystemExit as e:
+        code = e.code
+    _, err = capsys.readouterr()
+    assert code == 0, f"{where}: {cmd}\n{err}"
+    if argv[1] in ("render", "calibrate") and "-o" in argv:
+        assert Path(argv[argv.index("-o") + 1]).stat().st_size > 0

@@ -1,0 +1,107 @@
+"""Helpers for the CUDA tests of issue 20 (tests/exec/test_cuda_world.py).
+
+`world1_variant` turns any bundled schedule into a small world-1 schedule of the same shape
+(its units or buckets, prefetch, no_sync, streams and micro-step count; the nano model with
+as many layers, short sequences) for runs under the CUDA sanitizer. It is plain text
+arithmetic, tested on CPU (test_hazards.py compiles every bundled schedule's variant).
+
+`run_ranks` runs a schedule on `world` processes that share one GPU: the stream groups use
+gloo on CUDA tensors (NCCL refuses two ranks on one device), so the CUDA backend's streams,
+events, allocations, bucket division and shard offsets run at world > 1 without eight GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import re
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def world1_variant(path: Path, max_micro_steps: int = 4) -> str:
+    """The schedule at `path` at world 1, nano-sized, with up to `max_micro_steps` micro-steps
+    of one sequence of 32 tokens (its own count when smaller)."""
+    from schedc.compiler import compile_file
+
+    spec = compile_file(path).spec
+    k = min(spec.accum, max_micro_steps)
+    text = path.read_text()
+    text = re.sub(
+        r"(?m)^model\s+\S+(\s*\{[^}]*\})?", f"model nano {{ n_layer = {spec.model.n_layer} }}", text
+    )
+    text = re.sub(r"(?m)^world\s+\d+", "world 1", text)
+    text = re.sub(r"(?m)^batch\s+\d+\s*x\s*\d+", f"batch {k} x 32", text)
+    text = re.sub(r"(?m)^micro\s+\d+", "micro 1", text)
+    text = re.sub(r"(?m)^memory\s+.*$", "", text)  # nano's sizes, not the budget's
+    text = re.sub(r"(?m)^steps\s+\d+", "steps 2", text)
+    return text
+
+
+def _rank_main(rank, world, text, steps, store_path, opts, q) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from schedc.compiler import compile_text
+        from schedc.exec.executor import Comm, Executor, RunOptions
+        from schedc.lang.resolve import Overrides
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        torch.cuda.set_device(0)
+        c = compile_text(text, f"ranks{world}.sched", Overrides(steps=steps))
+        ex = Executor(
+            c,
+            Comm(rank, world, None, timeout),
+            RunOptions(device="cuda", collectives="gloo", record=True, log=False, **opts),
+        )
+        stats = [ex.step() for _ in range(steps)]
+        out = {
+            "losses": [s.loss for s in stats],
+            "grads": [{n: t.cpu() for n, t in s.grads.items()} for s in stats],
+            "params": [{n: t.cpu() for n, t in s.params.items()} for s in stats],
+            "fallbacks": sorted(ex.backend.fallbacks),
+            "memory": ex.memory(),
+        }
+        ex.close()
+        q.put((rank, out if rank == 0 else {"fallbacks": out["fallbacks"]}))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((rank, traceback.format_exc()))
+
+
+def spawn_ranks(target, world: int, args: tuple, timeout: float = 240) -> dict:
+    """Start `world` processes running target(rank, world, *args, queue); each puts
+    (rank, result or traceback text). Returns the results by rank, or fails with the first
+    traceback."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    errors = [v for v in got.values() if isinstance(v, str)]
+    if errors:
+        raise AssertionError("a rank failed:\n" + errors[0])
+    return got
+
+
+def run_ranks(text: str, world: int, steps: int, store_dir: Path, **opts) -> dict:
+    """Rank 0's losses, full gradients and parameters per step (on the CPU), and the
+    collectives gloo lacked on CUDA (the fallbacks used), from `world` processes on GPU 0."""
+    store = str(store_dir / f"store{world}")
+    got = spawn_ranks(_rank_main, world, (text, steps, store, opts))
+    assert len({tuple(v["fallbacks"]) for v in got.values()}) == 1  # every rank agrees
+    return got[0]
