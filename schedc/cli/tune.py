@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget",
         metavar="SIZE",
-        help="memory per rank for predicted peak + activations: 80GiB, 512 MiB "
+        help="memory per rank for the predicted peak (activations included): 80GiB, 512 MiB "
         "(default: the file's `memory`, else none)",
     )
     p.add_argument("--top", type=POSITIVE, default=5, help="rows of the table (default 5)")
@@ -128,22 +128,22 @@ def nothing_fits(path: str, opts: Options, res: Result) -> str:
     what = ""
     if least is not None:
         what = (
-            f"; the smallest predicted peak is {fmt_bytes(least.peak + least.activations)} "
-            f"({fmt_bytes(least.peak)} + {fmt_bytes(least.activations)} activations: "
+            f"; the smallest predicted peak is {fmt_bytes(least.peak)} "
+            f"(activations {fmt_bytes(least.activations)} of it: "
             f"{least.knobs.describe()}, micro {least.knobs.micro})"
         )
     return f"{path}: no schedule fits the budget of {fmt_bytes(opts.budget)} per rank{what}"
 
 
 def table(cands: list[Candidate], extra: list[list[str]] | None = None, head=()) -> str:
-    rows = [["#", "step", "tokens/s", "peak+act", "comm", "exposed", "micro", "k", "knobs", *head]]
+    rows = [["#", "step", "tokens/s", "peak", "comm", "exposed", "micro", "k", "knobs", *head]]
     for i, c in enumerate(cands):
         rows.append(
             [
                 str(i + 1),
                 fmt_time(c.step),
                 fmt_rate(c.tokens_per_s, ""),
-                fmt_bytes(c.peak + c.activations),
+                fmt_bytes(c.peak),
                 fmt_time(c.comm),
                 fmt_time(c.exposed),
                 str(c.knobs.micro),
@@ -168,8 +168,8 @@ def file_text(args, base: Base, c: Candidate, rank: int, res: Result, opts: Opti
         f"# ({res.considered:,} considered). Predicted with {opts.cost.describe(c.spec.numerics)}:",
         f"#   step {fmt_time(c.step)}, {fmt_rate(c.tokens_per_s, 'tokens/s')}, communication "
         f"{fmt_time(c.comm)} ({fmt_time(c.exposed)} exposed),",
-        f"#   peak {fmt_bytes(c.peak)} per rank + activations {fmt_bytes(c.activations)} "
-        "(estimate). Knobs: " + c.knobs.describe(),
+        f"#   peak {fmt_bytes(c.peak)} per rank, activations {fmt_bytes(c.activations)} of it."
+        " Knobs: " + c.knobs.describe(),
         "",
     ]
     text = base.text(c.knobs, c.spec.model, opts.budget_text, blank=False)

@@ -4,7 +4,7 @@
 
 1. Enumerate the space (tune/space.py) and give every candidate two bounds computed from
    the model's arithmetic alone, without compiling it:
-     memory  a lower bound on its predicted peak plus the activation estimate
+     memory  a lower bound on its predicted peak (activations included)
      time    a lower bound on its simulated step (below)
 2. Drop candidates whose memory bound exceeds the budget (never compiled).
 3. Visit the rest in order of their time bound. The result is the best N families (a
@@ -12,7 +12,7 @@
    units are cut; each row is its family's best partition). Once the bound reaches the
    N-th best family's predicted step, no later candidate can enter the top N: stop.
 4. Compile each visited candidate through schedc.compiler (the checker's refusals are
-   counted by diagnostic code), drop those whose predicted peak plus activations exceeds the
+   counted by diagnostic code), drop those whose predicted peak (activations included) exceeds the
    budget, drop a plan already simulated, and simulate the rest (viz/simulate.py).
 
 The time bound holds for the simulator by construction (viz/simulate.py, viz/cost.py): one
@@ -40,7 +40,7 @@ from schedc.ir.spec import POLICIES, TIED, Numerics, Spec
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
-from schedc.passes.memory import activation_estimate, padded
+from schedc.passes.memory import Activations, layer_acts, padded
 from schedc.tune.space import Base, Knobs, candidates
 from schedc.viz.cost import ADAMW_BYTES, CostModel, ring_factor
 from schedc.viz.overlap import overlap
@@ -66,7 +66,7 @@ class Candidate:
     compiled: Compiled | None = None
     step: float = 0.0  # predicted seconds
     peak: int = 0  # predicted peak per rank (schedc check's total) ...
-    activations: int = 0  # ... plus this estimate is what the budget is held against
+    activations: int = 0  # the activations' share of the peak (shown, not added)
     comm: float = 0.0
     exposed: float = 0.0
     measured: float | None = None  # seconds, from --measure
@@ -87,7 +87,7 @@ class Result:
     pruned_memory: int = 0  # memory bound over the budget: never compiled
     pruned_time: int = 0  # time bound past the N-th best: never compiled
     refused: Counter = field(default_factory=Counter)  # the checker's codes
-    over_budget: int = 0  # compiled, predicted peak + activations over the budget
+    over_budget: int = 0  # compiled, predicted peak over the budget
     duplicates: int = 0  # compiled to a plan already simulated
     simulated: int = 0
     seconds: float = 0.0
@@ -152,7 +152,10 @@ class Probe:
     def bounds(self, k: Knobs) -> tuple[float, int]:
         s = self.spec_for(k)
         cfg, D, num = s.model, s.world, s.numerics
-        acts = activation_estimate(s)
+        # activations: at the end of any micro-step's forward every layer's saved tensors
+        # and the step's token batches are live beside the states (tune searches no
+        # recomputation), so they bound the peak from below
+        acts = Activations(s).batches + sum(layer_acts(s, x).saved for x in cfg.layers)
         compute, c = self.compute(k), self.cost
         if k.strategy != "fsdp":
             opt = ADAMW_BYTES * cfg.numel / c.mem_bandwidth
@@ -187,7 +190,9 @@ class Probe:
         live = (gathered + units[0] + largest) * g
         if r != g:  # the tied reduce-scatter's input, cast to the reduce dtype, beside both
             live = max(live, 2 * units[0] * g + units[0] * r)
-        return max(compute + head + tail, comm) + opt, held + live + acts
+        # two moments, each a lower bound: a backward (above, activations left out) and the
+        # end of a forward (the tied unit gathered beside every layer's saved activations)
+        return max(compute + head + tail, comm) + opt, held + max(live, units[0] * g + acts)
 
     def buckets(self, k: Knobs) -> list[tuple[int, frozenset[str]]]:
         """(numel, params) per bucket, as the compiler will make them."""
@@ -251,9 +256,9 @@ def search(base: Base, options: Options = Options()) -> Result:
         cand = Candidate(k, base.text(k, spec.model, options.budget_text), lb_t, lb_m)
         if not evaluate(cand, base, options, res, seen_plans):
             continue
-        if least is None or cand.peak + cand.activations < least.peak + least.activations:
+        if least is None or cand.peak < least.peak:
             least = cand
-        if budget is not None and cand.peak + cand.activations > budget:
+        if budget is not None and cand.peak > budget:
             res.over_budget += 1
             continue
         res.simulated += 1
@@ -305,11 +310,11 @@ def smallest_peak(base: Base, options: Options, scored, cfg, least=None) -> Cand
     the true least); `least`: the least found so far, where the search compiled some."""
     quiet = Options(None, None, options.cost, options.top, options.precisions)
     for _, _, k, lb_m in sorted(scored, key=lambda x: (x[3], x[1])):
-        if least is not None and lb_m >= least.peak + least.activations:
+        if least is not None and lb_m >= least.peak:
             break
         cand = Candidate(k, base.text(k, cfg, None), 0.0, lb_m)
         spare = Result([])
         if evaluate(cand, base, quiet, spare, set(), timed=False):
-            if least is None or cand.peak + cand.activations < least.peak + least.activations:
+            if least is None or cand.peak < least.peak:
                 least = cand
     return least

@@ -64,7 +64,7 @@ def test_the_space_has_every_micro_size_and_partition():
 @pytest.mark.parametrize("policy", ["", "precision bf16\n", "precision bf16 { reduce = bf16 }\n"])
 def test_every_candidate_compiles_and_the_bounds_hold(tmp_path, policy):
     """The pruning is sound only if no candidate beats its bounds: time <= simulated step,
-    memory <= predicted peak + activations, for every one (in each dtype arrangement: the
+    memory <= predicted peak (activations included), for every one (in each dtype arrangement: the
     bounds count casts where gather and reduce dtypes differ)."""
     p = tmp_path / "nano.sched"
     p.write_text(NANO + policy)
@@ -74,7 +74,7 @@ def test_every_candidate_compiles_and_the_bounds_hold(tmp_path, policy):
     assert {c.knobs.strategy for c in every} == {"ddp", "fsdp"}
     for c in every:
         assert c.lb_time <= c.step * (1 + 1e-9), c.knobs
-        assert c.lb_memory <= c.peak + c.activations, c.knobs
+        assert c.lb_memory <= c.peak, c.knobs
 
 
 @pytest.mark.parametrize("top", [1, 3, 8])
@@ -98,21 +98,21 @@ def test_pruning_never_changes_the_answer(base, top):
 
 def test_a_budget_keeps_only_what_fits_and_the_bound_drops_some_uncompiled(base):
     every = everything(base, Options())
-    sizes = sorted({c.peak + c.activations for c in every})
+    sizes = sorted({c.peak for c in every})
     budget = sizes[len(sizes) // 2]
     res = search(base, Options(budget=budget, top=50))
-    fits = [c for c in every if c.peak + c.activations <= budget]
-    assert res.ranked and all(c.peak + c.activations <= budget for c in res.ranked)
+    fits = [c for c in every if c.peak <= budget]
+    assert res.ranked and all(c.peak <= budget for c in res.ranked)
     assert round(res.ranked[0].step, 12) == min(round(c.step, 12) for c in fits)
     assert res.pruned_memory > 0
 
 
 def test_nothing_fits_names_the_least_peak_of_all(base):
     every = everything(base, Options())
-    least = min(c.peak + c.activations for c in every)
+    least = min(c.peak for c in every)
     res = search(base, Options(budget=least - 1))
     assert res.ranked == []
-    assert res.smallest_peak.peak + res.smallest_peak.activations == least
+    assert res.smallest_peak.peak == least
 
 
 def test_the_checker_refuses_are_counted_by_code(tmp_path):
