@@ -14,7 +14,7 @@ import pytest
 
 from tests.goldens import REPO
 
-LAYERS = ["cli", "exec", "viz", "compiler", "passes", "lang", "ir", "model", "files"]
+LAYERS = ["cli", "tune", "exec", "viz", "compiler", "passes", "lang", "ir", "model", "files"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,7 @@ assert main(["check", "schedules/gpt2_1gpu.sched", "schedules/gpt2_8gpu.sched"])
 assert main(["render", "schedules/ddp_overlap.sched", "-o", out + "/g.dot"]) == 0
 assert main(["render", "schedules/fsdp_prefetch.sched", "--view", "timeline",
              "-o", out + "/t.dot"]) == 0
+assert main(["tune", "schedules/tiny_fsdp_prefetch.sched", "-o", out + "/best.sched"]) == 0
 import schedc.passes.check, schedc.viz.timeline, schedc.model.arch, schedc.exec.fuse
 assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules
                if sys.modules[m] is not None)

@@ -15,14 +15,14 @@ import os
 import sys
 import traceback
 
-from schedc.cli import calibrate, check, render, run
+from schedc.cli import calibrate, check, render, run, tune
 from schedc.cli.common import RankError
 from schedc.lang.diagnostics import CompileError, UserError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
 
 # Each verb is a module with HELP, add_arguments(parser) and run(args) -> exit code.
-VERBS = {"check": check, "run": run, "render": render, "calibrate": calibrate}
+VERBS = {"check": check, "run": run, "render": render, "calibrate": calibrate, "tune": tune}
 
 
 def _color(stream) -> bool:

@@ -74,9 +74,17 @@ def classify(cmd: str) -> str | None:
         return "a synopsis, not a command"
     if missing := [a for a in args if a.endswith(".sched") and not (ROOT / a).is_file()]:
         return f"{missing[0]} is the text's own example, not a file in the repository"
-    if "out/t.json" in args and not (ROOT / "out" / "t.json").exists():
-        return "reads out/t.json, the trace the two-rank torchrun command above writes"
+    flags = OUTPUT_FLAGS | ({"--trace"} if args[:1] == ["run"] else set())  # render reads it
+    outputs = {b for a, b in zip(args, args[1:]) if a in flags}
+    inputs = [a for a in args if a.startswith("out/") and a not in outputs]
+    if missing := [a for a in inputs if not (ROOT / a).exists()]:
+        return f"reads {missing[0]}, which a command above it writes (a torchrun run)"
+    if "--measure" in args:
+        return "--measure runs the candidates under torchrun: minutes"
     return None
+
+
+OUTPUT_FLAGS = {"-o", "--output", "--write-top", "--fit", "--save"}
 
 
 CASES = commands()

@@ -253,7 +253,13 @@ def test_world_mismatch_without_torchrun_is_a_clear_error():
 def test_world_mismatch_under_torchrun_fails_every_rank():
     r = torchrun(2, str(SCHEDULES / "tiny_4gpu.sched"), timeout=120)
     assert r.returncode != 0
-    assert r.stderr.count("world-4 schedule, but this job has 2 ranks") == 2
+    # each rank says it on its own line; torchrun's report quotes them again (error files)
+    own = [ln for ln in r.stderr.splitlines() if ln.startswith("schedc: error on rank")]
+    assert sorted(ln[: len("schedc: error on rank 0")] for ln in own) == [
+        "schedc: error on rank 0",
+        "schedc: error on rank 1",
+    ]
+    assert all("world-4 schedule, but this job has 2 ranks" in ln for ln in own)
 
 
 def test_ranks_with_different_schedules_refuse_to_start(tmp_path):

@@ -1,0 +1,245 @@
+"""`schedc tune`: search the legal schedules for the fastest one that fits, and write it.
+
+    schedc tune schedules/gpt2_8gpu.sched --budget 80GiB -o best.sched
+    schedc tune my.sched --cost params.json --measure 8 --fit fitted.json --write-top top/
+
+The file fixes the model, world, global batch, data, optimizer, steps and seed; tune
+searches the rest (schedc/tune/: the space, the bounds, the search; docs/tune.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+from pathlib import Path
+
+from schedc.cli.common import COUNT, POSITIVE, check_output
+from schedc.cli.render import add_cost_args, cost_from_args
+from schedc.ir.spec import POLICIES
+from schedc.lang.diagnostics import UserError
+from schedc.lang.resolve import UNITS
+from schedc.passes.memory import fmt_bytes
+from schedc.tune.measure import error, measure, refit, repredict
+from schedc.tune.search import Candidate, Options, Result, search
+from schedc.tune.space import Base, fmt_size
+from schedc.viz.units import fmt_rate, fmt_time
+
+HELP = "search the legal schedules of a file for the fastest that fits, and write it"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE.sched", help="fixes model, world, batch, data, optimizer")
+    p.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="memory per rank for the predicted peak (activations included): 80GiB, 512 MiB "
+        "(default: the file's `memory`, else none)",
+    )
+    p.add_argument("--top", type=POSITIVE, default=5, help="rows of the table (default 5)")
+    p.add_argument(
+        "--precision",
+        metavar="LIST",
+        help="numerics policies to search, comma-separated: fp32,bf16 (default: the file's)",
+    )
+    p.add_argument(
+        "--strategy",
+        metavar="LIST",
+        default="ddp,fsdp",
+        help="strategies to search at world > 1: ddp,fsdp (default both)",
+    )
+    p.add_argument("-o", "--output", metavar="BEST.sched", help="write the winner here")
+    p.add_argument(
+        "--write-top", metavar="DIR", help="write the top N as DIR/1.sched, DIR/2.sched, ..."
+    )
+    g = p.add_argument_group("measuring (runs the finalists under torchrun)")
+    g.add_argument(
+        "--measure", type=COUNT, default=0, metavar="K", help="run the best K (at most --top)"
+    )
+    g.add_argument("--steps", type=POSITIVE, default=4, help="steps per measured run (default 4)")
+    g.add_argument(
+        "--timeout", type=POSITIVE, default=600, help="seconds per measured run (default 600)"
+    )
+    g.add_argument(
+        "--fit", metavar="PARAMS.json", help="write the cost model fitted to the measured traces"
+    )
+    add_cost_args(p)
+
+
+def parse_budget(text: str) -> tuple[int, str]:
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"--budget {text!r}: expected a size such as 80GiB or 512 MiB")
+    n = int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+    return n, fmt_size(n)
+
+
+def options(args, base: Base) -> Options:
+    budget, budget_text = None, None
+    if args.budget:
+        budget, budget_text = parse_budget(args.budget)
+    elif base.memory:
+        budget, budget_text = parse_budget(base.memory)
+    precisions: tuple[str | None, ...] = (None,)
+    if args.precision:
+        names = [x.strip() for x in args.precision.split(",") if x.strip()]
+        bad = [x for x in names if x not in POLICIES]
+        if bad or not names:
+            raise UserError(
+                f"--precision {args.precision}: known policies are {', '.join(POLICIES)}"
+            )
+        precisions = tuple(dict.fromkeys(names))
+    strategies = tuple(x.strip() for x in args.strategy.split(",") if x.strip())
+    if not strategies or set(strategies) - {"ddp", "fsdp"}:
+        raise UserError(f"--strategy {args.strategy}: expected ddp, fsdp or ddp,fsdp")
+    return Options(budget, budget_text, cost_from_args(args), args.top, precisions, strategies)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_output("-o", args.output)
+    check_output("--fit", args.fit)
+    check_output("--write-top", args.write_top, directory=True)
+    if args.measure > args.top:
+        raise UserError(f"--measure {args.measure}: at most --top ({args.top})")
+    base = Base.read(args.file)
+    opts = options(args, base)
+    res = search(base, opts)
+    print(f"schedc: {args.file}: {res.counts()}")
+    if not res.ranked:
+        if res.smallest_peak is None and res.first_refusal is not None:
+            raise res.first_refusal  # the checker refused every one: say why, located
+        raise UserError(nothing_fits(args.file, opts, res))
+    spec = res.ranked[0].spec
+    print(
+        f"schedc: model {spec.model_name}, world {spec.world}, batch {spec.seqs} x "
+        f"{spec.seq_len}; predicted with {opts.cost.describe(spec.numerics)}"
+        + (f"; budget {fmt_bytes(opts.budget)} per rank" if opts.budget else "")
+    )
+    print(table(res.ranked))
+    written = write(args, base, res, opts)
+    if args.measure:
+        measured(args, res.ranked[: args.measure], written, opts)
+    return 0
+
+
+def nothing_fits(path: str, opts: Options, res: Result) -> str:
+    least = res.smallest_peak
+    what = ""
+    if least is not None:
+        what = (
+            f"; the smallest predicted peak is {fmt_bytes(least.peak)} "
+            f"(activations {fmt_bytes(least.activations)} of it: "
+            f"{least.knobs.describe()}, micro {least.knobs.micro})"
+        )
+    return f"{path}: no schedule fits the budget of {fmt_bytes(opts.budget)} per rank{what}"
+
+
+def table(cands: list[Candidate], extra: list[list[str]] | None = None, head=()) -> str:
+    rows = [["#", "step", "tokens/s", "peak", "comm", "exposed", "micro", "k", "knobs", *head]]
+    for i, c in enumerate(cands):
+        rows.append(
+            [
+                str(i + 1),
+                fmt_time(c.step),
+                fmt_rate(c.tokens_per_s, ""),
+                fmt_bytes(c.peak),
+                fmt_time(c.comm),
+                fmt_time(c.exposed),
+                str(c.knobs.micro),
+                str(c.spec.accum),
+                c.knobs.describe(),
+                *(extra[i] if extra else []),
+            ]
+        )
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            x.ljust(w) if j == 8 else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in rows
+    )
+
+
+def file_text(args, base: Base, c: Candidate, rank: int, res: Result, opts: Options) -> str:
+    cmd = f"schedc tune {args.file}" + (f" --budget {opts.budget_text}" if opts.budget else "")
+    head = [
+        f"# Written by `{cmd}`: rank {rank} of the {res.simulated:,} simulated",
+        f"# ({res.considered:,} considered). Predicted with {opts.cost.describe(c.spec.numerics)}:",
+        f"#   step {fmt_time(c.step)}, {fmt_rate(c.tokens_per_s, 'tokens/s')}, communication "
+        f"{fmt_time(c.comm)} ({fmt_time(c.exposed)} exposed),",
+        f"#   peak {fmt_bytes(c.peak)} per rank, activations {fmt_bytes(c.activations)} of it."
+        " Knobs: " + c.knobs.describe(),
+        "",
+    ]
+    text = base.text(c.knobs, c.spec.model, opts.budget_text, blank=False)
+    return "\n".join(head) + text
+
+
+def write(args, base: Base, res: Result, opts: Options) -> list[Path]:
+    """The written files, best first: -o and --write-top, and (for --measure) a temporary
+    folder when neither names one."""
+    texts = [file_text(args, base, c, i + 1, res, opts) for i, c in enumerate(res.ranked)]
+    if args.output:
+        Path(args.output).write_text(texts[0])
+        print(f"schedc: wrote {args.output} (check it: schedc check {args.output})")
+    folder = Path(args.write_top) if args.write_top else None
+    if folder is None and args.measure:
+        folder = Path(tempfile.mkdtemp(prefix="schedc-tune-"))
+    if folder is None:
+        return []
+    folder.mkdir(exist_ok=True)
+    paths = []
+    for i, t in enumerate(texts):
+        p = folder / f"{i + 1}.sched"
+        p.write_text(t)
+        paths.append(p)
+    if args.write_top:
+        shown = " ".join(str(p) for p in paths[:3])
+        print(
+            f"schedc: wrote {len(paths)} files to {folder}/ (side by side: schedc render "
+            f"{shown} --view timeline -o top.svg)"
+        )
+    return paths
+
+
+def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> None:
+    runs = measure(cands, files[: len(cands)], args.steps, args.timeout)
+    fitted, notes = refit(runs, opts.cost)
+    again = repredict(cands, fitted)
+    extra = [
+        [
+            fmt_time(c.measured),
+            f"{100 * error(c.step, c.measured):+.1f}%",
+            fmt_time(p),
+            f"{100 * error(p, c.measured):+.1f}%",
+        ]
+        for c, p in zip(cands, again)
+    ]
+    print(
+        "\npredicted vs measured (median step after the first, "
+        f"{args.steps} steps each), in predicted order:"
+    )
+    print(table(cands, extra, ("measured", "error", "refit", "error")))
+    errs = [abs(error(c.step, c.measured)) for c in cands]
+    refit_errs = [abs(error(p, c.measured)) for c, p in zip(cands, again)]
+    fastest = min(cands, key=lambda c: c.measured)
+    pick = cands[0]
+    print(
+        f"\nmedian |error| {100 * statistics.median(errs):.1f}% over {len(cands)} measured "
+        f"({100 * statistics.median(refit_errs):.1f}% with the cost model refitted to their "
+        "traces)"
+    )
+    print(
+        f"the pick by prediction (#1) measured {fmt_time(pick.measured)}; the fastest measured "
+        f"(#{cands.index(fastest) + 1}) {fmt_time(fastest.measured)}: the pick is "
+        f"{100 * (pick.measured / fastest.measured - 1):.1f}% slower"
+    )
+    order = sorted(range(len(cands)), key=lambda i: cands[i].measured)
+    print("re-ranked by measurement: " + ", ".join(f"#{i + 1}" for i in order))
+    for n in notes:
+        print(f"note: {n}")
+    print("refitted: " + fitted.describe(cands[0].spec.numerics))
+    if args.fit:
+        Path(args.fit).write_text(fitted.to_json())
+        print(f"schedc: wrote {args.fit} (use: schedc tune ... --cost {args.fit})")

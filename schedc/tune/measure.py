@@ -1,0 +1,112 @@
+"""`schedc tune --measure K`: run the finalists for real, and fit the cost model to their traces.
+
+    measure(candidates, files, steps)  -> each candidate's measured step (median dt of the
+                                          steps after the first, which warms up)
+    refit(runs, cost)                  -> the cost model fitted to every trace at once
+
+Each candidate is its written schedule run as its own job, one after another (they would
+otherwise compete for the same cores):
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=W \\
+        -m schedc run FILE --steps S --trace T --log-json J
+
+(world 1: `python -m schedc run ...`, no launcher). Nothing here imports torch; the runs do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from schedc.compiler import compile_file
+from schedc.lang.diagnostics import UserError
+from schedc.tune.search import Candidate
+from schedc.viz.cost import CostModel
+from schedc.viz.simulate import simulate
+from schedc.viz.trace import TraceError, calibrate, load
+
+
+@dataclass(frozen=True)
+class Run:
+    file: Path
+    trace: Path
+    log: Path
+
+
+def command(file: Path, world: int, steps: int, trace: Path, log: Path) -> list[str]:
+    run = ["-m", "schedc", "run", str(file), "--steps", str(steps)]
+    run += ["--trace", str(trace), "--log-json", str(log)]
+    if world == 1:
+        return [sys.executable, *run]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return [sys.executable, *launch, *run]
+
+
+def measure(
+    cands: list[Candidate], files: list[Path], steps: int, timeout: float, echo=print
+) -> list[Run]:
+    """Run each candidate's file; sets `measured` (seconds) on each. A failed run is a user
+    error naming the file and the end of its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = []
+    for i, (cand, file) in enumerate(zip(cands, files)):
+        run = Run(file, file.with_suffix(".trace.json"), file.with_suffix(".log.jsonl"))
+        run.log.unlink(missing_ok=True)
+        cmd = command(file, cand.spec.world, steps, run.trace, run.log)
+        echo(f"schedc: measuring {i + 1}/{len(cands)}: python {' '.join(cmd[1:])}")
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise UserError(f"--measure: {file} ran past {timeout:g} s") from None
+        if p.returncode != 0:
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-12:])
+            raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
+        cand.measured = step_time(run.log)
+        runs.append(run)
+    return runs
+
+
+def step_time(log: Path) -> float:
+    """The median step of a run's --log-json records, the first step (warm-up) left out
+    when there are more."""
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    dts = [r["dt_ms"] / 1e3 for r in records if not r.get("skipped")]
+    if not dts:
+        raise UserError(f"--measure: {log} holds no steps")
+    return statistics.median(dts[1:] if len(dts) > 1 else dts)
+
+
+def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
+    """`schedc calibrate`'s fit on every trace, each parameter the median over the traces
+    (each trace fits its own rates; the median keeps one slow run from pulling the rest)."""
+    fits, notes = [], []
+    for run in runs:
+        try:
+            fit = calibrate(compile_file(run.file), load(run.trace), base=cost, name=str(run.trace))
+        except TraceError as e:
+            notes.append(f"{run.trace}: {e}")
+            continue
+        fits.append(fit)
+    if not fits:
+        return cost, notes
+    keys = ["bandwidth", "latency", "mem_bandwidth", "free"]
+    values = {k: statistics.median(getattr(f.cost, k) for f in fits) for k in keys}
+    rates: dict[str, list[float]] = {}
+    for f in fits:  # each trace fits the rate of its own compute dtype
+        rates.setdefault(f.compute_key, []).append(getattr(f.cost, f.compute_key))
+    values.update({k: statistics.median(v) for k, v in rates.items()})
+    return replace(cost, flops=None, **values), notes
+
+
+def repredict(cands: list[Candidate], cost: CostModel) -> list[float]:
+    return [simulate(c.compiled, cost).end for c in cands]
+
+
+def error(predicted: float, measured: float) -> float:
+    """Relative error of a prediction, signed: + predicted slower than measured."""
+    return (predicted - measured) / measured

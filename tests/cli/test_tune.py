@@ -1,0 +1,174 @@
+"""`schedc tune`: the table and its counts, -o and --write-top files that check and draw,
+a budget nothing fits, flag errors, GPT-2 124M at world 8, and --measure on real ranks."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from schedc.cli.main import EXIT_USER, main
+from schedc.compiler import compile_file
+from schedc.tune.search import Options, search
+from schedc.tune.space import Base
+from schedc.viz.cost import CostModel
+from schedc.viz.simulate import simulate
+from tests.goldens import REPO
+
+FSDP = "schedules/tiny_fsdp_prefetch.sched"
+NANO = """\
+model nano
+world 2
+batch 8 x 32
+steps 3
+data corpus
+optimizer adamw { lr = 1e-3 }
+ddp { bucket_cap 1 MiB }
+"""
+
+
+@pytest.fixture(autouse=True)
+def _at_the_root(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def tune(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["tune", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def rows(out: str) -> list[list[str]]:
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("#   "))
+    table = []
+    for ln in lines[start + 1 :]:
+        if not re.match(r"\s*\d+\s", ln):
+            break
+        table.append(re.split(r"\s{2,}", ln.strip()))  # columns are 2+ spaces apart
+    return table
+
+
+def test_the_table_ranks_by_predicted_step_and_says_what_was_searched(capsys):
+    code, out, err = tune(capsys, FSDP, "--top", "4")
+    assert code == 0, err
+    counts = re.search(r"([\d,]+) considered:.*compiled \((.+?) refused by the checker", out)
+    assert counts and int(counts[1].replace(",", "")) > 100
+    table = rows(out)
+    assert [r[0] for r in table] == ["1", "2", "3", "4"]
+    res = search(Base.read(FSDP), Options(budget=64 << 20, top=4))  # the file's memory
+    assert [c.knobs.describe() for c in res.ranked] == [r[8] for r in table]
+    steps = [c.step for c in res.ranked]
+    assert steps == sorted(steps)
+
+
+def test_the_written_schedule_checks_and_is_the_candidate(capsys, tmp_path):
+    out_file = tmp_path / "best.sched"
+    code, out, err = tune(capsys, FSDP, "-o", str(out_file))
+    assert code == 0, err
+    text = out_file.read_text()
+    assert text.startswith("# Written by `schedc tune")
+    assert main(["check", str(out_file)]) == 0
+    written = compile_file(out_file)
+    best = search(Base.read(FSDP), Options(budget=64 << 20, top=1)).ranked[0]
+    assert written.plan().instrs == best.compiled.plan().instrs
+    assert simulate(written).end == pytest.approx(best.step)
+    assert written.spec.memory == 64 << 20  # the budget is the written schedule's `memory`
+
+
+def test_the_top_files_check_and_render_side_by_side(capsys, tmp_path):
+    top = tmp_path / "top"
+    code, out, _ = tune(capsys, FSDP, "--top", "3", "--write-top", str(top))
+    assert code == 0
+    files = [str(top / f"{i}.sched") for i in (1, 2, 3)]
+    assert f"schedc render {' '.join(files)} --view timeline" in out
+    for f in files:
+        assert main(["check", f]) == 0
+    dot = tmp_path / "top.dot"
+    assert main(["render", *files, "--view", "timeline", "-o", str(dot)]) == 0
+    assert dot.read_text().count("step") >= 3
+
+
+def test_a_budget_nothing_fits_names_the_smallest_predicted_peak(capsys):
+    code, out, err = tune(capsys, FSDP, "--budget", "1MiB")
+    assert code == EXIT_USER
+    assert "Traceback" not in err
+    m = re.search(
+        r"error: .*: no schedule fits the budget of 1\.00 MiB per rank; the smallest "
+        r"predicted peak is ([\d.]+) MiB",
+        err,
+    )
+    assert m, err
+    res = search(Base.read(FSDP), Options(budget=1 << 20))
+    least = res.smallest_peak
+    assert float(m[1]) == pytest.approx((least.peak) / (1 << 20), abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--budget", "lots"], "--budget 'lots': expected a size"),
+        (["--precision", "fp8"], "known policies are fp32, bf16"),
+        (["--strategy", "zero"], "expected ddp, fsdp"),
+        (["--top", "2", "--measure", "3"], "at most --top"),
+    ],
+)
+def test_bad_flags_are_user_errors(capsys, args, message):
+    code, _, err = tune(capsys, FSDP, *args)
+    assert code == EXIT_USER and message in err and "Traceback" not in err
+
+
+def test_gpt2_124m_at_world_8_says_what_it_considered_and_refused(capsys):
+    code, out, err = tune(capsys, "schedules/gpt2_8gpu.sched", "--budget", "80GiB")
+    assert code == 0, err
+    m = re.search(r"([\d,]+) considered:.*compiled \((.+?) refused by the checker", out)
+    assert m and int(m[1].replace(",", "")) > 1000
+    table = rows(out)
+    assert table and all(
+        r[3].endswith(" GiB") and float(r[3].split()[0]) <= 80 for r in table
+    )  # peak+act in GiB
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+def test_measure_runs_the_finalists_and_refits_the_cost_model(capsys, tmp_path):
+    src = tmp_path / "nano.sched"
+    src.write_text(NANO)
+    fit = tmp_path / "fit.json"
+    code, out, err = tune(
+        capsys,
+        str(src),
+        "--top",
+        "2",
+        "--measure",
+        "2",
+        "--steps",
+        "2",
+        "--strategy",
+        "ddp",
+        "--fit",
+        str(fit),
+        "--write-top",
+        str(tmp_path / "top"),
+    )
+    assert code == 0, err
+    assert "predicted vs measured" in out
+    assert re.search(r"median \|error\| [\d.]+% over 2 measured", out)
+    assert re.search(r"the pick is -?[\d.]+% slower", out)
+    # the traces it took fit a cost model that loads like calibrate's
+    cost = CostModel.load(fit)
+    assert cost.flops_tf32 != CostModel().flops_tf32
+    assert json.loads(fit.read_text())["bandwidth"] > 0
+    assert (tmp_path / "top" / "1.trace.json").exists()
+
+
+def test_a_searched_precision_replaces_the_files(capsys, tmp_path):
+    src = tmp_path / "bf16.sched"
+    src.write_text(NANO + "precision bf16\n")
+    best = tmp_path / "best.sched"
+    code, out, err = tune(capsys, str(src), "--precision", "fp32,bf16", "-o", str(best))
+    assert code == 0, err
+    assert "0 refused by the checker" in out
+    assert best.read_text().count("precision ") == 1
+    assert main(["check", str(best)]) == 0
