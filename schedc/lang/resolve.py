@@ -1198,6 +1198,8 @@ DTYPES = {d.value for d in Dtype}
 def _range_hint(what: str, lo: int, hi: int) -> str | None:
     if what == "world":
         return "world is the number of data-parallel ranks"
+    if what == "loss chunk":
+        return "the number of tokens whose logits the head makes at once, e.g. `loss chunk 1024`"
     return None
 
 

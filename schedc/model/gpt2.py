@@ -247,7 +247,10 @@ class ChunkedLinearCE(torch.autograd.Function):
                 d = _cast(d.mul_(scale), low)  # softmax - onehot, scaled as the loss is
                 if grad_h is not None:
                     grad_h[s : s + chunk] = d @ wc
-                grad_w += d.t() @ rows
+                if d.dtype == grad_w.dtype:
+                    grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
+                else:
+                    grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
                 del d
         if grad_h is not None:
             grad_h = grad_h.to(h.dtype)
