@@ -239,15 +239,17 @@ class ChunkedLinearCE(torch.autograd.Function):
             hc, wc = _cast(h, low), _cast(weight, low)
             scale = _wide(grad) / N
             grad_h = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
-            grad_w = torch.zeros_like(weight, dtype=_wide(weight).dtype)
+            grad_w = None  # the first chunk's matmul makes it (no zero-filled pass first)
             for s in range(0, N, chunk):
                 rows = hc[s : s + chunk]
                 d = torch.softmax(_wide(rows @ wc.t()), dim=-1)  # (chunk, V), fp32 at least
                 d[torch.arange(d.size(0), device=d.device), targets[s : s + chunk]] -= 1.0
                 d = _cast(d.mul_(scale), low)  # softmax - onehot, scaled as the loss is
                 if grad_h is not None:
-                    grad_h[s : s + chunk] = d @ wc
-                if d.dtype == grad_w.dtype:
+                    torch.mm(d, wc, out=grad_h[s : s + chunk])
+                if grad_w is None:
+                    grad_w = _wide(d.t() @ rows)
+                elif d.dtype == grad_w.dtype:
                     grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
                 else:
                     grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
