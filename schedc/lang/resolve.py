@@ -39,6 +39,7 @@ from schedc.lang.syntax import (
     BucketDecl,
     Data,
     Field,
+    LossChunk,
     Memory,
     Model,
     Name,
@@ -70,6 +71,7 @@ LIMITS = {
     "steps": (1, 1 << 30),
     "seed": (0, (1 << 63) - 1),
 }
+CHUNK = (1, 1 << 24)  # tokens per chunk of the head's loss (`loss chunk N`)
 MODEL_KEYS = {
     "n_layer": "n_layer",
     "n_head": "n_head",
@@ -340,6 +342,9 @@ class _Resolver:
             )
 
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
+        if (lc := single(LossChunk, "loss", "`loss chunk`")) is not None:
+            # not part of a precision policy: --precision keeps it
+            numerics = replace(numerics, loss_chunk=self.int_of(lc.tokens, "loss chunk", *CHUNK))
         recompute = self.recompute(
             single(Recompute, "recompute", "`recompute`"),
             next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
@@ -1193,6 +1198,8 @@ DTYPES = {d.value for d in Dtype}
 def _range_hint(what: str, lo: int, hi: int) -> str | None:
     if what == "world":
         return "world is the number of data-parallel ranks"
+    if what == "loss chunk":
+        return "the number of tokens whose logits the head makes at once, e.g. `loss chunk 1024`"
     return None
 
 
