@@ -1,4 +1,5 @@
-"""Recompute's memory/time trade-off on one CPU process: none, every other block, all blocks.
+"""Recompute's memory/time trade-off on one CPU process: none, every other block, all blocks,
+and none / all blocks with the head's loss chunked (`loss chunk --chunk` tokens).
 
     python bench/recompute.py                                  # gpt2, micro 16, 32 tokens
     python bench/recompute.py --model gpt2 --micro 16 --seq 32 --steps 3 --write docs/benchmarks.md
@@ -48,11 +49,14 @@ seed 1337
 """
 
 
-def variants(n_layer: int) -> dict[str, str]:
+def variants(n_layer: int, chunk: int) -> dict[str, str]:
+    every = f"recompute h.0 .. h.{n_layer - 1}"
     return {
         "none": "",
         "every other block": "recompute " + ", ".join(f"h.{i}" for i in range(0, n_layer, 2)),
-        "all blocks": f"recompute h.0 .. h.{n_layer - 1}",
+        "all blocks": every,
+        f"none + loss chunk {chunk}": f"loss chunk {chunk}",
+        f"all blocks + loss chunk {chunk}": f"{every}\nloss chunk {chunk}",
     }
 
 
@@ -157,6 +161,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3, help="steps per variant; the first untimed")
+    ap.add_argument("--chunk", type=int, default=128, help="tokens per chunk of the loss")
     ap.add_argument("--write", help="append the table to this markdown file")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -165,14 +170,14 @@ def main() -> None:
     ).spec.model.n_layer
     texts = {
         name: TEXT.format(model=args.model, micro=args.micro, seq=args.seq, recompute=line)
-        for name, line in variants(n_layer).items()
+        for name, line in variants(n_layer, args.chunk).items()
     }
     rows = measure(texts, args.steps)
     for name, row in rows.items():
         print(name, row, flush=True)
     cmd = (
         f"python bench/recompute.py --model {args.model} --micro {args.micro} "
-        f"--seq {args.seq} --steps {args.steps}"
+        f"--seq {args.seq} --steps {args.steps} --chunk {args.chunk}"
     )
     lines = [
         f"`{cmd}` on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

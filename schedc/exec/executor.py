@@ -164,6 +164,7 @@ class Executor:
         self.tf32 = set_tf32(self.device, spec.numerics.tf32)  # CUDA only; CPU untouched
         self.layers = spec.model.layers
         self.model = init_model(spec.model, spec.seed, options.dtype).to(self.device)
+        self.model.loss_chunk = spec.numerics.loss_chunk  # `loss chunk N`: the head's chunked CE
         # what each compute segment calls: eager, or compiled once per region (`compile on`)
         self.regions = Regions(self.model, spec.numerics.compile)
         self.params = dict(self.model.named_parameters())

@@ -77,6 +77,10 @@ class Numerics:
     reduce   the dtype gradients are all-reduced or reduce-scattered in (reduce_dtype)
     tf32     fp32 matmuls on TF32 tensor cores; None: on where there are any (CUDA)
     compile  torch.compile each layer, or each run of layers that nothing separates
+    loss_chunk  tokens per chunk of the head's fused logits + cross-entropy (`loss chunk N`,
+             model/gpt2.py ChunkedLinearCE); None: the whole micro-batch's logits at once.
+             Its weight gradient is a sum over chunks, not one matmul: another order of
+             the same fp32 sum, and under bf16 each chunk's part rounded to bf16 on its own
     """
 
     compute: Dtype = Dtype.FP32
@@ -84,6 +88,7 @@ class Numerics:
     reduce: Dtype = Dtype.FP32
     tf32: bool | None = None
     compile: bool = False
+    loss_chunk: int | None = None
 
     def describe(self, kind: Strategy = Strategy.FSDP) -> str:
         """The policy in words; a dtype the strategy does not use is not claimed (DDP gathers
@@ -94,9 +99,10 @@ class Numerics:
             dtypes.append(f"gather {self.gather}")
         if kind is not Strategy.SINGLE:
             dtypes.append(f"reduce {self.reduce}")
+        loss = "" if self.loss_chunk is None else f"; loss in chunks of {self.loss_chunk:,} tokens"
         return (
             f"{', '.join(dtypes)}; master weights and AdamW fp32; tf32 {tf32}, compile "
-            f"{'on' if self.compile else 'off'}"
+            f"{'on' if self.compile else 'off'}{loss}"
         )
 
     def effective(self, kind: Strategy) -> Numerics:
@@ -108,7 +114,8 @@ class Numerics:
         tf32 acts on fp32 matmuls only, and under bf16 autocast GPT-2 has none; compile
         changes where a value is rounded only below fp32 (a fused kernel keeps bf16
         intermediates in fp32), while in fp32 it reorders sums as much as a different world
-        size does, which agreement already tolerates.
+        size does, which agreement already tolerates. A chunked loss likewise: in fp32 it
+        reorders the weight gradient's sum, under bf16 it rounds each chunk's part on its own.
         """
         low = self.compute is not Dtype.FP32
         return Numerics(
@@ -117,17 +124,20 @@ class Numerics:
             reduce=self.reduce if kind is not Strategy.SINGLE else Dtype.FP32,
             tf32=True if low or self.tf32 is None else self.tf32,
             compile=self.compile and low,
+            loss_chunk=self.loss_chunk if low else None,
         )
 
     def differences(self, other: Numerics) -> list[str]:
         """What differs between two (effective) policies, as `key mine vs other`."""
 
         def word(v):
+            if v is None:  # loss_chunk's: the whole micro-batch
+                return "off"
             return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
         return [
-            f"{k} {word(getattr(self, k))} vs {word(getattr(other, k))}"
-            for k in ("compute", "gather", "reduce", "tf32", "compile")
+            f"{k.replace('_', ' ')} {word(getattr(self, k))} vs {word(getattr(other, k))}"
+            for k in ("compute", "gather", "reduce", "tf32", "compile", "loss_chunk")
             if getattr(self, k) != getattr(other, k)
         ]
 

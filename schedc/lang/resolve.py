@@ -40,6 +40,7 @@ from schedc.lang.syntax import (
     BucketDecl,
     Data,
     Field,
+    LossChunk,
     Memory,
     MeshDecl,
     Model,
@@ -72,6 +73,7 @@ LIMITS = {
     "steps": (1, 1 << 30),
     "seed": (0, (1 << 63) - 1),
 }
+CHUNK = (1, 1 << 24)  # tokens per chunk of the head's loss (`loss chunk N`)
 MODEL_KEYS = {
     "n_layer": "n_layer",
     "n_head": "n_head",
@@ -345,6 +347,9 @@ class _Resolver:
         mesh = self.mesh(single(MeshDecl, "mesh", "the mesh"), world, strategy)
         self.replicated = mesh is not None and mesh.replicate > 1
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
+        if (lc := single(LossChunk, "loss", "`loss chunk`")) is not None:
+            # not part of a precision policy: --precision keeps it
+            numerics = replace(numerics, loss_chunk=self.int_of(lc.tokens, "loss chunk", *CHUNK))
         recompute = self.recompute(
             single(Recompute, "recompute", "`recompute`"),
             next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
@@ -1229,6 +1234,8 @@ DTYPES = {d.value for d in Dtype}
 def _range_hint(what: str, lo: int, hi: int) -> str | None:
     if what == "world":
         return "world is the number of data-parallel ranks"
+    if what == "loss chunk":
+        return "the number of tokens whose logits the head makes at once, e.g. `loss chunk 1024`"
     return None
 
 

@@ -176,6 +176,14 @@ class Prefetch:
 
 
 @dataclass(frozen=True)
+class LossChunk:
+    """`loss chunk 1024`: the head's logits and cross-entropy 1024 tokens at a time."""
+
+    tokens: Num
+    span: Span
+
+
+@dataclass(frozen=True)
 class Recompute:
     """`recompute h.0 .. h.11` (layers), or inside fsdp `recompute u1, u3` (units)."""
 
@@ -249,6 +257,7 @@ Stmt = (
     | Optimizer
     | Precision
     | Toggle
+    | LossChunk
     | Recompute
     | DDP
     | FSDP
@@ -430,6 +439,9 @@ class _ToAST(Transformer):
 
     def recompute(self, meta, c):
         return Recompute(c[0], self._span(meta))
+
+    def loss(self, meta, c):
+        return LossChunk(c[-1], self._span(meta))
 
     # streams and programs
     def stream(self, meta, c):

@@ -11,6 +11,10 @@ itself; `forward` is the ordinary whole-model call the reference step uses.
 
 `lm_head.weight` *is* `wte.weight`: registered after `wte`, it never appears in
 `named_parameters()`, and the tensor receives gradient from both `head` and `embed`.
+
+With `loss_chunk` set (the schedule's `loss chunk N`), the head's loss is `chunked_loss`:
+ln_f as before, then logits and cross-entropy a chunk of N tokens at a time, never the
+whole (B*T, vocab) logits (Liger-Kernel's FusedLinearCrossEntropy, torchtune's chunked CE).
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ from torch.nn import functional as F
 
 from schedc.model.arch import SIZES, GPTConfig
 
-__all__ = ["GPT", "MLP", "SIZES", "Block", "CausalSelfAttention", "GPTConfig"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "SIZES",
+    "Block",
+    "CausalSelfAttention",
+    "ChunkedLinearCE",
+    "GPTConfig",
+    "chunked_loss",
+]
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,6 +101,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.loss_chunk: int | None = None  # tokens per chunk of the head's loss; None: all
         if not self.wte.weight.is_meta:
             self.init_weights(seed)
 
@@ -132,6 +146,8 @@ class GPT(nn.Module):
         if name == "embed":
             return self._embed(x)
         if name == "head":
+            if targets is not None and self.loss_chunk is not None:
+                return chunked_loss(self.ln_f(x), self.lm_head.weight, targets, self.loss_chunk)
             logits = self._logits(x)
             return logits if targets is None else _cross_entropy(logits, targets)
         return self.h[self._block_index(name)](x)
@@ -177,3 +193,83 @@ class GPT(nn.Module):
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all B*T positions."""
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class ChunkedLinearCE(torch.autograd.Function):
+    """mean cross-entropy of (h @ weight.T) against targets, `chunk` rows at a time.
+
+    h (N, C), weight (V, C), targets (N,) int64 -> loss () fp32, the same value as
+    `F.cross_entropy(h @ weight.T, targets)` (mean over the N rows, no ignore_index).
+    Forward keeps h (and the weight, a parameter) but no logits: each chunk's (chunk, V)
+    logits live only while its loss is summed. Backward makes each chunk's logits again,
+    forms (softmax - onehot) x grad / N (the loss's scale: a micro-step's 1/k arrives as
+    grad), writes the chunk's rows of grad h and adds its part of grad weight, so its
+    transient is one chunk's logits and their gradient, plus grad h and grad weight.
+
+    Under autocast the arithmetic is autocast's for the unchunked head, done explicitly
+    (the Function runs its own casts, since autocast is off in backward): h and the weight
+    cast to the compute dtype, logits in it, cross-entropy in fp32, the logits' gradient
+    rounded to the compute dtype for the two matmuls, grad h in it, and each chunk's part of
+    grad weight added in fp32. The chunked sums of grad weight (over chunks instead of one
+    matmul over all rows) are not bitwise the unchunked ones: they agree within fp32's
+    rounding (tests/oracle.py).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk: int):
+        dev = h.device.type
+        low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        with torch.autocast(dev, enabled=False):
+            hc, wc = _cast(h, low), _cast(weight, low)
+            total = torch.zeros((), dtype=_wide(h).dtype, device=h.device)
+            for s in range(0, h.size(0), chunk):
+                logits = hc[s : s + chunk] @ wc.t()  # (chunk, V)
+                total += F.cross_entropy(_wide(logits), targets[s : s + chunk], reduction="sum")
+                del logits
+        ctx.save_for_backward(h, weight, targets)
+        ctx.chunk, ctx.low = chunk, low
+        return total / h.size(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, targets = ctx.saved_tensors
+        chunk, low = ctx.chunk, ctx.low
+        N = h.size(0)
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = _cast(h, low), _cast(weight, low)
+            scale = _wide(grad) / N
+            grad_h = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
+            grad_w = None  # the first chunk's matmul makes it (no zero-filled pass first)
+            for s in range(0, N, chunk):
+                rows = hc[s : s + chunk]
+                d = torch.softmax(_wide(rows @ wc.t()), dim=-1)  # (chunk, V), fp32 at least
+                d[torch.arange(d.size(0), device=d.device), targets[s : s + chunk]] -= 1.0
+                d = _cast(d.mul_(scale), low)  # softmax - onehot, scaled as the loss is
+                if grad_h is not None:
+                    torch.mm(d, wc, out=grad_h[s : s + chunk])
+                if grad_w is None:
+                    grad_w = _wide(d.t() @ rows)
+                elif d.dtype == grad_w.dtype:
+                    grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
+                else:
+                    grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
+                del d
+        if grad_h is not None:
+            grad_h = grad_h.to(h.dtype)
+        return grad_h, grad_w.to(weight.dtype), None, None
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for the 16-bit dtypes (what autocast runs cross-entropy in); others as they are."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+def chunked_loss(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """The head's mean cross-entropy from ln_f's output h (B, T, C), `chunk` tokens at a time."""
+    return ChunkedLinearCE.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk)

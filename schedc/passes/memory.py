@@ -286,6 +286,11 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     of the block's weights (12 C^2 x 2 bytes, made again by every forward); the head the
     bf16 logits (V x 2) besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
 
+    head, `loss chunk K` (model/gpt2.py ChunkedLinearCE): 2 C + 2 per token, fp32 in both
+                dtypes: ln_f's input, mean and rstd, and its output (the Function's saved
+                input; it casts to bf16 itself, inside forward and again in backward). No
+                logits and no log_softmax output are kept.
+
     A recomputing layer keeps only its input during forward (a block: N C in the compute
     dtype's residual stream, fp32; embed: nothing beyond the batch; head: N C), and holds
     `saved` again from its recompute to its backward.
@@ -296,6 +301,15 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     4 C + 4 C + 2 C); the head's forward, the logits (V); its backward, the gradient of
     log_softmax's output and of the logits (2 V) and of its input (C); embed's backward the
     gradient of its output (C).
+    Chunked, with K = min(chunk, N): forward holds one chunk's logits and log_softmax (2 K V
+    fp32; bf16: K V bf16 logits, their fp32 copy and log_softmax, and the bf16 casts of h
+    and the weight, N C + V C); backward one chunk's logits and softmax (2 K V fp32; bf16:
+    bf16 logits, two fp32 and the bf16 gradient, the casts, and a chunk's (V, C) bf16 part
+    of the weight's gradient before it is added in fp32) and grad h (N C; bf16 N C bf16 and
+    its fp32 copy), and throughout it the weight's gradient, V C fp32, which the Function
+    accumulates and returns whole (measured: 147 MiB of gpt2's chunked head backward). The
+    unchunked head makes one too, but after its (N, V) buffers are gone, so it sets no peak
+    there; chunked, it is most of the head's transient.
     """
     cfg, N = spec.model, spec.micro * spec.seq_len
     C, H, V = cfg.n_embd, cfg.n_head, cfg.vocab_size
@@ -303,6 +317,16 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     c = spec.numerics.compute.nbytes
     if layer == "embed":
         return LayerActs(8 * spec.seq_len, 0, N * C * FP32, N * C * FP32)
+    if layer == "head" and spec.numerics.loss_chunk is not None:
+        K = min(spec.numerics.loss_chunk, N)
+        saved = N * (2 * C + 2) * FP32
+        if not bf16:
+            bwd = (N * C + 2 * K * V + V * C) * FP32
+            return LayerActs(saved, N * C * FP32, 2 * K * V * FP32, bwd)
+        casts = (N * C + V * C) * c
+        fwd = K * V * (c + 2 * FP32) + casts
+        bwd = K * V * (2 * c + 2 * FP32) + casts + V * C * (c + FP32) + N * C * (c + FP32)
+        return LayerActs(saved, N * C * FP32, fwd, bwd)
     if layer == "head":
         saved = N * ((2 * C + 2 + V) * FP32 if not bf16 else (C + 2 + V) * FP32 + (C + V) * c)
         return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)

@@ -68,6 +68,16 @@ def test_bundled_schedules_peak_as_predicted(pool, name, recompute):
     check_measured(pool, text.replace("steps 40", "steps 2"))
 
 
+@pytest.mark.parametrize("name", ["tiny_1gpu", "tiny_4gpu", "tiny_fsdp_prefetch"])
+@pytest.mark.parametrize(
+    "extra", ["loss chunk 64", "loss chunk 64\nrecompute h.0 .. h.3"], ids=["chunk", "chunk+rc"]
+)
+def test_chunked_loss_peaks_as_predicted(pool, name, extra):
+    """The head's chunked loss (`loss chunk N`): one chunk's logits instead of the micro-batch's."""
+    text = (SCHEDULES / f"{name}.sched").read_text() + f"\n{extra}\n"
+    check_measured(pool, text.replace("steps 40", "steps 2"))
+
+
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(kinds=("ddp",), max_k=3))
 def test_generated_schedules_peak_as_predicted(pool, case):
