@@ -72,6 +72,12 @@ def schedules(a) -> dict[str, tuple[int, Path]]:
         "ddp {", "precision bf16 { reduce = bf16 }\nddp {", 1
     )
     files["fsdp-bf16"] = files["fsdp"].replace("fsdp {", "precision bf16\nfsdp {", 1)
+    # HSDP: the same units on a replicate x shard mesh (FSDP2: a 2-D DeviceMesh)
+    if a.world % a.replicate == 0:
+        files["hsdp"] = files["fsdp"].replace(
+            f"world {a.world}\n",
+            f"world {a.world}\nmesh {a.replicate} x {a.world // a.replicate}\n",
+        )
     out = {}
     for name, text in files.items():
         path = OUT / f"{name}.sched"
@@ -136,9 +142,13 @@ CASES = {
     "schedc-ddp-bf16": "schedc DDP, `precision bf16 { reduce = bf16 }`: against torch-ddp-bf16",
     "torch-fsdp2-bf16": "FSDP2, bf16 autocast, MixedPrecisionPolicy(param_dtype=bf16)",
     "schedc-fsdp-bf16": "schedc FSDP, `precision bf16`: against torch-fsdp2-bf16",
+    "torch-fsdp2-hsdp": "FSDP2 fully_shard on init_device_mesh('cpu', (R, S), "
+    "mesh_dim_names=('replicate', 'shard')): the HSDP baseline (--replicate R)",
+    "schedc-hsdp": "schedc FSDP's units on `mesh R x S`: against torch-fsdp2-hsdp",
 }
+HSDP_CASES = ("torch-fsdp2-hsdp", "schedc-hsdp")
 DEFAULT_CASES = {
-    "fp32": [c for c in CASES if not c.endswith("-bf16")],
+    "fp32": [c for c in CASES if not c.endswith("-bf16") and c not in HSDP_CASES],
     "bf16": [c for c in CASES if c.endswith("-bf16")],
     "both": ["torch-ddp", "schedc-ddp-cap", "torch-fsdp2", "schedc-fsdp"]
     + [c for c in CASES if c.endswith("-bf16")],
@@ -189,6 +199,12 @@ def parser() -> argparse.ArgumentParser:
         help="untimed steps each case runs first, per round (default 2)",
     )
     ap.add_argument(
+        "--replicate",
+        type=int,
+        default=2,
+        help="replicas of the HSDP cases' mesh, R of R x (world / R) (default 2)",
+    )
+    ap.add_argument(
         "--steps", type=int, default=6, help="timed steps per case per round (default 6)"
     )
     ap.add_argument(
@@ -233,9 +249,13 @@ def main() -> None:
         "schedc-ddp-bf16": ("schedc", a.world, files["ddp-cap-bf16"], "torch-ddp-bf16"),
         "torch-fsdp2-bf16": ("torch-fsdp2", a.world, files["fsdp-bf16"], None),
         "schedc-fsdp-bf16": ("schedc", a.world, files["fsdp-bf16"], "torch-fsdp2-bf16"),
+        "torch-fsdp2-hsdp": ("torch-fsdp2", a.world, files.get("hsdp"), None),
+        "schedc-hsdp": ("schedc", a.world, files.get("hsdp"), "torch-fsdp2-hsdp"),
     }
     assert plan.keys() == CASES.keys(), "CASES lists every case plan runs"
     cases = list(a.cases or DEFAULT_CASES[a.precision])
+    if any(c in HSDP_CASES for c in cases) and "hsdp" not in files:
+        raise SystemExit(f"--world {a.world} is not a multiple of --replicate {a.replicate}")
     if "schedc-ddp-torch-layout" in cases and "torch-ddp" in cases:
         cases.remove("torch-ddp")
         cases.insert(0, "torch-ddp")  # its layout is needed first

@@ -376,7 +376,13 @@ class TorchFSDP2:
 
         s = self.spec = compiled.spec
         self.rank, self.world = rank, world
-        mesh = init_device_mesh("cpu", (world,))
+        if s.hsdp:  # FSDP2's HSDP: shard over the last dimension, replicate over the first
+            m = s.mesh
+            mesh = init_device_mesh(
+                "cpu", (m.replicate, m.shard), mesh_dim_names=("replicate", "shard")
+            )
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         self.model = init_model(s.model, s.seed)
         mp = MixedPrecisionPolicy(
             param_dtype=dtype(s.numerics.gather),

@@ -26,6 +26,8 @@ for f in ${FORMATS:-svg}; do
   schedc render schedules/fsdp_prefetch.sched --view timeline -o $D/seed004_fsdp_prefetch_timeline.$f
   schedc render schedules/fsdp_prefetch.sched $D/fsdp_no_prefetch.sched --view timeline -o $D/seed004_fsdp_prefetch_vs_none.$f
   schedc render schedules/fsdp_prefetch.sched -o $D/seed004_fsdp_prefetch_graph.$f
+  # HSDP: GPT-2 on 2 nodes x 8 GPUs, flat FSDP vs HSDP, inter-node links 8x slower
+  schedc render schedules/gpt2_2x8_fsdp.sched schedules/gpt2_2x8_hsdp.sched --view timeline --bandwidth 100G --inter-bandwidth 12.5G --node-size 8 -o $D/hsdp_2x8_vs_fsdp_timeline.$f
 done
 
 if [ "${1:-}" = "measured" ]; then

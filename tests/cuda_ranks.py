@@ -33,6 +33,7 @@ def world1_variant(path: Path, max_micro_steps: int = 4) -> str:
         r"(?m)^model\s+\S+(\s*\{[^}]*\})?", f"model nano {{ n_layer = {spec.model.n_layer} }}", text
     )
     text = re.sub(r"(?m)^world\s+\d+", "world 1", text)
+    text = re.sub(r"(?m)^mesh\s+.*$", "", text)  # one rank: the flat layout of its strategy
     text = re.sub(r"(?m)^batch\s+\d+\s*x\s*\d+", f"batch {k} x 32", text)
     text = re.sub(r"(?m)^micro\s+\d+", "micro 1", text)
     text = re.sub(r"(?m)^memory\s+.*$", "", text)  # nano's sizes, not the budget's

@@ -13,6 +13,8 @@
                               from the plan (the CUDA sanitizer must report it)
     sleep comm|compute        torch.cuda._sleep before every op of that stream (CUDA only:
                               a missing event shows as changed bits once one side is slow)
+    skip-replicate-allreduce  HSDP: the all-reduce of each unit's gradient shard over the
+                              replicate group never runs (each replica keeps its own)
 
 Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
 """
@@ -26,6 +28,17 @@ import time
 def inject(ex, fault: str) -> None:
     if fault == "skip-accum-scale":
         ex.loss_scale = 1.0
+    elif fault == "skip-replicate-allreduce":
+        import dataclasses
+
+        from schedc.ir.op import Kind
+        from schedc.ir.plan import Action
+
+        def replicate(i) -> bool:
+            return i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE and bool(ex.units)
+
+        kept = tuple(i for i in ex.plan.instrs if not replicate(i))
+        ex.plan = dataclasses.replace(ex.plan, instrs=kept)
     elif fault == "reduce-first-micro-step":
         import dataclasses
 

@@ -138,6 +138,7 @@ class Case:
     precision: str = "fp32"  # a PRECISIONS key
     recompute: tuple[str, ...] = ()  # layers that recompute, forward order
     extra: tuple[str, ...] = field(default=(), compare=False)  # lines appended (mutations)
+    mesh: tuple[int, int] | None = None  # replicate x shard (HSDP); None: flat
 
     @property
     def seqs(self) -> int:
@@ -154,6 +155,8 @@ class Case:
     def lines(self) -> list[str]:
         m = "model nano" if self.n_layer == 2 else f"model nano {{ n_layer = {self.n_layer} }}"
         out = [m, f"world {self.world}", f"batch {self.seqs} x {self.seq_len}"]
+        if self.mesh:
+            out.insert(2, f"mesh {self.mesh[0]} x {self.mesh[1]}")
         if self.stated in ("micro", "both"):
             out.append(f"micro {self.micro}")
         if self.stated in ("accumulate", "both"):
@@ -337,6 +340,14 @@ def recomputes(draw, cfg: GPTConfig) -> tuple[str, ...]:
         return ()
     chosen = draw(st.sets(st.sampled_from(cfg.layers), min_size=1))
     return tuple(x for x in cfg.layers if x in chosen)
+
+
+@st.composite
+def hsdp_cases(draw, meshes=((2, 2), (2, 3), (3, 2)), max_k: int = 3):
+    """A valid FSDP schedule on a 2-D mesh (replicate x shard), its world the mesh's."""
+    mesh = draw(st.sampled_from(meshes))
+    case = draw(cases(kinds=("fsdp",), worlds=(mesh[0] * mesh[1],), max_k=max_k))
+    return case.with_(mesh=mesh)
 
 
 @st.composite

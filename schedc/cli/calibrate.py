@@ -11,6 +11,7 @@ from pathlib import Path
 from schedc.cli.common import check_output, overrides
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
+from schedc.viz.cost import CostModel
 from schedc.viz.trace import TraceError, calibrate, load
 
 HELP = "fit the render cost model to a `schedc run --trace` file"
@@ -24,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the schedule that was run (default: the one the trace names)",
     )
     p.add_argument("--model", help="model size the run used (if it passed --model)")
+    p.add_argument(
+        "--node-size",
+        metavar="N",
+        type=int,
+        help="ranks per node the run had (torchrun --nproc_per_node): collectives whose "
+        "group spans nodes fit the inter-node bandwidth (default 8)",
+    )
     p.add_argument(
         "-o",
         "--output",
@@ -45,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.trace} was recorded from {path}, which is not here; pass --schedule FILE"
             )
         c = compile_file(path, overrides(args))
-        fit = calibrate(c, trace, name=args.trace)
+        if args.node_size is not None and args.node_size < 1:
+            raise UserError(f"--node-size must be >= 1, got {args.node_size}")
+        base = CostModel(node_size=args.node_size) if args.node_size else CostModel()
+        fit = calibrate(c, trace, base, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     print(

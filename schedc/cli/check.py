@@ -14,7 +14,7 @@ from schedc.ir.spec import Spec, Strategy
 from schedc.lang.diagnostics import CompileError, UserError, count, render_all
 from schedc.lang.params import describe_params
 from schedc.lang.resources import bundled_schedules
-from schedc.passes.memory import fmt_bytes
+from schedc.passes.memory import fmt_bytes, traffic
 
 HELP = "prove schedules legal; print a summary or a stage's text"
 
@@ -140,7 +140,8 @@ def summary(c: Compiled) -> str:
             )
     elif s.kind is Strategy.FSDP:
         lines.append(
-            f"  strategy  FSDP, {count(len(st.units), 'unit')}, prefetch forward "
+            f"  strategy  {'HSDP' if s.hsdp else 'FSDP'}, {count(len(st.units), 'unit')}, "
+            f"prefetch forward "
             f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
             f"{'on' if st.reshard_after_forward else 'off'}{_serialized(plan)}"
         )
@@ -151,6 +152,20 @@ def summary(c: Compiled) -> str:
             )
     else:
         lines.append("  strategy  one process: gradients added across micro-steps")
+    if s.hsdp:
+        m = s.mesh
+        lines.append(
+            f"  mesh      {m} (replicate x shard): units sharded over {m.shard} consecutive "
+            f"ranks, gradient shards all-reduced over {m.replicate} ranks {m.shard} apart"
+        )
+        moved = traffic(s, plan)
+        lines.append(
+            "  traffic   per rank per step: "
+            + "; ".join(
+                f"{dim} {', '.join(f'{k} {fmt_bytes(v)}' for k, v in per.items())}"
+                for dim, per in moved.items()
+            )
+        )
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
     lines.append(f"  streams   ops: {comm}; {count(len(plan.producers), 'event')}")
     lines.append(f"  numerics  {s.numerics.describe(s.kind)}")

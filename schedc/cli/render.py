@@ -47,6 +47,18 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
         help=f"bus bandwidth per GPU, B/s: 100G (default {d.bandwidth:.3g})",
     )
     g.add_argument(
+        "--inter-bandwidth",
+        metavar="RATE",
+        help="bus bandwidth of a collective whose group spans nodes, B/s: 12.5G "
+        "(default: --bandwidth)",
+    )
+    g.add_argument(
+        "--node-size",
+        metavar="N",
+        type=int,
+        help=f"ranks per node (torchrun --nproc_per_node) (default {d.node_size:g})",
+    )
+    g.add_argument(
         "--latency",
         metavar="TIME",
         help=f"fixed cost per collective: 10us (default {d.latency:.3g} s)",
@@ -60,10 +72,18 @@ def cost_from_args(args: argparse.Namespace, base: CostModel | None = None) -> C
         return base.with_(
             flops=parse_rate(args.flops) if args.flops else None,
             bandwidth=parse_rate(args.bandwidth) if args.bandwidth else None,
+            inter_bandwidth=parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None,
+            node_size=_node_size(args.node_size),
             latency=parse_time(args.latency) if args.latency is not None else None,
         )
     except (OSError, ValueError) as e:
         raise UserError(f"cost model: {e}") from None
+
+
+def _node_size(n: int | None) -> float | None:
+    if n is not None and n < 1:
+        raise ValueError(f"--node-size must be >= 1, got {n}")
+    return float(n) if n is not None else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,7 +205,11 @@ def _fit_from_trace(c: Compiled, args: argparse.Namespace) -> CostModel:
         fit = calibrate(c, load(args.trace), name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
-    flags = [f"--{k}" for k in ("flops", "bandwidth", "latency") if getattr(args, k) is not None]
+    flags = [
+        f"--{k.replace('_', '-')}"
+        for k in ("flops", "bandwidth", "inter_bandwidth", "node_size", "latency")
+        if getattr(args, k) is not None
+    ]
     print(
         f"schedc: no --cost: the prediction uses the cost model fitted to {args.trace} "
         f"(as `schedc calibrate` fits it): {fit.cost.describe(c.spec.numerics)}"

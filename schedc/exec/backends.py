@@ -16,6 +16,15 @@ stream, while the main thread computes. An event recorded after a collective is 
 handle; a `wait` for it retires that stream's queue up to it (work.wait(), then the
 collective's completion step, e.g. adding a reduce-scattered shard into the gradient).
 Retiring strictly in issue order keeps every result bitwise reproducible.
+
+Mesh dimensions (HSDP): a stream has one process group per dimension its collectives run
+over (`Spec.dims`; a dimension whose group is the whole job uses the stream's world group,
+so flat DDP and FSDP keep exactly one). On CUDA the groups' NCCL streams are ordered by
+the schedule stream they are issued on. On CPU each group has its own worker thread, so a
+stream stays first-in first-out across its groups by launching a collective whose group
+differs from the one ahead of it (or that waits behind such a one) only once everything
+ahead of it has retired (`_kick`): the replicate all-reduce of a unit's gradient shard
+reads what its reduce-scatter wrote on the other group.
 """
 
 from __future__ import annotations
@@ -53,11 +62,13 @@ class Timed:
 @dataclass
 class _Pending:
     op: Op
-    work: object
+    work: object  # None until launched (a launch held back behind another group's work)
     done: Done | None
     issued: int
     finished: list[int] = field(default_factory=list)  # set by the work's future
     retired: bool = False
+    pg: object = None
+    launch: Launch | None = None  # set while held back
 
 
 def now() -> int:
@@ -69,11 +80,11 @@ class CPUBackend:
 
     device = torch.device("cpu")
 
-    def __init__(self, streams: tuple[str, ...], comm, trace: bool):
+    def __init__(self, streams: tuple[str, ...], comm, trace: bool, mesh=None, dims=()):
         self.streams = streams
         self.trace = trace
         self.spans: list[Timed] = []
-        self.groups = {s: _gloo_group(comm, s) for s in streams}
+        self.groups = {s: _gloo_groups(comm, s, mesh, dims) for s in streams}
         self.queues: dict[str, deque[_Pending]] = {s: deque() for s in streams}
         self.events: dict[int, tuple[str, _Pending | None]] = {}
         self.last_issued: dict[str, _Pending | None] = {s: None for s in streams}
@@ -90,16 +101,35 @@ class CPUBackend:
 
     # collectives ---------------------------------------------------------------------------
 
-    def collective(self, stream: str, op: Op, launch: Launch, done: Done | None) -> None:
-        issued = now()
-        work = launch(self.groups[stream])
-        p = _Pending(op, work, done, issued)
-        if self.trace:
-            self._watcher(stream).put((p, work))
-        self.queues[stream].append(p)
+    def collective(
+        self, stream: str, op: Op, launch: Launch, done: Done | None, dim: str | None = None
+    ) -> None:
+        pg = self.groups[stream][dim]
+        q = self.queues[stream]
+        p = _Pending(op, None, done, now(), pg=pg, launch=launch)
+        q.append(p)
+        # a stream is FIFO: work on another group than the one ahead waits for it to retire
+        if len(q) == 1 or (q[-2].work is not None and q[-2].pg is pg):
+            self._launch(stream, p)
         self.last_issued[stream] = p
         if stream == COMPUTE:
             self._retire(stream, p)  # on the compute stream a collective blocks, like a kernel
+
+    def _launch(self, stream: str, p: _Pending) -> None:
+        p.work, p.launch = p.launch(p.pg), None
+        if self.trace:
+            self._watcher(stream).put((p, p.work))
+
+    def _kick(self, stream: str) -> None:
+        """Launch the held-back work at the head of a stream's queue, and the work of the
+        same group right behind it (everything ahead of the head has retired)."""
+        q = self.queues[stream]
+        for k, p in enumerate(q):
+            if p.work is not None:
+                continue
+            if k and not (q[k - 1].work is not None and q[k - 1].pg is p.pg):
+                break
+            self._launch(stream, p)
 
     def record(self, stream: str, event: int) -> None:
         # the producer was the last op issued on `stream`; a compute op is already complete
@@ -123,7 +153,7 @@ class CPUBackend:
     def poll(self) -> None:
         """Retire finished collectives at the head of each queue (never blocks)."""
         for s, q in self.queues.items():
-            while q and q[0].work.is_completed():
+            while q and q[0].work is not None and q[0].work.is_completed():
                 self._retire(s, q[0])
 
     def drain(self) -> None:
@@ -134,6 +164,8 @@ class CPUBackend:
     def _retire(self, stream: str, upto: _Pending) -> None:
         q = self.queues[stream]
         while q and not upto.retired:
+            if q[0].work is None:
+                self._kick(stream)  # the head's predecessors have all retired
             p = q.popleft()
             p.retired = True
             p.work.wait()
@@ -149,6 +181,7 @@ class CPUBackend:
                 start = max(p.issued, self.last_end[stream])
                 self.last_end[stream] = end
                 self.spans.append(Timed(p.op, stream, start, end, p.issued))
+        self._kick(stream)
 
     def synchronize(self) -> None:
         self.drain()
@@ -197,16 +230,31 @@ class CPUBackend:
         return {}
 
 
-def _gloo_group(comm, stream: str):
-    """A gloo process group over the job's ranks with one worker thread: a FIFO comm stream."""
-    store = dist.PrefixStore(
-        f"schedc/{comm.tag}/stream/{stream}", dist.distributed_c10d._get_default_store()
-    )
+def _gloo_groups(comm, stream: str, mesh, dims) -> dict[str | None, object]:
+    """A stream's gloo process groups, one worker thread each: the job's ranks (key None),
+    and one per mesh dimension whose group is smaller than the job (HSDP)."""
+    groups: dict[str | None, object] = {}
+    if not dims or any(len(mesh.members(comm.rank, d)) == comm.world for d in dims):
+        groups[None] = _gloo_group(comm, f"stream/{stream}", comm.rank, comm.world)
+    for dim in dims:
+        members = mesh.members(comm.rank, dim)
+        if len(members) == comm.world:
+            groups[dim] = groups[None]
+        else:  # named by the group's first rank: only its members meet under the name
+            name = f"stream/{stream}/{dim}/{members[0]}"
+            groups[dim] = _gloo_group(comm, name, mesh.index(comm.rank, dim), len(members))
+    return groups
+
+
+def _gloo_group(comm, name: str, rank: int, size: int):
+    """A gloo process group with one worker thread: a FIFO comm stream."""
+    default = dist.distributed_c10d._get_default_store()
+    store = dist.PrefixStore(f"schedc/{comm.tag}/{name}", default)
     opts = dist.ProcessGroupGloo._Options()
     opts._threads = 1
     opts._timeout = comm.timeout
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, comm.rank, comm.world, opts)
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 class CUDABackend:
@@ -219,6 +267,8 @@ class CUDABackend:
         trace: bool,
         device: torch.device,
         collectives: str = "nccl",
+        mesh=None,
+        dims=(),
     ):
         self.device = device
         self.trace = trace
@@ -226,11 +276,14 @@ class CUDABackend:
             s: (torch.cuda.current_stream(device) if s == COMPUTE else torch.cuda.Stream(device))
             for s in streams
         }
-        self.rank, self.world = comm.rank, comm.world
-        self.groups = stream_groups(streams, comm, collectives)
+        world = stream_groups(streams, comm, collectives)
+        self.groups = {
+            s: {None: world[s], **mesh_groups(s, world[s], comm, collectives, mesh, dims)}
+            for s in streams
+        }
         # gloo (several ranks on one GPU, tests): which tensor collectives it lacks on CUDA
         self.fallbacks: set[str] = (
-            _gloo_cuda_gaps(self.groups[streams[0]], device) if collectives == "gloo" else set()
+            _gloo_cuda_gaps(world[streams[0]], device) if collectives == "gloo" else set()
         )
         self.events: dict[int, torch.cuda.Event] = {}
         self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -257,9 +310,11 @@ class CUDABackend:
     def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
         self._timed(stream, op, fn)
 
-    def collective(self, stream: str, op: Op, launch: Launch, done: Done | None) -> None:
+    def collective(
+        self, stream: str, op: Op, launch: Launch, done: Done | None, dim: str | None = None
+    ) -> None:
         def issue():
-            launch(self.groups[stream])  # synchronous mode: ordered on this stream
+            launch(self.groups[stream][dim])  # synchronous mode: ordered on this stream
             if done is not None:
                 done()  # enqueued on the same stream, after the collective
 
@@ -304,7 +359,9 @@ class CUDABackend:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Launch:
         if "all_gather_into_tensor" in self.fallbacks:  # gloo: the list form, into the views
-            return lambda pg: dist.all_gather(list(out.chunk(self.world)), shard, group=pg)
+            return lambda pg: dist.all_gather(
+                list(out.chunk(dist.get_world_size(pg))), shard, group=pg
+            )
         return lambda pg: dist.all_gather_into_tensor(out, shard, group=pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Launch:
@@ -314,8 +371,8 @@ class CUDABackend:
             def launch(pg):
                 summed = full.clone()
                 dist.all_reduce(summed, group=pg)
-                n = out.numel()
-                out.copy_(summed[self.rank * n : (self.rank + 1) * n])
+                n, me = out.numel(), dist.get_rank(pg)  # this rank's place in the group
+                out.copy_(summed[me * n : (me + 1) * n])
 
             return launch
         return lambda pg: dist.reduce_scatter_tensor(out, full, group=pg)
@@ -357,6 +414,29 @@ def stream_groups(streams: tuple[str, ...], comm, backend: str) -> dict[str, obj
         )
         for s in streams
     }
+
+
+def mesh_groups(stream: str, world_pg, comm, backend: str, mesh, dims) -> dict[str, object]:
+    """A stream's process group for each mesh dimension: its world group where the
+    dimension spans the job, else a new group of this rank's members along it. Every rank
+    creates one group per (stream, dimension) in the same order, so the groups torch names
+    by their ranks and the count of groups made before them agree among their members."""
+    ranks = (
+        list(range(comm.world)) if comm.group is None else dist.get_process_group_ranks(comm.group)
+    )
+    out = {}
+    for dim in dims:
+        members = mesh.members(comm.rank, dim)
+        if len(members) == comm.world:
+            out[dim] = world_pg
+        else:
+            out[dim] = dist.new_group(
+                [ranks[m] for m in members],
+                timeout=comm.timeout,
+                backend=backend,
+                use_local_synchronization=True,
+            )
+    return out
 
 
 LAUNCH_ORDER = "NCCL_LAUNCH_ORDER_IMPLICIT"

@@ -43,7 +43,7 @@ from schedc.exec.heap import HeapPeak
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
-from schedc.ir.spec import BucketSpec, Dtype, Strategy
+from schedc.ir.spec import SHARD, BucketSpec, Dtype, Strategy
 from schedc.model.data import load_batches
 from schedc.model.reference import (
     adamw_groups,
@@ -185,15 +185,24 @@ class Executor:
             if options.collectives == "nccl":  # train.py set it before any communicator
                 nccl_launch_order(len(collective_streams(self.plan)))
             self.backend = CUDABackend(
-                streams, comm, options.trace, self.device, options.collectives
+                streams,
+                comm,
+                options.trace,
+                self.device,
+                options.collectives,
+                spec.mesh,
+                spec.dims(),
             )
         else:
-            self.backend = CPUBackend(streams, comm, options.trace)
+            self.backend = CPUBackend(streams, comm, options.trace, spec.mesh, spec.dims())
         self.buckets: dict[str, FlatBucket] = {}
         self.units: dict[str, FlatUnit] = {}
         if spec.kind is Strategy.FSDP:
+            # units shard over the shard dimension: this rank holds shard `index` of `S`
+            mesh = spec.mesh
+            index, S = mesh.index(comm.rank, SHARD), mesh.shard
             self.units = {
-                u.name: FlatUnit(u, spec.model, self.params, comm.rank, comm.world, gather)
+                u.name: FlatUnit(u, spec.model, self.params, index, S, gather)
                 for u in spec.strategy.units
             }
             decay, plain = [], []
@@ -243,6 +252,8 @@ class Executor:
         for b in self.buckets.values():
             b.flat.zero_()
         self.scattered: set[str] = set()  # units reduce-scattered so far this step
+        # HSDP: (unit, micro-step) -> a reduce-scatter's output, for its replicate all-reduce
+        self.scatter_out: dict[tuple[str, int], tuple] = {}
         self.comm_bytes: dict[str, int] = {}
         self.result: StepStats | None = None
         if self.opts.heap and self.device.type == "cpu" and s > 0:  # step 0 creates AdamW's m, v
@@ -414,9 +425,13 @@ class Executor:
 
     def _collective(self, stream: str, op: Op) -> None:
         b = self.backend
-        D = self.comm.world
+        D = self.comm.world  # gradients are averaged over every rank, whatever the mesh
+        S = self.spec.mesh.shard
+        dim = self.spec.dim_of(op)
         rd = self.reduce_dtype
-        if op.kind is Kind.ALLREDUCE:
+        if op.kind is Kind.ALLREDUCE and self.units:
+            self._replicate(stream, op, dim)
+        elif op.kind is Kind.ALLREDUCE:
             flat = self.buckets[op.target].flat
             self._count(op, flat.numel(), rd)
             held: dict[str, torch.Tensor] = {}
@@ -433,11 +448,11 @@ class Executor:
             def back(flat=flat, held=held):
                 flat.copy_(held.pop("low"))  # the summed average, back into the fp32 bucket
 
-            b.collective(stream, op, launch, None if flat.dtype == rd else back)
+            b.collective(stream, op, launch, None if flat.dtype == rd else back, dim)
         elif op.kind is Kind.ALLGATHER:
             unit = self.units[op.target]
-            # every rank's shard arrives, in the gather dtype: the full unit
-            self._count(op, unit.shard.numel() * D, unit.full.dtype)
+            # every shard of the shard group arrives, in the gather dtype: the full unit
+            self._count(op, unit.shard.numel() * S, unit.full.dtype)
 
             self._reclaim(stream, unit.name)  # freed storage this gather may reuse
             self.gathered_on[unit.name] = stream
@@ -449,7 +464,7 @@ class Executor:
                     shard = shard.to(full.dtype)  # FSDP2's param_dtype cast, on this stream
                 return b.all_gather(full, shard)(pg)
 
-            b.collective(stream, op, launch, None)
+            b.collective(stream, op, launch, None, dim)
             self._measure()
         elif op.kind is Kind.REDUCESCATTER:
             unit = self.units[op.target]
@@ -489,7 +504,28 @@ class Executor:
                 else:
                     unit.shard_grad.add_(out)  # accumulate this micro-step's shard (upcast)
 
-            b.collective(stream, op, launch, None if direct else done)
+            if self.spec.hsdp:  # the replicate all-reduce sums `out` first, then lands it
+                self.scatter_out[(unit.name, op.mb)] = (held, direct, done)
+                b.collective(stream, op, launch, None, dim)
+            else:
+                b.collective(stream, op, launch, None if direct else done, dim)
+
+    def _replicate(self, stream: str, op: Op, dim: str) -> None:
+        """HSDP: sum a unit's reduce-scattered gradient shard over the replicate group.
+
+        The reduce-scatter already divided by the whole world (each rank's gradient x 1/D,
+        summed over the shard group), so the sum over the replicate group is the average
+        over every rank. It reads the reduce-scatter's output, which the stream's order
+        makes complete first, and then does what the reduce-scatter's completion would have
+        done: add (or cast) the shard into the fp32 gradient shard."""
+        b, unit = self.backend, self.units[op.target]
+        held, direct, done = self.scatter_out.pop((op.target, op.mb))
+        self._count(op, unit.shard_len, self.reduce_dtype)
+
+        def launch(pg, held=held):
+            return b.all_reduce(held["out"])(pg)  # direct: the new gradient shard itself
+
+        b.collective(stream, op, launch, None if direct else done, dim)
 
     def _grad_key(self, mb: int) -> int:
         """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
@@ -514,6 +550,7 @@ class Executor:
             )
             if self.comm.world > 1:
                 dist.all_reduce(sq, group=self.comm.group)
+                sq /= spec.mesh.replicate  # each replica holds the same shards (HSDP)
             norm = sq.sqrt().to(self.opts.dtype)
             grads = [u.shard_grad for u in self.units.values()]
         else:
@@ -612,7 +649,11 @@ class Executor:
         out = {}
         for u in self.units.values():
             src = u.shard_grad if grad else u.shard
-            full = torch.empty(u.padded, dtype=src.dtype, device=src.device)
+            # every rank's shard, in rank order: each replica's S shards in turn (HSDP), of
+            # which the first replica's are the unit
+            full = torch.empty(
+                u.padded * self.spec.mesh.replicate, dtype=src.dtype, device=src.device
+            )
             if "all_gather_into_tensor" in getattr(self.backend, "fallbacks", ()):
                 # gloo on CUDA tensors (ranks sharing a GPU) without the flat form: the list
                 dist.all_gather(list(full.chunk(self.comm.world)), src, group=self.comm.group)
@@ -620,7 +661,7 @@ class Executor:
                 dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
             else:
                 full.copy_(src)
-            out.update({names[id(p)]: t for p, t in u.assemble(full).items()})
+            out.update({names[id(p)]: t for p, t in u.assemble(full[: u.padded]).items()})
         return out
 
     def _measure(self) -> None:

@@ -193,6 +193,13 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
             f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}"
         )
+    if spec.hsdp and (job.save or job.resume):
+        # the checkpoint lays a unit's shards out over the whole world (one DTensor dim);
+        # an HSDP shard is one of S, held by R ranks: refused, not saved wrongly
+        raise RunError(
+            f"{compiled.source.path}: checkpoints (--save, --resume) of HSDP schedules "
+            f"(mesh {spec.mesh}) are not supported yet; run without them, or without the mesh"
+        )
     threads = (
         cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if device.type == "cpu" else ""
     )
@@ -222,8 +229,9 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         n = torch.get_num_threads()
         log(
             comm,
-            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}, "
-            f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
+            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}"
+            + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")
+            + f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
             f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "
             f"on {device.type} ({n} thread{'s' if n != 1 else ''} per rank{threads})",
         )

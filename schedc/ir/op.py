@@ -4,6 +4,8 @@
     bwd[embed]@mb0           backward of layer embed in micro-step 0
     recompute[h.3]@mb1       forward of h.3 again, from its kept input, right before its bwd
     allreduce[b1]@mb3        all-reduce (average) of bucket b1's gradients
+    allreduce[u2]@mb3        HSDP: all-reduce of unit u2's gradient shard over the replicate
+                             dimension, after its reduce-scatter over the shard dimension
     allgather[u2]@mb0:fwd    all-gather of unit u2's shards, for its forward use
     free[u2]@mb0:fwd         release of u2's gathered parameters after that use
     reducescatter[u2]@mb1    reduce-scatter (average) of u2's gradient into the shards

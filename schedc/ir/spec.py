@@ -212,6 +212,56 @@ class ProgramSpec:
     span: Span
 
 
+# the two dimensions of a mesh: gradients are reduce-scattered and parameters gathered over the
+# shard dimension, all-reduced over the replicate dimension
+SHARD = "shard"
+REPLICATE = "replicate"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The world as replicate x shard, in torchrun's rank order.
+
+    torchrun numbers ranks node by node (rank = node x nproc_per_node + local_rank), so a
+    shard group is `shard` consecutive ranks (one node, when shard = nproc_per_node) and a
+    replicate group is the ranks `shard` apart (the same local rank on every node):
+
+        mesh 2 x 4:  shard groups {0 1 2 3} {4 5 6 7}, replicate groups {0 4} {1 5} {2 6} {3 7}
+
+    Flat DDP is replicate = world (shard 1), flat FSDP shard = world (replicate 1); only
+    HSDP (FSDP with both dimensions above 1) has two groups per rank.
+    """
+
+    replicate: int
+    shard: int
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard
+
+    def __str__(self) -> str:
+        return f"{self.replicate} x {self.shard}"
+
+    def size(self, dim: str) -> int:
+        return self.shard if dim == SHARD else self.replicate
+
+    def members(self, rank: int, dim: str) -> tuple[int, ...]:
+        """The ranks of `rank`'s group along `dim`, in rank order."""
+        if dim == SHARD:
+            first = rank - rank % self.shard
+            return tuple(range(first, first + self.shard))
+        return tuple(range(rank % self.shard, self.world, self.shard))
+
+    def index(self, rank: int, dim: str) -> int:
+        """`rank`'s position in its group along `dim` (its shard, along SHARD)."""
+        return rank % self.shard if dim == SHARD else rank // self.shard
+
+    def groups(self, dim: str) -> list[tuple[int, ...]]:
+        """Every group along `dim`, in the order of their lowest rank."""
+        firsts = range(0, self.world, self.shard) if dim == SHARD else range(self.shard)
+        return [self.members(r, dim) for r in firsts]
+
+
 @dataclass(frozen=True)
 class Spec:
     """Everything a schedule declares, resolved and checked."""
@@ -236,6 +286,37 @@ class Spec:
     # layers whose forward keeps only its input and runs again right before their backward
     recompute: frozenset[str] = frozenset()
     where: dict[str, Span] = field(default_factory=dict, compare=False)
+    # replicate x shard; None (no `mesh` in the file): flat, the strategy's one dimension
+    declared_mesh: Mesh | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        """The world as replicate x shard: the declared mesh, or the flat one (DDP replicates
+        over the world, FSDP shards over it, one process has a 1 x 1 world)."""
+        if self.declared_mesh is not None:
+            return self.declared_mesh
+        if self.kind is Strategy.FSDP:
+            return Mesh(1, self.world)
+        return Mesh(self.world, 1)
+
+    @property
+    def hsdp(self) -> bool:
+        """FSDP units sharded within groups and replicated across them: each unit's gradient
+        shard is all-reduced over the replicate dimension after its reduce-scatter."""
+        return self.kind is Strategy.FSDP and self.mesh.replicate > 1
+
+    def dim_of(self, op: Op) -> str:
+        """The mesh dimension a collective runs over: gathers and reduce-scatters over the
+        shard dimension, all-reduces (DDP's buckets, HSDP's unit shards) over the replicate."""
+        return REPLICATE if op.kind is Kind.ALLREDUCE else SHARD
+
+    def dims(self) -> tuple[str, ...]:
+        """The mesh dimensions this schedule's collectives run over."""
+        if self.kind is Strategy.DDP:
+            return (REPLICATE,)
+        if self.kind is Strategy.FSDP:
+            return (SHARD, REPLICATE) if self.mesh.replicate > 1 else (SHARD,)
+        return ()
 
     @property
     def tokens_per_step(self) -> int:

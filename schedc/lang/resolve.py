@@ -22,6 +22,7 @@ from schedc.ir.spec import (
     Dtype,
     FSDPSpec,
     InstrSpec,
+    Mesh,
     MiB,
     Numerics,
     ProgramSpec,
@@ -41,6 +42,7 @@ from schedc.lang.syntax import (
     Field,
     LossChunk,
     Memory,
+    MeshDecl,
     Model,
     Name,
     Num,
@@ -186,6 +188,7 @@ class _Resolver:
         self.diag.extend(overrides.diagnostics())  # the flags, by the file's rules
         self.seen: dict[str, Span] = {}
         self.refs_ok = True
+        self.replicated = False  # a mesh with replicate > 1: FSDP programs all-reduce units
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -341,6 +344,8 @@ class _Resolver:
                 hint="add `ddp { bucket_cap 25 MiB }`, for one",
             )
 
+        mesh = self.mesh(single(MeshDecl, "mesh", "the mesh"), world, strategy)
+        self.replicated = mesh is not None and mesh.replicate > 1
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
         if (lc := single(LossChunk, "loss", "`loss chunk`")) is not None:
             # not part of a precision policy: --precision keeps it
@@ -374,6 +379,7 @@ class _Resolver:
             numerics=numerics,
             recompute=recompute,
             where=dict(self.seen),
+            declared_mesh=mesh,
         )
 
     def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:
@@ -484,6 +490,34 @@ class _Resolver:
             )
             return None, None
         return seqs // (accum * world), accum
+
+    def mesh(self, m: MeshDecl | None, world: int | None, strategy) -> Mesh | None:
+        """`mesh R x S`: the world as replicate x shard; R x S must be the world, and only
+        FSDP shards (DDP's mesh is `world x 1`)."""
+        if m is None:
+            return None
+        hi = LIMITS["world"][1]
+        r = self.int_of(m.replicate, "mesh replicate size", 1, hi)
+        s = self.int_of(m.shard, "mesh shard size", 1, hi)
+        if r is None or s is None or world is None:
+            return None
+        if r * s != world:
+            self.err(
+                "mesh-size",
+                f"mesh {r} x {s} is {r * s} rank{'s' * (r * s != 1)}, but the world is {world}",
+                m.span,
+                hint=_mesh_hint(world),
+            )
+            return None
+        if isinstance(strategy, DDPSpec) and s > 1:
+            self.err(
+                "mesh-ddp",
+                f"a ddp schedule shards nothing: its mesh is {world} x 1, not {r} x {s}",
+                m.span,
+                hint=f"write `mesh {world} x 1`, or use an fsdp block to shard over {s} ranks",
+            )
+            return None
+        return Mesh(r, s)
 
     def data(self, d: Data | None) -> DataConfig:
         """The data source resolved (DataConfig.resolved): the spec holds its meaning."""
@@ -1108,6 +1142,8 @@ class _Resolver:
             return op
         if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
             targets, what = cfg.layers, "layer"
+        elif op.kind is Kind.ALLREDUCE and isinstance(strategy, FSDPSpec) and self.replicated:
+            targets, what = [u.name for u in strategy.units], "unit"  # HSDP's replicate step
         elif op.kind is Kind.ALLREDUCE:
             targets = [b.name for b in strategy.buckets] if isinstance(strategy, DDPSpec) else []
             what = "bucket"
@@ -1120,7 +1156,7 @@ class _Resolver:
                 f"{op} has no place in {Strategy.of(strategy).a_label} schedule",
                 span,
                 hint="DDP schedules all-reduce buckets; FSDP schedules gather, free "
-                "and reduce-scatter units",
+                "and reduce-scatter units (and all-reduce them under a mesh R x S, R > 1)",
             )
             return None
         if op.target not in targets:
@@ -1201,6 +1237,11 @@ def _range_hint(what: str, lo: int, hi: int) -> str | None:
     if what == "loss chunk":
         return "the number of tokens whose logits the head makes at once, e.g. `loss chunk 1024`"
     return None
+
+
+def _mesh_hint(world: int) -> str:
+    shapes = [f"{world // s} x {s}" for s in range(1, world + 1) if world % s == 0][:6]
+    return f"replicate x shard must multiply to the world; for world {world}: {', '.join(shapes)}"
 
 
 def _batch_hint(seqs: int, world: int) -> str:

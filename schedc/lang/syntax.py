@@ -91,6 +91,15 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class MeshDecl:
+    """`mesh 2 x 4`: the world as replicate x shard."""
+
+    replicate: Num
+    shard: Num
+    span: Span
+
+
+@dataclass(frozen=True)
 class Memory:
     size: Size
     span: Span
@@ -242,6 +251,7 @@ Stmt = (
     Model
     | Setting
     | Batch
+    | MeshDecl
     | Memory
     | Data
     | Optimizer
@@ -349,6 +359,9 @@ class _ToAST(Transformer):
 
     def batch(self, meta, c):
         return Batch(c[0], c[1], self._span(meta))
+
+    def mesh(self, meta, c):
+        return MeshDecl(c[0], c[1], self._span(meta))
 
     def memory(self, meta, c):
         return Memory(c[0], self._span(meta))

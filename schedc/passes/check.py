@@ -148,6 +148,11 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
 
 def _missing_message(sg: ScheduleGraph, op: Op) -> str:
     who = _who(sg)
+    if op.kind is Kind.ALLREDUCE and sg.spec.hsdp:
+        return (
+            f"unit '{op.target}' is never all-reduced over the replicate dimension in "
+            f"micro-step {op.mb}{who}"
+        )
     if op.kind is Kind.ALLREDUCE:
         return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
     if op.kind is Kind.REDUCESCATTER:
@@ -291,43 +296,58 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
 
 
 def _spmd(spec: Spec, graphs, plans: dict[int | None, Plan], diag: Diagnostics) -> bool:
-    """Every rank must issue the same collectives, in the same order, on each stream."""
+    """Every rank of a group must issue the group's collectives in the same order, on each
+    stream: one group per mesh dimension (the world, for flat DDP and FSDP; under HSDP a
+    rank's shard group and its replicate group, each compared among its own members)."""
     ok = True
-    # compare with the ranks that run the common plan; when every rank has programs of its
-    # own, nobody runs the common plan, so compare with the lowest rank instead
-    ranks = sorted(r for r in plans if r is not None)
-    base_rank = None if len(ranks) < spec.world else ranks[0]
-    base = plans[base_rank]
-    others = "the other ranks issue" if base_rank is None else f"rank {base_rank} issues"
-    for rank, plan in plans.items():
-        if rank is None or rank == base_rank:
-            continue
-        sg = graphs[rank]
-        for stream in sorted(set(base.streams) | set(plan.streams)):
-            a, b = base.collectives(stream), plan.collectives(stream)
-            if a == b:
-                continue
-            i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-            theirs = str(b[i]) if i < len(b) else "nothing"
-            ours = str(a[i]) if i < len(a) else "nothing"
-            # point at the rank's first differing collective if its program writes it
-            written = i < len(b) and sg.stream_of(b[i]) in sg.written
-            span = (
-                sg.span_of(b[i])
-                if written
-                else next(p.span for p in spec.programs if p.rank == rank)
-            )
-            diag.error(
-                "spmd",
-                f"rank {rank} issues {theirs} as collective #{i + 1} on stream "
-                f"'{stream}', where {others} {ours}",
-                span,
-                hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
-                "Give every rank the same collective order",
-            )
-            ok = False
-            break
+    mesh, hsdp = spec.mesh, spec.hsdp
+    for dim in spec.dims():
+        for members in mesh.groups(dim):
+            # compare with the members that run the common plan; when every member has
+            # programs of its own, nobody there runs it, so compare with the lowest one
+            own = [r for r in members if r in plans]
+            base_rank = None if len(own) < len(members) else own[0]
+            base = plans[base_rank]
+            if base_rank is not None:
+                others = f"rank {base_rank} issues"
+            else:
+                others = "the other ranks" + (f" of its {dim} group" if hsdp else "") + " issue"
+            over = f" over the {dim} dimension" if hsdp else ""
+            for rank in own:
+                if rank == base_rank:
+                    continue
+                if not _same_collectives(
+                    spec, graphs[rank], base, plans[rank], dim, others, over, diag
+                ):
+                    ok = False
     return ok
+
+
+def _same_collectives(spec, sg, base: Plan, plan: Plan, dim, others, over, diag) -> bool:
+    rank = sg.rank
+    for stream in sorted(set(base.streams) | set(plan.streams)):
+        a = [op for op in base.collectives(stream) if spec.dim_of(op) == dim]
+        b = [op for op in plan.collectives(stream) if spec.dim_of(op) == dim]
+        if a == b:
+            continue
+        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        theirs = str(b[i]) if i < len(b) else "nothing"
+        ours = str(a[i]) if i < len(a) else "nothing"
+        # point at the rank's first differing collective if its program writes it
+        written = i < len(b) and sg.stream_of(b[i]) in sg.written
+        span = (
+            sg.span_of(b[i]) if written else next(p.span for p in spec.programs if p.rank == rank)
+        )
+        diag.error(
+            "spmd",
+            f"rank {rank} issues {theirs} as collective #{i + 1}{over} on stream "
+            f"'{stream}', where {others} {ours}",
+            span,
+            hint="collectives match by issue order; a mismatch hangs gloo and NCCL. "
+            "Give every rank the same collective order",
+        )
+        return False
+    return True
 
 
 def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
@@ -336,19 +356,25 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
     A collective completes on every rank at once, so it is one node shared by all ranks;
     with collectives on two streams, rank 0 may wait for a gather before a reduce-scatter
     while rank 1 waits the other way round: each rank's graph is acyclic, each stream's
-    order agrees, and yet the job hangs. Collectives are matched by (stream, position
-    among that stream's collectives), which _spmd has proven the same on every rank.
+    order agrees, and yet the job hangs. Collectives are matched by (stream, mesh dimension,
+    group, position among that stream's collectives of the dimension), which _spmd has
+    proven the same on every member of the group.
     """
     labels = [r for r in graphs if r is not None]
-    if not _everyone_has_a_program(spec, graphs):
+    if spec.hsdp:  # a collective is shared by its group only: every rank stands for itself
+        labels = list(range(spec.world))
+    elif not _everyone_has_a_program(spec, graphs):
         labels.insert(0, None)
+    mesh = spec.mesh
     together = nx.DiGraph()
     for label in labels:
-        sg = graphs[label]
+        sg = graphs.get(label, graphs[None])
         index = {}
         for stream, ops in sg.programs.items():
-            coll = [op for op in ops if op.is_collective]
-            index.update({op: (stream, i) for i, op in enumerate(coll)})
+            for dim in spec.dims():
+                group = mesh.members(label or 0, dim) if spec.hsdp else ()
+                coll = [op for op in ops if op.is_collective and spec.dim_of(op) == dim]
+                index.update({op: (stream, dim, group, i) for i, op in enumerate(coll)})
 
         def key(op, label=label, index=index):
             return ("all", op, index[op]) if op.is_collective else (label, op)

@@ -234,7 +234,11 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
             if op.mb and not spec.no_sync:
                 rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), REUSE))
-            seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
+            rs = seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
+            if spec.hsdp:
+                # HSDP: the shard this rank reduced over its shard group is then averaged
+                # over the replicate group (FSDP2's all-reduce after the reduce-scatter)
+                seq.emit(Op(Kind.ALLREDUCE, u.name, op.mb), [(rs, GRADS)], u.span)
         for m in ends_at.get(i, []):
             if uses[m].free:
                 seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
@@ -245,9 +249,10 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
         seq.emit(
             Op(Kind.FREE, u.name, last, Phase.BWD), [(r, LAST_USE) for r in final_readers], u.span
         )
+    final = Kind.ALLREDUCE if spec.hsdp else Kind.REDUCESCATTER  # a unit's last reduction
     seq.emit(
         STEP,
-        [(Op(Kind.REDUCESCATTER, u.name, last), UPDATE) for u in fs.units],
+        [(Op(final, u.name, last), UPDATE) for u in fs.units],
         spec.where.get("optimizer", spec.where.get("model")),
     )
     return seq

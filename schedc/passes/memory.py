@@ -5,7 +5,8 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 
 * model states, fp32 always: parameter, gradient, Adam m and v. DDP and one process keep
   all of them on every rank (16 bytes/param; the DDP bucket is the gradient); FSDP keeps
-  each unit's shard (16 bytes/param / D, after padding the unit to a multiple of D), its
+  each unit's shard (16 bytes/param / D, after padding the unit to a multiple of D, D the
+  mesh's shard size: the world, or under HSDP the shard group's ranks), its
   gradient shard only from the unit's first reduce-scatter of the step to the update (as
   FSDP2 does). The compute dtype does not change them: autocast casts on the fly.
 * gathered units (FSDP): a unit's full flat parameter in the gather dtype (FSDP2's
@@ -31,7 +32,9 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
                     after any other first one, the output is cast back into the new fp32
                     gradient shard, S x 4 (FSDP2's `_to_dtype_if_needed(reduce_output,
                     orig_dtype)`), which the states count from then on
-    all-reduce      reduce not fp32: the bucket cast to the reduce dtype, n x r, summed
+    all-reduce      HSDP: the reduce-scatter's output shard is all-reduced in place over the
+                    replicate group, so it brings no buffer of its own;
+                    DDP, reduce not fp32: the bucket cast to the reduce dtype, n x r, summed
                     and copied back into the fp32 bucket (DDP's bf16_compress_hook:
                     `buffer.to(bf16).div_(D)`, all-reduce, `buffer.copy_(result)`)
 
@@ -40,7 +43,8 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
   reduce-scatter (the collective reads it), so the peak counts both.
 
 Communication volume (`op_bytes`) follows the same dtypes: an all-gather moves P x g
-bytes, a reduce-scatter P x r, an all-reduce n x r, per rank (the executor's
+bytes, a reduce-scatter P x r, an all-reduce n x r (HSDP's of a unit: S x r), per rank
+over the collective's mesh dimension (`traffic` sums them per dimension; the executor's
 `StepStats.comm_bytes` counts the same from its buffers).
 
 * optimizer temporaries, at the step: foreach AdamW's sqrt(v), 4 bytes a parameter on
@@ -166,7 +170,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             # foreach AdamW: sqrt(v) into a new list of tensors, fp32 per parameter
             led.at(op, comm, FP32 * spec.model.numel if op.kind is Kind.STEP else 0)
         return led.report(states)
-    fs, D = spec.strategy, spec.world
+    fs, D = spec.strategy, spec.mesh.shard  # units shard over the shard dimension only
     g = spec.numerics.gather.nbytes
     numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P, per unit
     states = sum(4 * FP32 * (n // D) for n in numel.values())
@@ -378,13 +382,24 @@ def op_bytes(spec: Spec, op: Op) -> int:
     an all-reduce its bucket in the reduce dtype, an all-gather the full unit in the gather
     dtype, a reduce-scatter the full unit's gradient in the reduce dtype."""
     num = spec.numerics
-    if op.kind is Kind.ALLREDUCE:
+    if op.kind is Kind.ALLREDUCE and spec.kind is Strategy.DDP:
         return bucket_numel(spec, op.target) * num.reduce.nbytes
-    if op.kind in (Kind.ALLGATHER, Kind.REDUCESCATTER):
+    if op.is_collective:
         u = next(u for u in spec.strategy.units if u.name == op.target)
+        S = spec.mesh.shard
         dtype = num.gather if op.kind is Kind.ALLGATHER else num.reduce
-        return padded(unit_numel(spec, u), spec.world) * dtype.nbytes
+        full = padded(unit_numel(spec, u), S) * dtype.nbytes
+        return full // S if op.kind is Kind.ALLREDUCE else full  # HSDP: the shard
     return 0
+
+
+def traffic(spec: Spec, plan: Plan) -> dict[str, dict[str, int]]:
+    """Bytes a rank moves in one step, per mesh dimension and per collective kind."""
+    out: dict[str, dict[str, int]] = {}
+    for op in plan.collectives():
+        per = out.setdefault(spec.dim_of(op), {})
+        per[op.kind.value] = per.get(op.kind.value, 0) + op_bytes(spec, op)
+    return out
 
 
 def fmt_bytes(n: float) -> str:

@@ -2,7 +2,8 @@
 
     Base.read(path)          the file split into what tune keeps (model, world, batch, data,
                              optimizer, steps, seed, numerics it does not search) and drops
-                             (micro/accumulate, memory, ddp/fsdp blocks, streams, programs)
+                             (micro/accumulate, memory, ddp/fsdp blocks, the mesh, streams,
+                             programs: tune searches flat layouts only, not HSDP)
     candidates(base, ...)    every Knobs the search considers, in a fixed order
     base.text(knobs)         a whole schedule: the file with the dropped statements blanked
                              out (so a diagnostic about a kept line points at the user's
@@ -21,7 +22,17 @@ from schedc.ir.source import Source, Span
 from schedc.ir.spec import MiB
 from schedc.lang.parse import parse
 from schedc.lang.read import read_source
-from schedc.lang.syntax import DDP, FSDP, Memory, Precision, Program, Setting, StreamDecl, to_ast
+from schedc.lang.syntax import (
+    DDP,
+    FSDP,
+    Memory,
+    MeshDecl,
+    Precision,
+    Program,
+    Setting,
+    StreamDecl,
+    to_ast,
+)
 from schedc.model.arch import GPTConfig
 
 SEARCHED_SETTINGS = ("micro", "accumulate")
@@ -83,7 +94,9 @@ class Base:
             elif isinstance(s, Memory):
                 memory = source.snippet(s.size.span)
                 dropped.append(s.span)
-            elif isinstance(s, DDP | FSDP | StreamDecl | Program):
+            elif isinstance(s, DDP | FSDP | StreamDecl | Program | MeshDecl):
+                # a `mesh` goes with the strategy: tune searches flat DDP and FSDP layouts
+                # (HSDP is not in its space yet), and a DDP candidate takes no shard mesh
                 dropped.append(s.span)
             elif isinstance(s, Precision):
                 precision = s.span

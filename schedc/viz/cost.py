@@ -4,7 +4,9 @@
                bwd         2 x fwd
                collective  latency + ring(kind, D) x bytes / bandwidth, bytes in the
                            collective's dtype (gather or reduce; passes/memory.op_bytes)
-                           ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D
+                           ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D,
+                           D the ranks of the op's mesh dimension (the world, when flat);
+                           bandwidth: inter_bandwidth when that group spans nodes
                free        free (a storage release, no kernel)
                optimizer   28 bytes x parameters on the rank / mem_bandwidth (fp32 AdamW)
 
@@ -56,6 +58,13 @@ class CostModel:
     """Bus bandwidth per GPU, bytes/s, as nccl-tests reports it (busbw: the ring factor is
     applied separately). 100 GB/s is a conservative NVLink ring or a 4 x 200 Gb/s
     InfiniBand node; NVLink 4 within one H100 node measures 300-450 GB/s."""
+    inter_bandwidth: float | None = None
+    """Bus bandwidth of a collective whose group spans nodes, bytes/s (`--inter-bandwidth`):
+    the inter-node links (InfiniBand, RoCE), typically several times slower than NVLink.
+    None: `bandwidth`, as if every link were as fast as the node's."""
+    node_size: float = 8
+    """Ranks per node (torchrun's --nproc_per_node): ranks node x node_size .. are one node,
+    so a group spans nodes when its members' rank // node_size differ (`--node-size`)."""
     latency: float = 10e-6
     """Fixed cost of one collective, seconds: launch plus the ring's hop latencies."""
     mem_bandwidth: float = 2e12
@@ -80,11 +89,24 @@ class CostModel:
             "flops_tf32": "",
             "flops_fp32": " (fp32, tf32 off)",
         }[key]
+        inter = (
+            f" within a node of {self.node_size:g}, {fmt_rate(self.inter_bandwidth, 'B/s')} "
+            "across nodes"
+            if self.inter_bandwidth is not None
+            else ""
+        )
         return (
             f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
-            f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth, {fmt_time(self.latency)} "
+            f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth{inter}, {fmt_time(self.latency)} "
             "per collective"
         )
+
+    def link(self, spec: Spec, op: Op) -> float:
+        """The bus bandwidth of a collective: inter-node when its group (rank 0's, along the
+        op's mesh dimension; every group of a dimension has the same shape) spans nodes."""
+        if self.inter_bandwidth is None:
+            return self.bandwidth
+        return self.inter_bandwidth if spans_nodes(spec, op, self.node_size) else self.bandwidth
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, indent=2) + "\n"
@@ -125,6 +147,17 @@ def ring_factor(kind: Kind, world: int) -> float:
     return 0.0
 
 
+def group_size(spec: Spec, op: Op) -> int:
+    """The ranks a collective runs over: its mesh dimension's size (the world, when flat)."""
+    return spec.mesh.size(spec.dim_of(op))
+
+
+def spans_nodes(spec: Spec, op: Op, node_size: float) -> bool:
+    """Whether a collective's group holds ranks of more than one node."""
+    per = max(1, int(node_size))
+    return len({r // per for r in spec.mesh.members(0, spec.dim_of(op))}) > 1
+
+
 def op_flops(spec: Spec, op: Op) -> float:
     """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward; a
     recompute is its layer's forward again)."""
@@ -136,14 +169,15 @@ def op_flops(spec: Spec, op: Op) -> float:
 
 def comm_volume(spec: Spec, op: Op) -> float:
     """Bytes each rank moves for a collective on a ring: ring factor x buffer bytes."""
-    return ring_factor(op.kind, spec.world) * op_bytes(spec, op)
+    return ring_factor(op.kind, group_size(spec, op)) * op_bytes(spec, op)
 
 
 def optimizer_bytes(spec: Spec) -> float:
     """Bytes AdamW reads and writes on one rank (FSDP: its shards only)."""
     if spec.kind is Strategy.FSDP:
-        n = sum(padded(unit_numel(spec, u), spec.world) for u in spec.strategy.units)
-        return ADAMW_BYTES * n / spec.world
+        S = spec.mesh.shard  # a rank updates its shard of S
+        n = sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units)
+        return ADAMW_BYTES * n / S
     return ADAMW_BYTES * spec.model.numel
 
 
@@ -151,7 +185,7 @@ def duration(spec: Spec, op: Op, cost: CostModel) -> float:
     if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return op_flops(spec, op) / cost.rate(spec.numerics)
     if op.is_collective:
-        return cost.latency + comm_volume(spec, op) / cost.bandwidth
+        return cost.latency + comm_volume(spec, op) / cost.link(spec, op)
     if op.kind is Kind.FREE:
         return cost.free
     return optimizer_bytes(spec) / cost.mem_bandwidth

@@ -25,7 +25,18 @@ COLORS = {
     Kind.REDUCESCATTER: ("#ffc9c9", "#e03131"),
     Kind.ALLGATHER: ("#d0ebff", "#1864ab"),
 }
+# HSDP's collectives over the replicate dimension (the inter-node link): their own colour
+REPLICATE_COLORS = ("#e5dbff", "#6741d9")
 EVENT_COLOR = "#e8590c"
+
+
+def colors_of(spec, op) -> tuple[str, str]:
+    """(fill, stroke) of an op: its kind's, or the replicate dimension's under HSDP."""
+    if spec.hsdp and op.is_collective and spec.dim_of(op) == "replicate":
+        return REPLICATE_COLORS
+    return COLORS[op.kind]
+
+
 FONT = "Helvetica"
 
 

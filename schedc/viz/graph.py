@@ -15,7 +15,7 @@ from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import count
-from schedc.viz.dot import COLORS, EVENT_COLOR, FONT, attrs, html, q
+from schedc.viz.dot import EVENT_COLOR, FONT, attrs, colors_of, html, q
 
 
 def describe(c: Compiled) -> str:
@@ -29,8 +29,9 @@ def describe(c: Compiled) -> str:
         return f"DDP, world {s.world}, {k}, {how}{sync}"
     if s.kind is Strategy.FSDP:
         st = s.strategy
+        what = f"HSDP, mesh {s.mesh} (replicate x shard)" if s.hsdp else "FSDP"
         return (
-            f"FSDP, world {s.world}, {k}, {count(len(st.units), 'unit')}, prefetch forward "
+            f"{what}, world {s.world}, {k}, {count(len(st.units), 'unit')}, prefetch forward "
             f"{st.prefetch_forward} / backward {st.prefetch_backward}"
         )
     return f"one process, {k}, gradients added across micro-steps"
@@ -153,7 +154,7 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
                 continue
             ids[op] = f"s{index}n{n}"
             n += 1
-            lines.append(f"{pad}  {ids[op]} {_node_style(op)};")
+            lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
         lines.append(f"{pad}}}")
     edges: dict[tuple[str, str], tuple[str, set[str]]] = {}
     rank_of = {"order": 0, "after": 1, "event": 2}
@@ -197,8 +198,8 @@ def _ident(text: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text)
 
 
-def _node_style(op: Op) -> str:
-    fill, stroke = COLORS[op.kind]
+def _node_style(op: Op, spec) -> str:
+    fill, stroke = colors_of(spec, op)
     if op.is_collective:
         return attrs(
             label=q(str(op)),

@@ -23,7 +23,7 @@ from schedc.ir.plan import Action
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import UserError
 from schedc.viz.cost import CostModel
-from schedc.viz.dot import COLORS, FONT, attrs, q
+from schedc.viz.dot import COLORS, FONT, REPLICATE_COLORS, attrs, colors_of, q
 from schedc.viz.graph import describe
 from schedc.viz.overlap import Overlap, overlap
 from schedc.viz.simulate import Interval, Timeline, simulate
@@ -400,7 +400,7 @@ def _panel(cv: Canvas, p: Panel, y: float, v: View, width: float, unfold: bool) 
             lane = lanes[(r, s)]
             # frees last: a free's tick lies on the edge of the boxes around it
             for b in sorted(lane, key=lambda b: b.op.kind is Kind.FREE):
-                _draw_box(cv, b, names[b.key], p.overlap[r], v, y + 3, LANE - 6)
+                _draw_box(cv, b, names[b.key], p.overlap[r], v, y + 3, LANE - 6, tl.spec)
             y += LANE + 2
             if any(b.op.is_collective and b.op not in marks for b in lane):
                 mine = [x for x in p.overlap[r].items if x.interval.stream == s]
@@ -540,13 +540,13 @@ def _table(cv: Canvas, p: Panel, marks: dict[Op, int], y: float, right: float) -
 
 
 def _draw_box(
-    cv: Canvas, b: Box, name: tuple[str, float], ov: Overlap, v: View, y: float, h: float
+    cv: Canvas, b: Box, name: tuple[str, float], ov: Overlap, v: View, y: float, h: float, spec
 ) -> None:
     label, size = name
     start, end = v.clip(b.start, b.end)
     x0 = v.x(start)
     w = _width(b, v)
-    fill, stroke = COLORS[b.op.kind]
+    fill, stroke = colors_of(spec, b.op)
     if b.op.kind is Kind.FREE and w < 3:  # a free takes ~1 us: a tick, so it can be seen,
         # standing out of the lane's boxes above and below
         cv.box(x0 - 0.8, y - 3, 1.6, h + 6, fill="#495057", tooltip=b.tooltip(), cls="free")
@@ -704,7 +704,13 @@ def _caption(p: Panel) -> list[str]:
 
 def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
     kinds = sorted(
-        {i.op.kind for p in panels for i in p.timeline.intervals}, key=lambda k: list(Kind).index(k)
+        {
+            i.op.kind
+            for p in panels
+            for i in p.timeline.intervals
+            if colors_of(p.timeline.spec, i.op) == COLORS[i.op.kind]  # not HSDP's replicate
+        },
+        key=lambda k: list(Kind).index(k),
     )
     names = {
         Kind.FWD: "forward",
@@ -724,6 +730,10 @@ def _legend(cv: Canvas, y: float, panels: list[Panel]) -> None:
         else:
             cv.box(x, y, 16, 10, fill=fill, stroke=stroke, pen=0.8)
         x += 20 + cv.text(x + 20, y - 2, names[k], size=10)
+    if any(p.timeline.spec.hsdp for p in panels):
+        fill, stroke = REPLICATE_COLORS
+        cv.box(x, y, 16, 10, fill=fill, stroke=stroke, pen=0.8)
+        x += 20 + cv.text(x + 20, y - 2, "HSDP all-reduce over the replicate dimension", size=10)
     if any(i.op.is_collective for p in panels for i in p.timeline.intervals):
         cv.box(
             x,

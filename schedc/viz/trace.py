@@ -21,7 +21,7 @@ from pathlib import Path
 
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op, OpSyntaxError
-from schedc.viz.cost import CostModel, comm_volume, op_flops, optimizer_bytes
+from schedc.viz.cost import CostModel, comm_volume, op_flops, optimizer_bytes, spans_nodes
 from schedc.viz.simulate import Interval, Timeline, in_stream_order
 from schedc.viz.units import fmt_rate, fmt_time
 
@@ -381,6 +381,7 @@ class Fit:
     comm_mean: float
     notes: tuple[str, ...]
     compute_key: str = "flops_tf32"  # the rate fitted: the traced schedule's compute dtype's
+    inter_n: int = 0  # of comm_n, the collectives whose group spans nodes
 
     def report(self) -> str:
         c = self.cost
@@ -398,7 +399,13 @@ class Fit:
                 f"({self.compute_key})   from {self.compute_n} distinct "
                 f"fwd/bwd ops, {err(self.compute_rms, self.compute_mean)}"
             ),
-            f"bandwidth   {fmt_rate(c.bandwidth, 'B/s')} (bus)",
+            f"bandwidth   {fmt_rate(c.bandwidth, 'B/s')} (bus"
+            + (
+                f", within a node of {c.node_size:g}); across nodes "
+                f"{fmt_rate(c.inter_bandwidth, 'B/s')} from {self.inter_n} of them"
+                if self.inter_n and c.inter_bandwidth
+                else ")"
+            ),
             (
                 f"latency     {fmt_time(c.latency)}   bandwidth and latency from {self.comm_n} "
                 f"distinct collectives, {err(self.comm_rms, self.comm_mean)}"
@@ -456,40 +463,28 @@ def calibrate(
     for s in used:
         if s.op.is_collective:
             ranks_at.setdefault((s.step, s.op), []).append(s)
-    coll = [
-        (comm_volume(spec, op), t)
-        for op, t in _medians(
-            (op, max(x.end for x in xs) - max(x.start for x in xs))
-            for (_, op), xs in ranks_at.items()
-        )
-    ]
+    links: dict[bool, list[tuple[float, float]]] = {False: [], True: []}  # spans nodes?
+    for op, t in _medians(
+        (op, max(x.end for x in xs) - max(x.start for x in xs)) for (_, op), xs in ranks_at.items()
+    ):
+        links[spans_nodes(spec, op, base.node_size)].append((comm_volume(spec, op), t))
+    coll = links[False] + links[True]
     bandwidth, latency, m_rms, m_mean = base.bandwidth, base.latency, 0.0, 0.0
+    inter = base.inter_bandwidth
+    if links[False]:
+        bandwidth, latency = _fit_link(links[False], base.bandwidth, base.latency, notes, spec)
+    if links[True]:  # a group across nodes (HSDP's replicate groups, or a flat world)
+        inter, lat = _fit_link(
+            links[True], base.inter_bandwidth or base.bandwidth, latency, notes, spec
+        )
+        if not links[False]:
+            latency = lat
+            notes.append("no collective within one node: the intra-node bandwidth is kept")
     if coll:
-        a, b = _line(coll)
-        if b is None and all(x == 0 for x, _ in coll):
-            notes.append(
-                f"world {spec.world}: collectives move no data, so only their "
-                "latency is measured; bandwidth kept"
-            )
-            latency = sum(t for _, t in coll) / len(coll)
-        else:
-            if b is None:
-                notes.append(
-                    "every collective moves the same volume: latency fixed at 0 "
-                    "and bandwidth fitted through the origin"
-                )
-                a, b = 0.0, _origin(coll)
-            elif a < 0:
-                notes.append("the best line has negative latency: latency fixed at 0")
-                a, b = 0.0, _origin(coll)
-            if b > 0:
-                bandwidth, latency = 1.0 / b, a
-            else:
-                notes.append(
-                    "collective time does not grow with bytes: bandwidth kept, latency is the mean"
-                )
-                latency = sum(t for _, t in coll) / len(coll)
-        m_rms = _rms([t - latency - x / bandwidth for x, t in coll])
+        m_rms = _rms(
+            [t - latency - x / bandwidth for x, t in links[False]]
+            + [t - latency - x / inter for x, t in links[True]]
+        )
         m_mean = sum(t for _, t in coll) / len(coll)
     else:
         notes.append("no collective spans: bandwidth and latency kept")
@@ -510,8 +505,50 @@ def calibrate(
         if not (math.isfinite(v) and (v > 0 or k in ("latency", "free") and v == 0)):
             notes.append(f"the fitted {k} ({v:g}) is not a usable value: kept")
             fitted[k] = getattr(base, k)
+    if links[True] and inter is not None:
+        if math.isfinite(inter) and inter > 0:
+            fitted["inter_bandwidth"] = inter
+        else:
+            notes.append(f"the fitted inter_bandwidth ({inter:g}) is not a usable value: kept")
     cost = replace(base, flops=None, **fitted)
-    return Fit(cost, len(comp), c_rms, c_mean, len(coll), m_rms, m_mean, tuple(notes), key)
+    return Fit(
+        cost,
+        len(comp),
+        c_rms,
+        c_mean,
+        len(coll),
+        m_rms,
+        m_mean,
+        tuple(notes),
+        key,
+        len(links[True]),
+    )
+
+
+def _fit_link(
+    coll: list[tuple[float, float]], bandwidth: float, latency: float, notes: list[str], spec
+) -> tuple[float, float]:
+    """t = latency + volume / bandwidth by least squares over one link's collectives."""
+    a, b = _line(coll)
+    if b is None and all(x == 0 for x, _ in coll):
+        notes.append(
+            f"world {spec.world}: collectives move no data, so only their "
+            "latency is measured; bandwidth kept"
+        )
+        return bandwidth, sum(t for _, t in coll) / len(coll)
+    if b is None:
+        notes.append(
+            "every collective moves the same volume: latency fixed at 0 "
+            "and bandwidth fitted through the origin"
+        )
+        a, b = 0.0, _origin(coll)
+    elif a < 0:
+        notes.append("the best line has negative latency: latency fixed at 0")
+        a, b = 0.0, _origin(coll)
+    if b > 0:
+        return 1.0 / b, a
+    notes.append("collective time does not grow with bytes: bandwidth kept, latency is the mean")
+    return bandwidth, sum(t for _, t in coll) / len(coll)
 
 
 def _median(xs: list[float]) -> float:

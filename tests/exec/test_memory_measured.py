@@ -6,7 +6,7 @@ above holds for the peak at op boundaries, as a sub-millisecond transient inside
 seen only when the sampling thread runs then): on a CPU the live heap (schedc/exec/heap.py:
 glibc's in-use bytes, read between ops and every millisecond) grown over the bytes held before the plan
 runs (states and the step's token batches), over the steps after the first (the first
-creates AdamW's moments). Bundled CPU schedules (DDP and FSDP, worlds 1-4, with and
+creates AdamW's moments). Bundled CPU schedules (DDP, FSDP and HSDP, worlds 1-4, with and
 without recompute) and generated DDP ones (worlds 1-4, some with recompute). Generated
 FSDP schedules are not held to it: with a `keep` unit and several micro-steps the heap
 was measured up to 16% above the ledger (docs/benchmarks.md, a gap still open).
@@ -23,7 +23,7 @@ from schedc.compiler import compile_text
 from tests.strategies import cases, examples
 
 SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
-BUNDLED = ["tiny_1gpu", "tiny_4gpu", "tiny_ddp_overlap", "tiny_fsdp_prefetch"]
+BUNDLED = ["tiny_1gpu", "tiny_4gpu", "tiny_ddp_overlap", "tiny_fsdp_prefetch", "tiny_hsdp"]
 TOLERANCE = 0.10
 # FSDP: the ledger keeps a reduce-scatter's input until a wait or the update retires it;
 # the executor also retires collectives that have finished by the next backward, which

@@ -512,6 +512,39 @@ FAIL = [
         "use at most 64 tokens",
         id="context-length",
     ),
+    # the mesh
+    pytest.param(
+        FSDP + "mesh 2 x 2",
+        "mesh-size",
+        "mesh 2 x 2 is 4 ranks, but the world is 2",
+        "mesh 2 x 2",
+        "for world 2: 2 x 1, 1 x 2",
+        id="mesh-size",
+    ),
+    pytest.param(
+        DDP.replace("world 2", "world 4").replace("batch 8", "batch 16") + "mesh 2 x 2",
+        "mesh-ddp",
+        "a ddp schedule shards nothing: its mesh is 4 x 1, not 2 x 2",
+        "mesh 2 x 2",
+        "write `mesh 4 x 1`, or use an fsdp block to shard over 2 ranks",
+        id="mesh-ddp",
+    ),
+    pytest.param(
+        FSDP + "mesh 0 x 2",
+        "value-range",
+        "mesh replicate size must be >= 1, got 0",
+        "0",
+        None,
+        id="mesh-zero",
+    ),
+    pytest.param(
+        FSDP + "mesh 1 x 2\nmesh 2 x 1",
+        "duplicate",
+        "the mesh is given twice",
+        "mesh 2 x 1",
+        "keep one of them",
+        id="mesh-twice",
+    ),
     # coverage and sharding
     pytest.param(
         NANO + "ddp { bucket b1 = head, h.1  bucket b2 = embed }",

@@ -51,11 +51,14 @@ def test_the_bundle_is_what_the_seeds_describe():
         "ddp_overlap.sched",
         "fsdp_prefetch.sched",
         "gpt2_1gpu.sched",
+        "gpt2_2x8_fsdp.sched",
+        "gpt2_2x8_hsdp.sched",
         "gpt2_8gpu.sched",
         "tiny_1gpu.sched",
         "tiny_4gpu.sched",
         "tiny_ddp_overlap.sched",
         "tiny_fsdp_prefetch.sched",
+        "tiny_hsdp.sched",
     }
 
 
@@ -297,6 +300,26 @@ def _fsdp_units(
     ]
 
 
+GPT2_UNITS = _fsdp_units(
+    "unit u1 = wpe.weight, h.0 .. h.1",
+    "unit u1 = wte.weight, wpe.weight, h.0 .. h.1",
+    "unit u2 = h.2 .. h.3",
+    "unit u2 = h.1 .. h.3",
+    "unit u6 = h.10 .. h.11, head",
+    "unit u6 = h.10 .. h.11",
+    "unit u6 = h.10 .. h.99, head",
+)
+
+TINY_UNITS = _fsdp_units(
+    "unit u1 = wpe.weight, h.0",
+    "unit u1 = wte.weight, wpe.weight, h.0",
+    "unit u2 = h.1 .. h.2",
+    "unit u2 = h.0 .. h.2",
+    "unit u3 = h.3, head",
+    "unit u3 = h.3",
+    "unit u3 = h.99, head",
+)
+
 EXPLICIT = {
     "ddp_overlap.sched": DDP_BUCKETS,
     "tiny_ddp_overlap.sched": DDP_BUCKETS,
@@ -313,6 +336,14 @@ EXPLICIT = {
         "unit u3 = h.4 .. h.5",
         "unit u3 = h.4 .. h.99, head",
     ),
+    "gpt2_2x8_fsdp.sched": GPT2_UNITS,
+    "gpt2_2x8_hsdp.sched": GPT2_UNITS
+    + [
+        ("mesh-not-the-world", [("mesh 2 x 8", "mesh 3 x 8")], "mesh-size"),
+        ("mesh-of-ddp", [("fsdp {", "ddp { bucket_cap 25 MiB }\nfsdp {")], "conflict"),
+    ],
+    "tiny_hsdp.sched": TINY_UNITS
+    + [("mesh-not-the-world", [("mesh 2 x 2", "mesh 2 x 4")], "mesh-size")],
     "tiny_fsdp_prefetch.sched": _fsdp_units(
         "unit u1 = wpe.weight, h.0",
         "unit u1 = wte.weight, wpe.weight, h.0",

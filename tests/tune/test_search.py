@@ -149,3 +149,20 @@ def test_the_file_is_kept_without_what_tune_searches(base):
     assert "micro" not in text and "ddp" not in text
     assert "model nano" in text and "optimizer adamw { lr = 1e-3 }" in text
     assert len(base.kept_text(blank=True)) == len(NANO)
+
+
+def test_a_mesh_goes_with_the_strategy_tune_replaces(tmp_path):
+    """tune searches flat DDP and FSDP layouts: a file's `mesh` is dropped with its block
+    (a DDP candidate takes no shard mesh), and every candidate compiles."""
+    p = tmp_path / "hsdp.sched"
+    p.write_text(
+        NANO.replace("world 2", "world 4\nmesh 2 x 2").replace(
+            "ddp { bucket_cap 1 MiB }",
+            "fsdp { unit all = wte.weight, wpe.weight, h.0 .. h.1, head }",
+        )
+    )
+    base = Base.read(p)
+    assert "mesh" not in base.kept_text(blank=False)
+    res = search(base, Options(strategies=("ddp", "fsdp")))
+    assert res.ranked and not res.refused
+    assert {c.knobs.strategy for c in res.ranked} <= {"ddp", "fsdp"}
