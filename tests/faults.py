@@ -106,8 +106,8 @@ def inject(ex, fault: str) -> None:
 
         collective = ex.backend.collective
 
-        def uncast(stream, op, launch, done):  # the all-reduce's completion step dropped
-            collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done)
+        def uncast(stream, op, launch, done, *rest):  # the all-reduce's completion dropped
+            collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done, *rest)
 
         ex.backend.collective = uncast
     elif fault == "drop-gather-wait":
@@ -143,9 +143,9 @@ def inject(ex, fault: str) -> None:
             nap(stream)
             compute(stream, op, fn)
 
-        def slow_collective(stream, op, launch, done):
+        def slow_collective(stream, op, launch, done, *rest):
             nap(stream)
-            collective(stream, op, launch, done)
+            collective(stream, op, launch, done, *rest)
 
         backend.compute, backend.collective = slow_compute, slow_collective
     else:
