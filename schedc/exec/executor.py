@@ -165,6 +165,9 @@ class Executor:
         self.layers = spec.model.layers
         self.model = init_model(spec.model, spec.seed, options.dtype).to(self.device)
         self.model.loss_chunk = spec.numerics.loss_chunk  # `loss chunk N`: the head's chunked CE
+        # every .grad is a permanent view of a flat buffer: eager layers add the tied weight's
+        # gradients into it in place (compiled regions keep autograd's own backward)
+        self.model.embed_into_grad = not spec.numerics.compile
         # what each compute segment calls: eager, or compiled once per region (`compile on`)
         self.regions = Regions(self.model, spec.numerics.compile)
         self.params = dict(self.model.named_parameters())

@@ -15,6 +15,12 @@ itself; `forward` is the ordinary whole-model call the reference step uses.
 With `loss_chunk` set (the schedule's `loss chunk N`), the head's loss is `chunked_loss`:
 ln_f as before, then logits and cross-entropy a chunk of N tokens at a time, never the
 whole (B*T, vocab) logits (Liger-Kernel's FusedLinearCrossEntropy, torchtune's chunked CE).
+
+With `embed_into_grad` set (the executor sets it: its parameters' .grad are permanent views of
+flat buffers), the token embedding's backward adds its rows straight into `wte.weight.grad`
+(EmbeddingIntoGrad) instead of building a dense (vocab, C) gradient and adding that, and
+under bf16 autocast the head's bf16 gradient of that weight is added into it without an
+fp32 copy first (CastIntoGrad).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ __all__ = [
     "SIZES",
     "Block",
     "CausalSelfAttention",
+    "CastIntoGrad",
     "ChunkedLinearCE",
+    "EmbeddingIntoGrad",
     "GPTConfig",
     "chunked_loss",
 ]
@@ -102,6 +110,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.loss_chunk: int | None = None  # tokens per chunk of the head's loss; None: all
+        self.embed_into_grad = False  # wte's backward adds into wte.weight.grad in place
         if not self.wte.weight.is_meta:
             self.init_weights(seed)
 
@@ -176,10 +185,21 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        return self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C)
+        if self.embed_into_grad and not torch.compiler.is_compiling():
+            tok = EmbeddingIntoGrad.apply(idx, self.wte.weight)
+        else:
+            tok = self.wte(idx)
+        return tok + self.wpe(pos)  # (B, T, C) + (T, C)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab), through the tied wte
+        h, w = self.ln_f(x), self.lm_head.weight
+        dev = h.device.type
+        if self.embed_into_grad and torch.is_autocast_enabled(dev):
+            low = torch.get_autocast_dtype(dev)
+            if w.dtype != low and not torch.compiler.is_compiling():
+                # autocast's cast of the tied weight, made here so its backward adds in place
+                return F.linear(h, CastIntoGrad.apply(w, low))
+        return self.lm_head(h)  # (B, T, vocab), through the tied wte
 
     def _layer_index(self, name: str) -> int:
         if name not in self.config.layers:
@@ -193,6 +213,61 @@ class GPT(nn.Module):
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all B*T positions."""
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class EmbeddingIntoGrad(torch.autograd.Function):
+    """weight[idx], whose backward adds each token's gradient row straight into weight.grad.
+
+    An embedding's ordinary backward (embedding_dense_backward) fills a zero (vocab, C)
+    buffer, adds the rows into it, and autograd then adds that whole buffer into .grad: for
+    GPT-2's 50,257-row tied weight, two passes over 154 MB (gpt2) to place B*T rows. When
+    .grad already exists in the weight's dtype (the executor's flat buffers: a DDP bucket,
+    an FSDP unit's fp32 unsharded gradient) this backward index_adds the rows into it and
+    returns no gradient for the weight, Megatron-LM's gradient-accumulation fusion for the
+    one op where it matters on a CPU. The values differ from the dense path only in the
+    order of fp32 additions (g + a + b instead of g + (0 + a + b)). Without such a .grad
+    (none yet), or where the reordered sum would round in 16 bits (a bf16 .grad under a bf16
+    gather), it returns the dense gradient exactly as embedding's backward does.
+    """
+
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx)
+        ctx.weight = weight  # a leaf parameter: no reference cycle through the graph
+        return F.embedding(idx, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        weight, rows = ctx.weight, grad.reshape(-1, grad.size(-1))
+        into = weight.grad
+        if into is not None and into.dtype == grad.dtype and into.dtype.itemsize >= 4:
+            into.index_add_(0, idx.reshape(-1), rows)
+            return None, None
+        dense = torch.ops.aten.embedding_dense_backward(grad, idx, weight.size(0), -1, False)
+        return None, dense.to(weight.dtype)
+
+
+class CastIntoGrad(torch.autograd.Function):
+    """weight.to(dtype) (autocast's cast of a weight), whose backward adds the 16-bit
+    gradient straight into the weight's fp32 .grad: `grad.add_(g16)` upcasts inside the add,
+    exactly as `grad.add_(g16.float())` does, without the (vocab, C) fp32 copy autocast's
+    cast-back makes first. Used for the head's tied weight under bf16 compute when .grad is
+    a flat buffer's view (`embed_into_grad`); otherwise it returns the upcast gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, dtype):
+        ctx.weight = weight
+        return weight.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight
+        into = weight.grad
+        if into is not None and into.dtype.itemsize >= 4 and into.dtype == weight.dtype:
+            into.add_(grad)
+            return None, None
+        return grad.to(weight.dtype), None
 
 
 class ChunkedLinearCE(torch.autograd.Function):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from schedc.model.arch import SIZES, GPTConfig
 from schedc.model.gpt2 import GPT
@@ -141,3 +142,53 @@ def test_tied_weight_gets_gradient_from_head_and_embed(batch):
     assert from_head.abs().sum() > 0
     total = full_backward(model, idx, targets)["wte.weight"]
     assert not torch.allclose(total, from_head)  # embed adds its share on top
+
+
+def test_embedding_into_grad_adds_in_place_and_falls_back_to_the_dense_gradient():
+    """EmbeddingIntoGrad: with an fp32 .grad the rows are added into it (autograd gets no
+    weight gradient); without one, its gradient is embedding's own, bit for bit."""
+    from schedc.model.gpt2 import EmbeddingIntoGrad
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 8, generator=gen).requires_grad_()
+    idx = torch.randint(0, 50, (3, 20), generator=gen)  # repeated tokens: rows add up
+    g = torch.randn(3, 20, 8, generator=gen)
+    F.embedding(idx, w).backward(g)
+    dense = w.grad
+    w.grad = None
+    EmbeddingIntoGrad.apply(idx, w).backward(g)
+    assert torch.equal(w.grad, dense)  # no .grad yet: the dense gradient
+    base = torch.randn(50, 8, generator=gen)
+    w.grad = into = base.clone()
+    EmbeddingIntoGrad.apply(idx, w).backward(g)
+    assert w.grad is into  # added in place, the buffer kept
+    torch.testing.assert_close(into, base + dense, rtol=0, atol=1e-6)
+    # a bf16 .grad (a bf16 gather): the dense bf16 gradient, then autograd's own add
+    w16 = w.detach().bfloat16().requires_grad_()
+    F.embedding(idx, w16).backward(g.bfloat16())
+    dense16 = w16.grad
+    w16.grad = base.bfloat16()
+    EmbeddingIntoGrad.apply(idx, w16).backward(g.bfloat16())
+    assert torch.equal(w16.grad, base.bfloat16() + dense16)
+
+
+def test_cast_into_grad_equals_autocasts_cast_back():
+    """CastIntoGrad: the head's bf16 weight gradient added into fp32 .grad equals autocast's
+    upcast-then-accumulate exactly (the upcast is exact)."""
+    from schedc.model.gpt2 import CastIntoGrad
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 8, generator=gen).requires_grad_()
+    h = torch.randn(6, 8, generator=gen)
+    base = torch.randn(40, 8, generator=gen)
+    w.grad = base.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_out = F.linear(h, w)
+    want_out.float().square().sum().backward()
+    want = w.grad.clone()
+    w.grad = into = base.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.linear(h, CastIntoGrad.apply(w, torch.bfloat16))
+    assert torch.equal(out, want_out)
+    out.float().square().sum().backward()
+    assert w.grad is into and torch.equal(into, want)
