@@ -200,12 +200,17 @@ class Executor:
             self.backend = CPUBackend(streams, comm, options.trace, spec.mesh, spec.dims())
         self.buckets: dict[str, FlatBucket] = {}
         self.units: dict[str, FlatUnit] = {}
+        self.upcast = False  # FSDP: no_sync accumulates in the reduce dtype (set below)
         if spec.kind is Strategy.FSDP:
             # units shard over the shard dimension: this rank holds shard `index` of `S`
             mesh = spec.mesh
             index, S = mesh.index(comm.rank, SHARD), mesh.shard
+            # no_sync under a reduce dtype wider than the gather's: FSDP2's upcast, micro-steps
+            # accumulate in the reduce dtype (flat.py FlatUnit.fold)
+            self.upcast = spec.no_sync and self.reduce_dtype.itemsize > gather.itemsize
+            accumulate = self.reduce_dtype if self.upcast else None
             self.units = {
-                u.name: FlatUnit(u, spec.model, self.params, index, S, gather)
+                u.name: FlatUnit(u, spec.model, self.params, index, S, gather, accumulate)
                 for u in spec.strategy.units
             }
             decay, plain = [], []
@@ -215,6 +220,8 @@ class Executor:
                 plain += p
             self.optimizer = adamw_groups(decay, plain, spec.optim)
             writers = {u.name: spec.writers(u.params) for u in spec.strategy.units}
+            # the layer whose backward is a unit's last of a micro-step (its lowest writer)
+            self.last_writer = {n: min(ws, key=spec.model.layer_index) for n, ws in writers.items()}
             # the units whose gradients each layer's backward writes into
             self.writes = {
                 layer: [self.units[n] for n, ws in writers.items() if layer in ws]
@@ -390,6 +397,11 @@ class Executor:
             mb.grad_in[bottom] = inp.grad
         if self.units:
             self._measure()
+            if self.upcast:  # a unit whose micro-step backward is done folds it (FSDP2)
+                for layer in seg.layers:
+                    for unit in self.writes[layer]:
+                        if self.last_writer[unit.name] == layer:
+                            unit.fold(key, self._measure)
 
     def _free(self, op: Op) -> None:
         """The unit's last use on compute is done; its storage goes back later, by _reclaim.
@@ -532,8 +544,9 @@ class Executor:
 
     def _grad_key(self, mb: int) -> int:
         """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
-        that accumulates the whole step and is reduce-scattered once."""
-        return 0 if self.spec.no_sync else mb
+        that accumulates the whole step and is reduce-scattered once (its own again when
+        it is folded into a wider accumulator: the upcast)."""
+        return 0 if self.spec.no_sync and not self.upcast else mb
 
     def _count(self, op: Op, numel: int, dtype: torch.dtype) -> None:
         """Bytes a collective moves per rank: its buffer's elements in the dtype it moves."""
@@ -670,7 +683,9 @@ class Executor:
     def _measure(self) -> None:
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units.values())
         grads = sum(
-            g.numel() * g.element_size() for u in self.units.values() for g in u.grads.values()
+            g.numel() * g.element_size()
+            for u in self.units.values()
+            for g in [*u.grads.values(), *([u.acc] if u.acc is not None else [])]
         )
         self.mem["gathered_peak"] = max(self.mem["gathered_peak"], gathered)
         self.mem["grads_peak"] = max(self.mem["grads_peak"], grads)

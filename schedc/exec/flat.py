@@ -19,8 +19,10 @@ Under a bf16 gather (FSDP2's param_dtype) the full buffer, and so the parameters
 compute with and the unsharded gradients autograd writes for them, are bf16; the shard, the
 gradient shard and the AdamW state stay fp32. Gradients a unit receives from several
 backward calls (the tied weight from head and embed; every micro-step of a step under
-no_sync) accumulate in that bf16 buffer before the reduce-scatter (FSDP2 upcasts the
-no_sync accumulation to reduce_dtype; here it stays in bf16).
+no_sync) accumulate in that bf16 buffer before the reduce-scatter, except that under
+no_sync with a wider reduce dtype each micro-step's bf16 gradient is folded into an
+accumulator in the reduce dtype once the unit's backward for it is done, as FSDP2 upcasts
+(`accumulate`), so k micro-steps are summed in fp32, as the reference sums them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class FlatUnit:
         rank: int,
         world: int,
         gather: torch.dtype | None = None,
+        accumulate: torch.dtype | None = None,
     ):
         self.name = spec.name
         self.keep = spec.keep
@@ -101,6 +104,9 @@ class FlatUnit:
         for p, off, n, shape in self.layout:
             p.data = full[off : off + n].view(shape)
         self.grads: dict[int, torch.Tensor] = {}  # unsharded gradients, by micro-step
+        # no_sync's accumulator in a wider dtype than the gather's (FSDP2's upcast), if any
+        self.accumulate = accumulate
+        self.acc: torch.Tensor | None = None
         self._opt_params: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
         self.release()
 
@@ -152,10 +158,31 @@ class FlatUnit:
         return grad
 
     def take_grad(self, key: int) -> torch.Tensor:
-        """Hand the unsharded gradient `key` to a reduce-scatter and forget it."""
+        """Hand the unsharded gradient `key` (the accumulator, when micro-steps fold into
+        one) to a reduce-scatter and forget it."""
         for p, _, _, _ in self.layout:
             p.grad = None
+        if self.accumulate is not None:
+            if key in self.grads:
+                self.fold(key)
+            acc, self.acc = self.acc, None
+            return acc
         return self.grads.pop(key)
+
+    def fold(self, key: int, measure=None) -> None:
+        """Add micro-step `key`'s unsharded gradient into the accumulator in the wider dtype
+        (created by the first fold: the cast, FSDP2's `to_accumulated_grad_if_needed`) and
+        free it; `measure` is called while both are live."""
+        grad = self.grads[key]
+        if self.acc is None:
+            self.acc = grad.to(self.accumulate)
+        else:
+            self.acc.add_(grad)  # upcast inside the add
+        if measure is not None:
+            measure()
+        for p, _, _, _ in self.layout:
+            p.grad = None
+        del self.grads[key]
 
     # the optimizer's view of the shard -----------------------------------------------------
 

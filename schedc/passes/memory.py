@@ -14,7 +14,13 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 * unsharded gradients (FSDP): a unit's full flat gradient in the gather dtype (autograd
   writes a parameter's gradient in the parameter's dtype), per micro-step (one for the
   whole step under no_sync), from the first backward that writes it until the
-  reduce-scatter that consumes it is retired: the executor retires a stream's collectives
+  reduce-scatter that consumes it is retired. Under no_sync with a reduce dtype wider
+  than the gather dtype (bf16 gather, fp32 reduce) the micro-steps accumulate in the
+  reduce dtype, as FSDP2 upcasts them (`FSDPParam.to_accumulated_grad_if_needed`): each
+  micro-step's gradient in the gather dtype lives until the backward of the unit's last
+  writer (its lowest layer), which folds it into a reduce-dtype accumulator (created by
+  the first fold, both live at that moment); the reduce-scatter then sends the
+  accumulator itself, with no cast: the executor retires a stream's collectives
   in order when a wait reaches one of them, the finished ones after each backward, and
   all before the update (exec/backends.py `wait`, `poll`, `drain`; on CUDA the caching
   allocator may reuse the buffer sooner: there the count is an upper bound).
@@ -151,6 +157,22 @@ class _Ledger:
             )
             self.peak = (total, str(op), parts)
 
+    def settle(self, at: str) -> None:
+        """Account a moment between ops (no op's transient): buffers changed after `at`."""
+        live = self.acts.live
+        self.peaks[1] = max(self.peaks[1], self.grads)
+        buffers = self.held + self.gathered + self.grads
+        self.buffers = max(self.buffers, buffers)
+        self.settled = max(self.settled, buffers + live)
+        if buffers + live > self.peak[0]:
+            parts = (
+                ("model states", self.held),
+                ("gathered units", self.gathered),
+                ("unsharded gradients", self.grads),
+                ("activations", live),
+            )
+            self.peak = (buffers + live, at, parts)
+
     def report(self, states: int) -> MemoryReport:
         total, at, parts = self.peak
         parts = tuple(sorted(((n, v) for n, v in parts if v), key=lambda p: -p[1]))
@@ -178,9 +200,15 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     # exists from the unit's first reduce-scatter of the step until the update
     led = _Ledger(spec, sum(3 * FP32 * (n // D) for n in numel.values()))
     writers = {u.name: spec.writers(u.params) for u in fs.units}
-    grad_live: set[tuple[str, int]] = set()  # (unit, micro-step or 0 under no_sync)
+    # no_sync with a reduce dtype wider than the gather dtype: FSDP2's upcast (see the
+    # module's docstring); the micro-step's gradient folds into the accumulator at the
+    # backward of the unit's last writer (the lowest layer), keyed "acc"
+    upcast = fs.no_sync and r > g
+    last_writer = {u: min(ws, key=spec.model.layer_index) for u, ws in writers.items()}
+    # unsharded gradients live: (unit, micro-step, 0 under no_sync, or "acc") -> bytes
+    grad_live: dict[tuple[str, object], int] = {}
     scattered: set[str] = set()  # units reduce-scattered so far in the step
-    key = (lambda mb: 0) if fs.no_sync else (lambda mb: mb)
+    key = (lambda mb: 0) if fs.no_sync and not upcast else (lambda mb: mb)
     # gradients reduce-scattered but not yet retired: stream -> [(issue index, (unit, key))]
     retiring: dict[str, list[tuple[int, tuple[str, int]]]] = {}
     stream_of = {ins.op: ins.stream for ins in plan.instrs if ins.kind is Action.RUN}
@@ -191,8 +219,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             keep = []
             for i, live in retiring.get(s, []):
                 if upto is None or i <= upto:
-                    grad_live.discard(live)
-                    led.grads -= numel[live[0]] * g
+                    led.grads -= grad_live.pop(live)
                 else:
                     keep.append((i, live))
             retiring[s] = keep
@@ -219,11 +246,11 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             for u in fs.units:
                 live = (u.name, key(op.mb))
                 if op.target in writers[u.name] and live not in grad_live:
-                    grad_live.add(live)
+                    grad_live[live] = numel[u.name] * g
                     led.grads += numel[u.name] * g
         elif op.kind is Kind.REDUCESCATTER:
             n, first = numel[op.target], op.target not in scattered
-            if r != g:
+            if r != g and not upcast:
                 comm += n * r  # the unsharded gradient, cast to the reduce dtype
             if not (first and r == FP32):
                 comm += n // D * r  # the output shard, added (or cast back) into the fp32 one
@@ -238,10 +265,18 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
                 FP32 * sum(n // D for n in numel.values()),
             )
         led.at(op, comm, optimizer)
+        if upcast and op.kind is Kind.BWD:
+            for u in (u.name for u in fs.units if last_writer[u.name] == op.target):
+                acc = (u, "acc")
+                if acc not in grad_live:  # the first fold casts: both live for a moment
+                    grad_live[acc] = numel[u] * FP32
+                    led.grads += numel[u] * FP32
+                    led.settle(str(op))
+                led.grads -= grad_live.pop((u, op.mb))  # the micro-step's gradient, folded
         if op.kind is Kind.REDUCESCATTER:
             # its input lives until the collective is retired (exec/backends.py)
             scattered.add(op.target)
-            live = (op.target, key(op.mb))
+            live = (op.target, "acc" if upcast else key(op.mb))
             if live in grad_live and all(live != x for q in retiring.values() for _, x in q):
                 retiring.setdefault(ins.stream, []).append((issued[op], live))
     return led.report(states)
