@@ -227,7 +227,9 @@ class EmbeddingIntoGrad(torch.autograd.Function):
     one op where it matters on a CPU. The values differ from the dense path only in the
     order of fp32 additions (g + a + b instead of g + (0 + a + b)). Without such a .grad
     (none yet), or where the reordered sum would round in 16 bits (a bf16 .grad under a bf16
-    gather), it returns the dense gradient exactly as embedding's backward does.
+    gather), and on a GPU (where index_add_ is atomic, so its order of additions would vary from
+    run to run, and the dense pass is cheap), it returns the dense gradient exactly as
+    embedding's backward does.
     """
 
     @staticmethod
@@ -241,7 +243,12 @@ class EmbeddingIntoGrad(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         weight, rows = ctx.weight, grad.reshape(-1, grad.size(-1))
         into = weight.grad
-        if into is not None and into.dtype == grad.dtype and into.dtype.itemsize >= 4:
+        if (
+            into is not None
+            and into.dtype == grad.dtype
+            and into.dtype.itemsize >= 4
+            and into.device.type == "cpu"  # CUDA's index_add_ adds with atomics: unordered
+        ):
             into.index_add_(0, idx.reshape(-1), rows)
             return None, None
         dense = torch.ops.aten.embedding_dense_backward(grad, idx, weight.size(0), -1, False)
