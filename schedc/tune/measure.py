@@ -94,13 +94,17 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
         fits.append(fit)
     if not fits:
         return cost, notes
-    keys = ["bandwidth", "latency", "mem_bandwidth", "free"]
-    values = {k: statistics.median(getattr(f.cost, k) for f in fits) for k in keys}
+    keys = ["bandwidth", "latency", "mem_bandwidth", "free", "overhead", "grad_bandwidth"]
+    keys += [f"{w}_{p}" for w in ("gather", "scatter") for p in ("bandwidth", "latency")]
+    values = {}
+    for k in keys:  # a trace without the term (a DDP trace has no all-gather) has no say
+        have = [getattr(f.cost, k) for f in fits if getattr(f.cost, k) is not None]
+        values[k] = statistics.median(have) if have else None
     rates: dict[str, list[float]] = {}
     for f in fits:  # each trace fits the rate of its own compute dtype
         rates.setdefault(f.compute_key, []).append(getattr(f.cost, f.compute_key))
     values.update({k: statistics.median(v) for k, v in rates.items()})
-    return replace(cost, flops=None, **values), notes
+    return replace(cost, flops=None, **{k: v for k, v in values.items() if v is not None}), notes
 
 
 def repredict(cands: list[Candidate], cost: CostModel) -> list[float]:
