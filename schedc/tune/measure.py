@@ -95,6 +95,7 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
     if not fits:
         return cost, notes
     keys = ["bandwidth", "latency", "mem_bandwidth", "free", "overhead", "grad_bandwidth"]
+    keys += ["norm_bandwidth"]
     keys += [f"{w}_{p}" for w in ("gather", "scatter") for p in ("bandwidth", "latency")]
     values = {}
     for k in keys:  # a trace without the term (a DDP trace has no all-gather) has no say

@@ -42,7 +42,7 @@ from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
 from schedc.passes.memory import Activations, layer_acts, padded
 from schedc.tune.space import Base, Knobs, candidates
-from schedc.viz.cost import CostModel, compute_time, optimizer_per_param, ring_factor
+from schedc.viz.cost import CostModel, compute_time, optimizer_time, ring_factor
 from schedc.viz.overlap import overlap
 from schedc.viz.simulate import simulate
 
@@ -165,8 +165,7 @@ class Probe:
         acts = Activations(s).batches + sum(layer_acts(s, x).saved for x in cfg.layers)
         compute, c = self.compute(k), self.cost
         if k.strategy != "fsdp":
-            per = optimizer_per_param(Strategy.DDP, s.optim.clip)
-            opt = per * cfg.numel / c.mem_bandwidth
+            opt = optimizer_time(Strategy.DDP, s.optim.clip, cfg.numel, c)
             memory = 4 * FP32 * cfg.numel + acts
             if k.strategy == "single":
                 return compute + opt, memory
@@ -179,8 +178,7 @@ class Probe:
             return max(compute + tail, comm) + opt, memory
         g, r = num.gather.nbytes, num.reduce.nbytes
         units = self.units(k)  # padded numel, tied first, then u1 ...
-        per = optimizer_per_param(Strategy.FSDP, s.optim.clip)
-        opt = per * sum(units) / D / c.mem_bandwidth
+        opt = optimizer_time(Strategy.FSDP, s.optim.clip, sum(units) / D, c)
         ag = lambda n: self.collective(Kind.ALLGATHER, n * g)
         rs = lambda n: self.collective(Kind.REDUCESCATTER, n * r)
         head = ag(units[0]) + ag(units[1])

@@ -14,10 +14,11 @@
                            all-reduce's), else the all-reduce's;
                            bandwidth: inter_bandwidth when that group spans nodes
                free        free (a storage release, no kernel)
-               optimizer   bytes the step reads and writes per parameter on the rank /
-                           mem_bandwidth: fp32 AdamW (28) + clipping's scale (8) + the
-                           gradient norm (DDP: a read, 4; FSDP: its shards in float64,
-                           36: the cast, the square and the sum, as the executor does it)
+               optimizer   28 bytes x parameters on the rank / mem_bandwidth (fp32 AdamW)
+                           + the gradient norm's and clipping's bytes / norm_bandwidth (when
+                           set): clipping's scale 8 per parameter, the norm DDP 4 (a read),
+                           FSDP 36 (its shards in float64: the cast, the square, the sum, as
+                           the executor does it)
 
 The compute rate is the schedule's compute dtype's (`CostModel.rate`): bf16 autocast runs
 its matmuls on bf16 tensor cores, fp32 on TF32 tensor cores unless the schedule says
@@ -92,6 +93,11 @@ class CostModel:
     layer's parameters): on a CPU the embedding's backward zero-fills a dense vocab x d
     gradient and index_adds into it, one of the dearest ops of a step. None: no such term
     (a GPU writes it at HBM speed, inside the FLOPs term's error)."""
+    norm_bandwidth: float | None = None
+    """Bytes/s of the optimizer step's passes before AdamW: the global gradient norm and
+    clipping's scale (FSDP sums its shards in float64, so it reads more per parameter than
+    DDP). None: not priced (a few percent of a GPU's step); `schedc calibrate` sets it to the
+    memory bandwidth it fits, as the same memory-bound passes."""
     gather_bandwidth: float | None = None
     """Bus bandwidth of all-gathers, bytes/s; None: `bandwidth` (what an all-reduce takes)."""
     gather_latency: float | None = None
@@ -221,20 +227,32 @@ def grad_bytes(spec: Spec, op: Op) -> float:
     return spec.model.layer_bytes(op.target) if op.kind is Kind.BWD else 0.0
 
 
-def optimizer_per_param(kind: Strategy, clip: float) -> int:
-    """Bytes the optimizer step reads and writes per parameter it updates (see the top)."""
+def norm_per_param(kind: Strategy, clip: float) -> int:
+    """Bytes the gradient norm and clipping read and write per parameter (see the top)."""
     norm = NORM_BYTES_F64 if kind is Strategy.FSDP else NORM_BYTES
-    return ADAMW_BYTES + (CLIP_BYTES if clip > 0 else 0) + norm
+    return (CLIP_BYTES if clip > 0 else 0) + norm
 
 
-def optimizer_bytes(spec: Spec) -> float:
-    """Bytes the optimizer step reads and writes on one rank (FSDP: its shards only)."""
-    per = optimizer_per_param(spec.kind, spec.optim.clip)
+def optimizer_params(spec: Spec) -> float:
+    """Parameters the optimizer step updates on one rank (FSDP: its shards only)."""
     if spec.kind is Strategy.FSDP:
         S = spec.mesh.shard  # a rank updates its shard of S
-        n = sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units)
-        return per * n / S
-    return per * spec.model.numel
+        return sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units) / S
+    return spec.model.numel
+
+
+def optimizer_bytes(spec: Spec, norm: bool = False) -> float:
+    """Bytes AdamW reads and writes on one rank, and with `norm` the norm's and clipping's."""
+    n = optimizer_params(spec)
+    return n * (ADAMW_BYTES + (norm_per_param(spec.kind, spec.optim.clip) if norm else 0))
+
+
+def optimizer_time(kind: Strategy, clip: float, params: float, cost: CostModel) -> float:
+    """The optimizer step on a rank updating `params` parameters."""
+    t = ADAMW_BYTES * params / cost.mem_bandwidth
+    if cost.norm_bandwidth:
+        t += norm_per_param(kind, clip) * params / cost.norm_bandwidth
+    return t
 
 
 def compute_time(flops: float, gbytes: float, rate: float, cost: CostModel) -> float:
@@ -252,4 +270,4 @@ def duration(spec: Spec, op: Op, cost: CostModel) -> float:
         return cost.link_of(op.kind)[0] + comm_volume(spec, op) / cost.link(spec, op)
     if op.kind is Kind.FREE:
         return cost.free
-    return optimizer_bytes(spec) / cost.mem_bandwidth
+    return optimizer_time(spec.kind, spec.optim.clip, optimizer_params(spec), cost)

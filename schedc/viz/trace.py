@@ -458,7 +458,8 @@ def calibrate(
                  kind: all-reduces give latency and bandwidth (every collective together
                  when the trace has no all-reduce), all-gathers gather_*, reduce-scatters
                  scatter_*; a kind the trace lacks keeps `base`'s (unset: the all-reduce's)
-    optimizer:   mem_bandwidth = bytes / t;   free: t
+    optimizer:   mem_bandwidth = bytes / t, AdamW's and the norm's and clipping's bytes (so
+                 norm_bandwidth is set to it: the same memory-bound passes);   free: t
     What a trace cannot determine keeps `base`'s value, with a note.
     """
     spec, base = compiled.spec, base or CostModel()
@@ -559,7 +560,7 @@ def calibrate(
     opt = [s.end - s.start for s in used if s.op.kind is Kind.STEP]
     mem = base.mem_bandwidth
     if opt and _median(opt) > 0:
-        mem = optimizer_bytes(spec) / _median(opt)
+        mem = optimizer_bytes(spec, norm=True) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
     fitted = {
@@ -568,6 +569,7 @@ def calibrate(
         "bandwidth": bandwidth,
         "latency": latency,
         "mem_bandwidth": mem,
+        "norm_bandwidth": mem if opt and _median(opt) > 0 else base.norm_bandwidth,
         "free": free,
     }
     for k, v in fitted.items():  # spans of 1e-300 us or 1e17 us fit, but to nothing usable

@@ -12,7 +12,7 @@ import pytest
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
-from schedc.viz.cost import CostModel, duration, grad_bytes, optimizer_bytes, optimizer_per_param
+from schedc.viz.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
 from schedc.viz.simulate import simulate
 from schedc.viz.trace import _nnls, calibrate, chrome_trace
 
@@ -23,6 +23,7 @@ TRUE = CostModel(
     bandwidth=1.2e9,
     latency=4e-3,
     mem_bandwidth=3.5e9,
+    norm_bandwidth=3.5e9,  # calibrate fits the two as one memory speed
     free=2e-5,
     overhead=3e-4,
     grad_bandwidth=1.4e9,
@@ -45,7 +46,7 @@ def test_calibrate_fits_every_term_back(name):
     assert getattr(got, fit.compute_key) == pytest.approx(42e9, rel=1e-6)
     fsdp = c.spec.kind is Strategy.FSDP
     # an FSDP trace has no all-reduce: bandwidth and latency fit every collective together
-    fields = ("overhead", "grad_bandwidth", "mem_bandwidth")
+    fields = ("overhead", "grad_bandwidth", "mem_bandwidth", "norm_bandwidth")
     for field in (*fields, "free") if fsdp else (*fields, "bandwidth", "latency"):
         want = getattr(TRUE, field)
         assert getattr(got, field) == pytest.approx(want, rel=1e-6, abs=1e-12), field
@@ -97,10 +98,13 @@ def test_the_terms_are_priced_from_shapes_and_bytes():
     slow = CostModel(gather_bandwidth=1e9, gather_latency=0.0)
     assert duration(spec, gather, slow) > duration(spec, gather, CostModel())
     # FSDP's norm runs in float64: more bytes per parameter than DDP's, on its shards (half)
-    fsdp, ddp = optimizer_per_param(Strategy.FSDP, 1.0), optimizer_per_param(Strategy.DDP, 1.0)
-    assert fsdp == 28 + 8 + 36 and ddp == 28 + 8 + 4
-    assert optimizer_bytes(spec) == pytest.approx(fsdp * cfg.numel / 2, rel=1e-3)
-    assert optimizer_bytes(sched("tiny_ddp_overlap").spec) == ddp * cfg.numel
+    fsdp, ddp = norm_per_param(Strategy.FSDP, 1.0), norm_per_param(Strategy.DDP, 1.0)
+    assert fsdp == 8 + 36 and ddp == 8 + 4
+    assert optimizer_bytes(spec, norm=True) == pytest.approx((28 + fsdp) * cfg.numel / 2, rel=1e-3)
+    assert optimizer_bytes(sched("tiny_ddp_overlap").spec, norm=True) == (28 + ddp) * cfg.numel
+    # unset (the default, a GPU) the norm is not priced: the step is AdamW's bytes alone
+    step = Op.parse("optimizer.step")
+    assert duration(spec, step, CostModel()) == optimizer_bytes(spec) / CostModel().mem_bandwidth
 
 
 def test_an_old_params_file_loads_and_a_bad_term_is_named(tmp_path):
