@@ -83,7 +83,8 @@ def step_time(log: Path) -> float:
 
 def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
     """`schedc calibrate`'s fit on every trace, each parameter the median over the traces
-    (each trace fits its own rates; the median keeps one slow run from pulling the rest)."""
+    that measured it (each trace fits its own rates; the median keeps one slow run from
+    pulling the rest; a DDP trace measures no all-gather, an FSDP trace no all-reduce)."""
     fits, notes = [], []
     for run in runs:
         try:
@@ -95,11 +96,15 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
     if not fits:
         return cost, notes
     keys = ["bandwidth", "latency", "mem_bandwidth", "free", "overhead", "grad_bandwidth"]
-    keys += ["norm_bandwidth"]
+    keys += ["norm_bandwidth", "inter_bandwidth"]
     keys += [f"{w}_{p}" for w in ("gather", "scatter") for p in ("bandwidth", "latency")]
     values = {}
-    for k in keys:  # a trace without the term (a DDP trace has no all-gather) has no say
-        have = [getattr(f.cost, k) for f in fits if getattr(f.cost, k) is not None]
+    for k in keys:
+        # the traces that measured k have the say (a DDP trace's all-reduce sets bandwidth,
+        # not an FSDP trace's stand-in for it); else every trace that has a value for it
+        have = [getattr(f.cost, k) for f in fits if k in f.measured] or [
+            getattr(f.cost, k) for f in fits if getattr(f.cost, k) is not None
+        ]
         values[k] = statistics.median(have) if have else None
     rates: dict[str, list[float]] = {}
     for f in fits:  # each trace fits the rate of its own compute dtype

@@ -391,6 +391,10 @@ class Fit:
     notes: tuple[str, ...]
     compute_key: str = "flops_tf32"  # the rate fitted: the traced schedule's compute dtype's
     inter_n: int = 0  # of comm_n, the collectives whose group spans nodes
+    measured: frozenset[str] = frozenset()
+    """The parameters this trace measured directly (not kept from `base`, not stood in
+    for: an FSDP trace's `bandwidth` is fitted to its all-gathers and reduce-scatters, no
+    all-reduce's). Merging fits (`tune --measure`'s refit) prefers these."""
 
     def report(self) -> str:
         c = self.cost
@@ -584,6 +588,11 @@ def calibrate(
         else:
             notes.append(f"the fitted inter_bandwidth ({inter:g}) is not a usable value: kept")
     cost = replace(base, flops=None, **fitted)
+    measured = set(per_kind) | ({"mem_bandwidth", "norm_bandwidth"} if opt else set())
+    measured |= {key, "overhead", "grad_bandwidth"} if comp else set()
+    measured |= {"bandwidth", "latency"} if Kind.ALLREDUCE in kinds else set()
+    measured |= {"free"} if frees else set()
+    measured |= {"inter_bandwidth"} if links[True] else set()
     return Fit(
         cost,
         len(comp),
@@ -595,6 +604,7 @@ def calibrate(
         tuple(notes),
         key,
         len(links[True]),
+        frozenset(measured),
     )
 
 

@@ -120,3 +120,25 @@ def test_an_old_params_file_loads_and_a_bad_term_is_named(tmp_path):
     fitted = tmp_path / "new.json"
     fitted.write_text(TRUE.to_json())
     assert CostModel.load(fitted) == TRUE
+
+
+def test_merged_fits_take_each_parameter_from_the_trace_that_measured_it(tmp_path):
+    """A DDP trace measures the all-reduce, an FSDP trace the all-gather and reduce-scatter;
+    `tune --measure`'s refit merges them without the FSDP trace's stand-in bandwidth (its
+    collectives fitted together) pulling the all-reduce's."""
+    from schedc.tune.measure import Run, refit
+
+    runs = []
+    for name in ("tiny_ddp_overlap", "tiny_fsdp_prefetch"):
+        path = REPO / "schedules" / f"{name}.sched"
+        trace = tmp_path / f"{name}.json"
+        tl = simulate(compile_file(path), TRUE)
+        trace.write_text(json.dumps(chrome_trace(tl, path=str(path))))
+        runs.append(Run(path, trace, tmp_path / f"{name}.log"))
+    merged, notes = refit(runs, CostModel())
+    assert not notes
+    for field in ("bandwidth", "latency", "gather_bandwidth", "scatter_latency", "overhead"):
+        assert getattr(merged, field) == pytest.approx(getattr(TRUE, field), rel=1e-6), field
+    alone = calibrate(compile_file(runs[1].file), json.loads(runs[1].trace.read_text()))
+    assert "bandwidth" not in alone.measured and "gather_bandwidth" in alone.measured
+    assert alone.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)  # the stand-in
