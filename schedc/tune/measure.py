@@ -102,8 +102,10 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
     for k in keys:
         # the traces that measured k have the say (a DDP trace's all-reduce sets bandwidth,
         # not an FSDP trace's stand-in for it); else every trace that has a value for it
-        have = [getattr(f.cost, k) for f in fits if k in f.measured] or [
-            getattr(f.cost, k) for f in fits if getattr(f.cost, k) is not None
+        # (a term a fit dropped, grad_bandwidth None, is no value to take a median of)
+        every = [(k in f.measured, getattr(f.cost, k)) for f in fits]
+        have = [v for m, v in every if m and v is not None] or [
+            v for _, v in every if v is not None
         ]
         values[k] = statistics.median(have) if have else None
     rates: dict[str, list[float]] = {}

@@ -140,10 +140,26 @@ class CostModel:
             if self.inter_bandwidth is not None
             else ""
         )
+        extra = "".join(  # the CPU terms, where set (docs/tune.md)
+            f", {text}"
+            for text, on in (
+                (f"{fmt_time(self.overhead)} per fwd/bwd op", self.overhead),
+                (f"gradients at {fmt_rate(self.grad_bandwidth or 0, 'B/s')}", self.grad_bandwidth),
+                (
+                    f"all-gathers at {fmt_rate(self.gather_bandwidth or 0, 'B/s')}",
+                    self.gather_bandwidth,
+                ),
+                (
+                    f"reduce-scatters at {fmt_rate(self.scatter_bandwidth or 0, 'B/s')}",
+                    self.scatter_bandwidth,
+                ),
+            )
+            if on
+        )
         return (
             f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
             f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth{inter}, {fmt_time(self.latency)} "
-            "per collective"
+            f"per collective{extra}"
         )
 
     def link(self, spec: Spec, op: Op) -> float:

@@ -486,6 +486,10 @@ def calibrate(
     c_rms, c_mean = 0.0, 0.0
     if comp:
         coef = _nnls([(f, g, 1.0) for f, g, _ in comp], [t for *_, t in comp], required=(0,))
+        if coef is not None:  # a term adding under 1e-9 of the longest op is round-off: 0
+            top = max(t for *_, t in comp)
+            cols = list(zip(*[(f, g, 1.0) for f, g, _ in comp]))
+            coef = [c if c * max(col) > 1e-9 * top else 0.0 for c, col in zip(coef, cols)]
         if coef is not None and coef[0] > 0:
             compute = {
                 key: 1.0 / coef[0],

@@ -5,6 +5,7 @@ a trace made from known values, and a params.json from before them still loads."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,15 @@ def test_merged_fits_take_each_parameter_from_the_trace_that_measured_it(tmp_pat
         tl = simulate(compile_file(path), TRUE)
         trace.write_text(json.dumps(chrome_trace(tl, path=str(path))))
         runs.append(Run(path, trace, tmp_path / f"{name}.log"))
+    # a third trace whose fit drops the gradient term (grad_bandwidth None) has no say on it
+    path = REPO / "schedules" / "ddp_overlap.sched"
+    plain = simulate(compile_file(path), replace(TRUE, grad_bandwidth=None, overhead=0.0))
+    (tmp_path / "plain.json").write_text(json.dumps(chrome_trace(plain, path=str(path))))
+    runs.append(Run(path, tmp_path / "plain.json", tmp_path / "plain.log"))
     merged, notes = refit(runs, CostModel())
     assert not notes
-    for field in ("bandwidth", "latency", "gather_bandwidth", "scatter_latency", "overhead"):
+    assert merged.grad_bandwidth == pytest.approx(TRUE.grad_bandwidth, rel=1e-6)
+    for field in ("bandwidth", "latency", "gather_bandwidth", "scatter_latency"):
         assert getattr(merged, field) == pytest.approx(getattr(TRUE, field), rel=1e-6), field
     alone = calibrate(compile_file(runs[1].file), json.loads(runs[1].trace.read_text()))
     assert "bandwidth" not in alone.measured and "gather_bandwidth" in alone.measured
