@@ -83,7 +83,8 @@ def step_time(log: Path) -> float:
 
 def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
     """`schedc calibrate`'s fit on every trace, each parameter the median over the traces
-    (each trace fits its own rates; the median keeps one slow run from pulling the rest)."""
+    that measured it (each trace fits its own rates; the median keeps one slow run from
+    pulling the rest; a DDP trace measures no all-gather, an FSDP trace no all-reduce)."""
     fits, notes = [], []
     for run in runs:
         try:
@@ -94,13 +95,24 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
         fits.append(fit)
     if not fits:
         return cost, notes
-    keys = ["bandwidth", "latency", "mem_bandwidth", "free"]
-    values = {k: statistics.median(getattr(f.cost, k) for f in fits) for k in keys}
+    keys = ["bandwidth", "latency", "mem_bandwidth", "free", "overhead", "grad_bandwidth"]
+    keys += ["norm_bandwidth", "inter_bandwidth"]
+    keys += [f"{w}_{p}" for w in ("gather", "scatter") for p in ("bandwidth", "latency")]
+    values = {}
+    for k in keys:
+        # the traces that measured k have the say (a DDP trace's all-reduce sets bandwidth,
+        # not an FSDP trace's stand-in for it); else every trace that has a value for it
+        # (a term a fit dropped, grad_bandwidth None, is no value to take a median of)
+        every = [(k in f.measured, getattr(f.cost, k)) for f in fits]
+        have = [v for m, v in every if m and v is not None] or [
+            v for _, v in every if v is not None
+        ]
+        values[k] = statistics.median(have) if have else None
     rates: dict[str, list[float]] = {}
     for f in fits:  # each trace fits the rate of its own compute dtype
         rates.setdefault(f.compute_key, []).append(getattr(f.cost, f.compute_key))
     values.update({k: statistics.median(v) for k, v in rates.items()})
-    return replace(cost, flops=None, **values), notes
+    return replace(cost, flops=None, **{k: v for k, v in values.items() if v is not None}), notes
 
 
 def repredict(cands: list[Candidate], cost: CostModel) -> list[float]:

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, replace
 
 from schedc.compiler import Compiled, compile_text
 from schedc.ir.op import Kind
-from schedc.ir.spec import POLICIES, TIED, Numerics, Spec
+from schedc.ir.spec import POLICIES, TIED, Numerics, Spec, Strategy
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
 from schedc.passes.memory import Activations, layer_acts, padded
 from schedc.tune.space import Base, Knobs, candidates
-from schedc.viz.cost import ADAMW_BYTES, CostModel, ring_factor
+from schedc.viz.cost import CostModel, compute_time, optimizer_time, ring_factor
 from schedc.viz.overlap import overlap
 from schedc.viz.simulate import simulate
 
@@ -141,13 +141,20 @@ class Probe:
         if key not in self._compute:
             s = self.spec_for(k)
             cfg, tokens = s.model, k.micro * s.seq_len
-            per = sum(3 * cfg.layer_fwd_flops(x, tokens, s.seq_len) for x in cfg.layers)
-            self._compute[key] = s.accum * per / self.cost.rate(s.numerics)
+            rate, c = self.cost.rate(s.numerics), self.cost
+            # per layer a forward and a backward, each as the cost model prices it
+            per = sum(
+                compute_time(cfg.layer_fwd_flops(x, tokens, s.seq_len), 0.0, rate, c)
+                + compute_time(2 * cfg.layer_fwd_flops(x, tokens, s.seq_len), g, rate, c)
+                for x in cfg.layers
+                for g in [cfg.layer_bytes(x)]
+            )
+            self._compute[key] = s.accum * per
         return self._compute[key]
 
     def collective(self, kind: Kind, nbytes: float) -> float:
-        c = self.cost
-        return c.latency + ring_factor(kind, self.spec.world) * nbytes / c.bandwidth
+        latency, bandwidth = self.cost.link_of(kind)
+        return latency + ring_factor(kind, self.spec.world) * nbytes / bandwidth
 
     def bounds(self, k: Knobs) -> tuple[float, int]:
         s = self.spec_for(k)
@@ -158,7 +165,7 @@ class Probe:
         acts = Activations(s).batches + sum(layer_acts(s, x).saved for x in cfg.layers)
         compute, c = self.compute(k), self.cost
         if k.strategy != "fsdp":
-            opt = ADAMW_BYTES * cfg.numel / c.mem_bandwidth
+            opt = optimizer_time(Strategy.DDP, s.optim.clip, cfg.numel, c)
             memory = 4 * FP32 * cfg.numel + acts
             if k.strategy == "single":
                 return compute + opt, memory
@@ -171,7 +178,7 @@ class Probe:
             return max(compute + tail, comm) + opt, memory
         g, r = num.gather.nbytes, num.reduce.nbytes
         units = self.units(k)  # padded numel, tied first, then u1 ...
-        opt = ADAMW_BYTES * sum(units) / D / c.mem_bandwidth
+        opt = optimizer_time(Strategy.FSDP, s.optim.clip, sum(units) / D, c)
         ag = lambda n: self.collective(Kind.ALLGATHER, n * g)
         rs = lambda n: self.collective(Kind.REDUCESCATTER, n * r)
         head = ag(units[0]) + ag(units[1])

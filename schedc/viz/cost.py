@@ -1,14 +1,24 @@
 """The cost model: how long each op of a plan takes (viz/simulate.py says when it runs).
 
-    duration   fwd         FLOPs of the layer for one micro-batch / the compute rate
-               bwd         2 x fwd
+    duration   fwd         overhead + FLOPs of the layer for one micro-batch / the compute rate
+               bwd         overhead + 2 x fwd's FLOPs / the rate
+                           + the layer's parameter bytes (fp32) / grad_bandwidth (its gradient
+                           written densely: for the embedding, a zero-filled vocab x d table
+                           and an index_add; no term when grad_bandwidth is unset)
                collective  latency + ring(kind, D) x bytes / bandwidth, bytes in the
                            collective's dtype (gather or reduce; passes/memory.op_bytes)
                            ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D,
                            D the ranks of the op's mesh dimension (the world, when flat);
+                           all-gathers and reduce-scatters take gather_* / scatter_*
+                           latency and bandwidth when set (gloo's differ from its
+                           all-reduce's), else the all-reduce's;
                            bandwidth: inter_bandwidth when that group spans nodes
                free        free (a storage release, no kernel)
                optimizer   28 bytes x parameters on the rank / mem_bandwidth (fp32 AdamW)
+                           + the gradient norm's and clipping's bytes / norm_bandwidth (when
+                           set): clipping's scale 8 per parameter, the norm DDP 4 (a read),
+                           FSDP 36 (its shards in float64: the cast, the square, the sum, as
+                           the executor does it)
 
 The compute rate is the schedule's compute dtype's (`CostModel.rate`): bf16 autocast runs
 its matmuls on bf16 tensor cores, fp32 on TF32 tensor cores unless the schedule says
@@ -33,6 +43,9 @@ from schedc.viz.units import fmt_rate, fmt_time
 
 FP32_POLICY = Numerics()
 ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v
+CLIP_BYTES = 2 * FP32  # per parameter: the gradient scaled in place (read, write)
+NORM_BYTES = FP32  # DDP's norm: each gradient read once
+NORM_BYTES_F64 = FP32 + 8 + 8 + 8 + 8  # FSDP's: shard to float64, square it, sum it
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,38 @@ class CostModel:
     """Effective HBM bandwidth, bytes/s, for the memory-bound optimizer step."""
     free: float = 1e-6
     """Releasing a gathered unit's storage, seconds (host-side bookkeeping, no kernel)."""
+    overhead: float = 0.0
+    """Fixed cost of every forward and backward op, seconds: dispatch and allocation that
+    do not scale with FLOPs. 0 on a GPU, where kernels queue behind each other; a CPU run
+    pays it on its only thread (`schedc calibrate` fits it)."""
+    grad_bandwidth: float | None = None
+    """Bytes/s at which a backward writes its layer's parameter gradients (fp32 bytes of the
+    layer's parameters): on a CPU the embedding's backward zero-fills a dense vocab x d
+    gradient and index_adds into it, one of the dearest ops of a step. None: no such term
+    (a GPU writes it at HBM speed, inside the FLOPs term's error)."""
+    norm_bandwidth: float | None = None
+    """Bytes/s of the optimizer step's passes before AdamW: the global gradient norm and
+    clipping's scale (FSDP sums its shards in float64, so it reads more per parameter than
+    DDP). None: not priced (a few percent of a GPU's step); `schedc calibrate` sets it to the
+    memory bandwidth it fits, as the same memory-bound passes."""
+    gather_bandwidth: float | None = None
+    """Bus bandwidth of all-gathers, bytes/s; None: `bandwidth` (what an all-reduce takes)."""
+    gather_latency: float | None = None
+    """Fixed cost of one all-gather, seconds; None: `latency`."""
+    scatter_bandwidth: float | None = None
+    """Bus bandwidth of reduce-scatters, bytes/s; None: `bandwidth`."""
+    scatter_latency: float | None = None
+    """Fixed cost of one reduce-scatter, seconds; None: `latency`."""
+
+    def link_of(self, kind: Kind) -> tuple[float, float]:
+        """(latency, bus bandwidth) of a collective of `kind` within a node."""
+        if kind is Kind.ALLGATHER:
+            lat, bw = self.gather_latency, self.gather_bandwidth
+        elif kind is Kind.REDUCESCATTER:
+            lat, bw = self.scatter_latency, self.scatter_bandwidth
+        else:
+            lat, bw = None, None
+        return (self.latency if lat is None else lat, self.bandwidth if bw is None else bw)
 
     def rate_key(self, numerics: Numerics) -> str:
         """The field that holds the compute rate of a schedule's numerics."""
@@ -95,18 +140,35 @@ class CostModel:
             if self.inter_bandwidth is not None
             else ""
         )
+        extra = "".join(  # the CPU terms, where set (docs/tune.md)
+            f", {text}"
+            for text, on in (
+                (f"{fmt_time(self.overhead)} per fwd/bwd op", self.overhead),
+                (f"gradients at {fmt_rate(self.grad_bandwidth or 0, 'B/s')}", self.grad_bandwidth),
+                (
+                    f"all-gathers at {fmt_rate(self.gather_bandwidth or 0, 'B/s')}",
+                    self.gather_bandwidth,
+                ),
+                (
+                    f"reduce-scatters at {fmt_rate(self.scatter_bandwidth or 0, 'B/s')}",
+                    self.scatter_bandwidth,
+                ),
+            )
+            if on
+        )
         return (
             f"{fmt_rate(self.rate(numerics), 'FLOP/s')} compute{what}, "
             f"{fmt_rate(self.bandwidth, 'B/s')} bus bandwidth{inter}, {fmt_time(self.latency)} "
-            "per collective"
+            f"per collective{extra}"
         )
 
     def link(self, spec: Spec, op: Op) -> float:
         """The bus bandwidth of a collective: inter-node when its group (rank 0's, along the
         op's mesh dimension; every group of a dimension has the same shape) spans nodes."""
+        within = self.link_of(op.kind)[1]
         if self.inter_bandwidth is None:
-            return self.bandwidth
-        return self.inter_bandwidth if spans_nodes(spec, op, self.node_size) else self.bandwidth
+            return within
+        return self.inter_bandwidth if spans_nodes(spec, op, self.node_size) else within
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, indent=2) + "\n"
@@ -126,13 +188,16 @@ class CostModel:
                 f"known: {', '.join(sorted(known))}"
             )
         values = {k: float(v) for k, v in data.items() if v is not None}
-        bad = [k for k, v in values.items() if not v > 0 and k not in ("latency", "free")]
+        bad = [k for k, v in values.items() if not v > 0 and k not in MAY_BE_ZERO]
         if bad or any(v < 0 for v in values.values()):
             raise ValueError(f"{path}: cost parameters must be positive ({', '.join(bad)})")
         return cls(**values)
 
     def with_(self, **changes: float | None) -> CostModel:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+MAY_BE_ZERO = ("latency", "free", "overhead", "gather_latency", "scatter_latency")
 
 
 # -- durations ------------------------------------------------------------------------------------
@@ -172,20 +237,53 @@ def comm_volume(spec: Spec, op: Op) -> float:
     return ring_factor(op.kind, group_size(spec, op)) * op_bytes(spec, op)
 
 
-def optimizer_bytes(spec: Spec) -> float:
-    """Bytes AdamW reads and writes on one rank (FSDP: its shards only)."""
+def grad_bytes(spec: Spec, op: Op) -> float:
+    """Bytes of parameter gradient a backward writes: its layer's parameters, fp32 (the
+    embedding's backward writes the whole vocab x d table, whatever the batch)."""
+    return spec.model.layer_bytes(op.target) if op.kind is Kind.BWD else 0.0
+
+
+def norm_per_param(kind: Strategy, clip: float) -> int:
+    """Bytes the gradient norm and clipping read and write per parameter (see the top)."""
+    norm = NORM_BYTES_F64 if kind is Strategy.FSDP else NORM_BYTES
+    return (CLIP_BYTES if clip > 0 else 0) + norm
+
+
+def optimizer_params(spec: Spec) -> float:
+    """Parameters the optimizer step updates on one rank (FSDP: its shards only)."""
     if spec.kind is Strategy.FSDP:
         S = spec.mesh.shard  # a rank updates its shard of S
-        n = sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units)
-        return ADAMW_BYTES * n / S
-    return ADAMW_BYTES * spec.model.numel
+        return sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units) / S
+    return spec.model.numel
+
+
+def optimizer_bytes(spec: Spec, norm: bool = False) -> float:
+    """Bytes AdamW reads and writes on one rank, and with `norm` the norm's and clipping's."""
+    n = optimizer_params(spec)
+    return n * (ADAMW_BYTES + (norm_per_param(spec.kind, spec.optim.clip) if norm else 0))
+
+
+def optimizer_time(kind: Strategy, clip: float, params: float, cost: CostModel) -> float:
+    """The optimizer step on a rank updating `params` parameters."""
+    t = ADAMW_BYTES * params / cost.mem_bandwidth
+    if cost.norm_bandwidth:
+        t += norm_per_param(kind, clip) * params / cost.norm_bandwidth
+    return t
+
+
+def compute_time(flops: float, gbytes: float, rate: float, cost: CostModel) -> float:
+    """A forward's or backward's duration from its FLOPs and gradient bytes."""
+    grads = gbytes / cost.grad_bandwidth if cost.grad_bandwidth and gbytes else 0.0
+    return cost.overhead + flops / rate + grads
 
 
 def duration(spec: Spec, op: Op, cost: CostModel) -> float:
     if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
-        return op_flops(spec, op) / cost.rate(spec.numerics)
+        return compute_time(
+            op_flops(spec, op), grad_bytes(spec, op), cost.rate(spec.numerics), cost
+        )
     if op.is_collective:
-        return cost.latency + comm_volume(spec, op) / cost.link(spec, op)
+        return cost.link_of(op.kind)[0] + comm_volume(spec, op) / cost.link(spec, op)
     if op.kind is Kind.FREE:
         return cost.free
-    return optimizer_bytes(spec) / cost.mem_bandwidth
+    return optimizer_time(spec.kind, spec.optim.clip, optimizer_params(spec), cost)

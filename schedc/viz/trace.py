@@ -21,7 +21,16 @@ from pathlib import Path
 
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op, OpSyntaxError
-from schedc.viz.cost import CostModel, comm_volume, op_flops, optimizer_bytes, spans_nodes
+from schedc.viz.cost import (
+    MAY_BE_ZERO,
+    CostModel,
+    comm_volume,
+    compute_time,
+    grad_bytes,
+    op_flops,
+    optimizer_bytes,
+    spans_nodes,
+)
 from schedc.viz.simulate import Interval, Timeline, in_stream_order
 from schedc.viz.units import fmt_rate, fmt_time
 
@@ -382,6 +391,10 @@ class Fit:
     notes: tuple[str, ...]
     compute_key: str = "flops_tf32"  # the rate fitted: the traced schedule's compute dtype's
     inter_n: int = 0  # of comm_n, the collectives whose group spans nodes
+    measured: frozenset[str] = frozenset()
+    """The parameters this trace measured directly (not kept from `base`, not stood in
+    for: an FSDP trace's `bandwidth` is fitted to its all-gathers and reduce-scatters, no
+    all-reduce's). Merging fits (`tune --measure`'s refit) prefers these."""
 
     def report(self) -> str:
         c = self.cost
@@ -399,6 +412,13 @@ class Fit:
                 f"({self.compute_key})   from {self.compute_n} distinct "
                 f"fwd/bwd ops, {err(self.compute_rms, self.compute_mean)}"
             ),
+            f"overhead    {fmt_time(c.overhead)} per fwd/bwd op",
+            "gradients   "
+            + (
+                f"{fmt_rate(c.grad_bandwidth, 'B/s')} (a backward's parameter gradient bytes)"
+                if c.grad_bandwidth
+                else "no term (grad_bandwidth unset)"
+            ),
             f"bandwidth   {fmt_rate(c.bandwidth, 'B/s')} (bus"
             + (
                 f", within a node of {c.node_size:g}); across nodes "
@@ -409,6 +429,14 @@ class Fit:
             (
                 f"latency     {fmt_time(c.latency)}   bandwidth and latency from {self.comm_n} "
                 f"distinct collectives, {err(self.comm_rms, self.comm_mean)}"
+            ),
+            *(
+                f"{what:<11} {fmt_rate(bw, 'B/s')} bus, {fmt_time(lat)} latency ({kind}s)"
+                for what, kind, bw, lat in (
+                    ("gather", "all-gather", c.gather_bandwidth, c.gather_latency),
+                    ("scatter", "reduce-scatter", c.scatter_bandwidth, c.scatter_latency),
+                )
+                if bw is not None
             ),
             f"memory      {fmt_rate(c.mem_bandwidth, 'B/s')} (optimizer step)",
             f"free        {fmt_time(c.free)}",
@@ -424,12 +452,18 @@ def calibrate(
     Each distinct op (`bwd[h.3]`, `allreduce[b1]`, ...) is one point: the median of its
     durations over micro-steps, steps and ranks, so that an op the OS preempted on a busy
     machine does not pull the fit.
-    compute:     t = flops(op) / F, through the origin (F = sum f^2 / sum f t); F is the
-                 rate of the schedule's compute dtype (flops_bf16, flops_tf32 or
-                 flops_fp32), the others keep `base`'s values
+    compute:     t = overhead + flops(op) / F + grad_bytes(op) / G by non-negative least
+                 squares (each of overhead and 1/G dropped when its best value would be
+                 negative; no G term: grad_bandwidth unset); F is the rate of the
+                 schedule's compute dtype (flops_bf16, flops_tf32 or flops_fp32), the
+                 others keep `base`'s values
     collectives: t = latency + volume(op) / bandwidth, volume = ring factor x bytes, and
-                 t from the last rank's arrival to the last rank's completion
-    optimizer:   mem_bandwidth = bytes / t;   free: t
+                 t from the last rank's arrival to the last rank's completion; fitted per
+                 kind: all-reduces give latency and bandwidth (every collective together
+                 when the trace has no all-reduce), all-gathers gather_*, reduce-scatters
+                 scatter_*; a kind the trace lacks keeps `base`'s (unset: the all-reduce's)
+    optimizer:   mem_bandwidth = bytes / t, AdamW's and the norm's and clipping's bytes (so
+                 norm_bandwidth is set to it: the same memory-bound passes);   free: t
     What a trace cannot determine keeps `base`'s value, with a note.
     """
     spec, base = compiled.spec, base or CostModel()
@@ -441,20 +475,32 @@ def calibrate(
     _against(compiled, used, name)
     notes = []
     comp = [
-        (op_flops(spec, op), t)
+        (op_flops(spec, op), grad_bytes(spec, op), t)
         for op, t in _medians(
             (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD)
         )
     ]
     key = base.rate_key(spec.numerics)
-    flops, c_rms, c_mean = base.rate(spec.numerics), 0.0, 0.0
+    rate = base.rate(spec.numerics)
+    compute = {key: rate, "overhead": base.overhead, "grad_bandwidth": base.grad_bandwidth}
+    c_rms, c_mean = 0.0, 0.0
     if comp:
-        sff = sum(f * f for f, _ in comp)
-        sft = sum(f * t for f, t in comp)
-        if sft > 0:
-            flops = sff / sft
-        c_rms = _rms([t - f / flops for f, t in comp])
-        c_mean = sum(t for _, t in comp) / len(comp)
+        coef = _nnls([(f, g, 1.0) for f, g, _ in comp], [t for *_, t in comp], required=(0,))
+        if coef is not None:  # a term adding under 1e-9 of the longest op is round-off: 0
+            top = max(t for *_, t in comp)
+            cols = list(zip(*[(f, g, 1.0) for f, g, _ in comp]))
+            coef = [c if c * max(col) > 1e-9 * top else 0.0 for c, col in zip(coef, cols)]
+        if coef is not None and coef[0] > 0:
+            compute = {
+                key: 1.0 / coef[0],
+                "overhead": coef[2],
+                "grad_bandwidth": 1.0 / coef[1] if coef[1] > 0 else None,
+            }
+        else:
+            notes.append("compute time does not grow with FLOPs: compute throughput kept")
+        fitted_model = replace(base, flops=None, **compute)
+        c_rms = _rms([t - compute_time(f, g, compute[key], fitted_model) for f, g, t in comp])
+        c_mean = sum(t for *_, t in comp) / len(comp)
     else:
         notes.append("no fwd/bwd spans: compute throughput kept")
     # a collective moves data from the moment the last rank reaches it (the simulator's rule);
@@ -464,15 +510,41 @@ def calibrate(
         if s.op.is_collective:
             ranks_at.setdefault((s.step, s.op), []).append(s)
     links: dict[bool, list[tuple[float, float]]] = {False: [], True: []}  # spans nodes?
+    kinds: dict[Kind, list[tuple[float, float]]] = {}  # within a node, by kind
     for op, t in _medians(
         (op, max(x.end for x in xs) - max(x.start for x in xs)) for (_, op), xs in ranks_at.items()
     ):
-        links[spans_nodes(spec, op, base.node_size)].append((comm_volume(spec, op), t))
+        point = (comm_volume(spec, op), t)
+        across = spans_nodes(spec, op, base.node_size)
+        links[across].append(point)
+        if not across:
+            kinds.setdefault(op.kind, []).append(point)
     coll = links[False] + links[True]
     bandwidth, latency, m_rms, m_mean = base.bandwidth, base.latency, 0.0, 0.0
     inter = base.inter_bandwidth
+    per_kind: dict[str, float | None] = {}
     if links[False]:
-        bandwidth, latency = _fit_link(links[False], base.bandwidth, base.latency, notes, spec)
+        # all-reduces set the link (every collective together when there are none)
+        first = kinds.get(Kind.ALLREDUCE) or links[False]
+        bandwidth, latency = _fit_link(first, base.bandwidth, base.latency, notes, spec)
+        for kind, what in ((Kind.ALLGATHER, "gather"), (Kind.REDUCESCATTER, "scatter")):
+            if kind in kinds:
+                bw, lat = _fit_link(kinds[kind], bandwidth, latency, notes, spec, kind.value)
+                per_kind |= {f"{what}_bandwidth": bw, f"{what}_latency": lat}
+            elif Kind.ALLREDUCE in kinds:
+                notes.append(
+                    f"no {kind.value} in the trace: {kind.value}s keep "
+                    + (
+                        f"the given {what}_* parameters"
+                        if getattr(base, f"{what}_bandwidth") is not None
+                        else "the all-reduce's latency and bandwidth"
+                    )
+                )
+        if Kind.ALLREDUCE not in kinds and kinds:
+            notes.append(
+                "no all-reduce in the trace: bandwidth and latency (what all-reduces take) "
+                "are fitted to every collective together"
+            )
     if links[True]:  # a group across nodes (HSDP's replicate groups, or a flat world)
         inter, lat = _fit_link(
             links[True], base.inter_bandwidth or base.bandwidth, latency, notes, spec
@@ -481,8 +553,13 @@ def calibrate(
             latency = lat
             notes.append("no collective within one node: the intra-node bandwidth is kept")
     if coll:
+        priced = replace(base, bandwidth=bandwidth, latency=latency, **per_kind)
         m_rms = _rms(
-            [t - latency - x / bandwidth for x, t in links[False]]
+            [
+                t - priced.link_of(kind)[0] - x / priced.link_of(kind)[1]
+                for kind, xs in kinds.items()
+                for x, t in xs
+            ]
             + [t - latency - x / inter for x, t in links[True]]
         )
         m_mean = sum(t for _, t in coll) / len(coll)
@@ -491,18 +568,22 @@ def calibrate(
     opt = [s.end - s.start for s in used if s.op.kind is Kind.STEP]
     mem = base.mem_bandwidth
     if opt and _median(opt) > 0:
-        mem = optimizer_bytes(spec) / _median(opt)
+        mem = optimizer_bytes(spec, norm=True) / _median(opt)
     frees = [s.end - s.start for s in used if s.op.kind is Kind.FREE]
     free = _median(frees) if frees else base.free
     fitted = {
-        key: flops,
+        **compute,
+        **per_kind,
         "bandwidth": bandwidth,
         "latency": latency,
         "mem_bandwidth": mem,
+        "norm_bandwidth": mem if opt and _median(opt) > 0 else base.norm_bandwidth,
         "free": free,
     }
     for k, v in fitted.items():  # spans of 1e-300 us or 1e17 us fit, but to nothing usable
-        if not (math.isfinite(v) and (v > 0 or k in ("latency", "free") and v == 0)):
+        if v is None:
+            continue
+        if not (math.isfinite(v) and (v > 0 or k in MAY_BE_ZERO and v == 0)):
             notes.append(f"the fitted {k} ({v:g}) is not a usable value: kept")
             fitted[k] = getattr(base, k)
     if links[True] and inter is not None:
@@ -511,6 +592,11 @@ def calibrate(
         else:
             notes.append(f"the fitted inter_bandwidth ({inter:g}) is not a usable value: kept")
     cost = replace(base, flops=None, **fitted)
+    measured = set(per_kind) | ({"mem_bandwidth", "norm_bandwidth"} if opt else set())
+    measured |= {key, "overhead", "grad_bandwidth"} if comp else set()
+    measured |= {"bandwidth", "latency"} if Kind.ALLREDUCE in kinds else set()
+    measured |= {"free"} if frees else set()
+    measured |= {"inter_bandwidth"} if links[True] else set()
     return Fit(
         cost,
         len(comp),
@@ -522,13 +608,28 @@ def calibrate(
         tuple(notes),
         key,
         len(links[True]),
+        frozenset(measured),
     )
 
 
 def _fit_link(
-    coll: list[tuple[float, float]], bandwidth: float, latency: float, notes: list[str], spec
+    coll: list[tuple[float, float]],
+    bandwidth: float,
+    latency: float,
+    notes: list[str],
+    spec,
+    what: str = "",
 ) -> tuple[float, float]:
-    """t = latency + volume / bandwidth by least squares over one link's collectives."""
+    """t = latency + volume / bandwidth by least squares over one link's collectives (or one
+    kind's: `what` names it in the notes)."""
+    notes_before = len(notes)
+    fit = _fit_line(coll, bandwidth, latency, notes, spec)
+    if what:
+        notes[notes_before:] = [f"{what}: {n}" for n in notes[notes_before:]]
+    return fit
+
+
+def _fit_line(coll, bandwidth: float, latency: float, notes: list[str], spec):
     a, b = _line(coll)
     if b is None and all(x == 0 for x, _ in coll):
         notes.append(
@@ -549,6 +650,47 @@ def _fit_link(
         return 1.0 / b, a
     notes.append("collective time does not grow with bytes: bandwidth kept, latency is the mean")
     return bandwidth, sum(t for _, t in coll) / len(coll)
+
+
+def _nnls(rows, ts, required=()) -> list[float] | None:
+    """Least squares t = rows . x with every x >= 0: each subset of the columns (those in
+    `required` always in) solved by its normal equations, the best feasible one kept; the
+    dropped columns are 0. None when no subset has a non-negative solution."""
+    n = len(rows[0])
+    optional = [j for j in range(n) if j not in required]
+    best, best_err = None, math.inf
+    for mask in range(1 << len(optional)):
+        cols = sorted([*required, *(j for i, j in enumerate(optional) if mask >> i & 1)])
+        x = _solve(
+            [[sum(r[a] * r[b] for r in rows) for b in cols] for a in cols],
+            [sum(r[a] * t for r, t in zip(rows, ts)) for a in cols],
+        )
+        if x is None or any(v < 0 for v in x):
+            continue
+        full = [0.0] * n
+        for j, v in zip(cols, x):
+            full[j] = v
+        err = sum((t - sum(c * v for c, v in zip(r, full))) ** 2 for r, t in zip(rows, ts))
+        if err < best_err * (1 - 1e-12):  # ties go to the fewer columns (found first)
+            best, best_err = full, err
+    return best
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with a x = b (Gaussian elimination, columns scaled first); None if singular."""
+    n = len(b)
+    scale = [math.sqrt(a[i][i]) or 1.0 for i in range(n)]
+    m = [[a[i][j] / (scale[i] * scale[j]) for j in range(n)] + [b[i] / scale[i]] for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-9:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
 
 
 def _median(xs: list[float]) -> float:

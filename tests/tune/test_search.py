@@ -13,7 +13,9 @@ from schedc.compiler import compile_text
 from schedc.lang.diagnostics import CompileError
 from schedc.tune.search import Candidate, Options, Probe, family, search
 from schedc.tune.space import Base, Knobs, candidates, micros, partitions
+from schedc.viz.cost import CostModel
 from schedc.viz.simulate import simulate
+from tests.viz.test_cost_terms import TRUE as CPU  # every term of the cost model set
 
 NANO = """\
 # a nano model on two ranks; tune searches everything below the batch
@@ -61,15 +63,24 @@ def test_the_space_has_every_micro_size_and_partition():
         assert covered == list(range(12))
 
 
-@pytest.mark.parametrize("policy", ["", "precision bf16\n", "precision bf16 { reduce = bf16 }\n"])
-def test_every_candidate_compiles_and_the_bounds_hold(tmp_path, policy):
+@pytest.mark.parametrize(
+    ("policy", "cost"),
+    [
+        ("", CostModel()),
+        ("precision bf16\n", CostModel()),
+        ("precision bf16 { reduce = bf16 }\n", CostModel()),
+        ("", CPU),
+    ],
+)
+def test_every_candidate_compiles_and_the_bounds_hold(tmp_path, policy, cost):
     """The pruning is sound only if no candidate beats its bounds: time <= simulated step,
     memory <= predicted peak (activations included), for every one (in each dtype arrangement: the
-    bounds count casts where gather and reduce dtypes differ)."""
+    bounds count casts where gather and reduce dtypes differ; with a CPU's cost model, every
+    term of the cost model priced)."""
     p = tmp_path / "nano.sched"
     p.write_text(NANO + policy)
     base = Base.read(p)
-    every = everything(base, Options())
+    every = everything(base, Options(cost=cost))
     assert len(every) > 50
     assert {c.knobs.strategy for c in every} == {"ddp", "fsdp"}
     for c in every:

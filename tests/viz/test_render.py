@@ -391,12 +391,20 @@ def test_the_same_op_has_one_label_on_every_rank():
 @pytest.mark.parametrize("name", ["ddp_overlap", "fsdp_prefetch", "gpt2_8gpu"])
 def test_calibrate_recovers_a_synthetic_trace(name):
     c = sched(name)
-    true = CostModel(flops=42e12, bandwidth=17e9, latency=33e-6, mem_bandwidth=0.9e12, free=3e-6)
+    # the optimizer step's norm and AdamW at one memory speed, as calibrate fits them
+    true = CostModel(
+        flops=42e12,
+        bandwidth=17e9,
+        latency=33e-6,
+        mem_bandwidth=0.9e12,
+        norm_bandwidth=0.9e12,
+        free=3e-6,
+    )
     fit = calibrate(c, chrome_trace(simulate(c, true)))
     assert fit.cost.flops is None  # the fitted rate is the schedule's compute dtype's
     assert fit.compute_key == CostModel().rate_key(c.spec.numerics)
     assert getattr(fit.cost, fit.compute_key) == pytest.approx(42e12, rel=1e-6)
-    for field in ("bandwidth", "latency", "mem_bandwidth"):
+    for field in ("bandwidth", "latency", "mem_bandwidth", "norm_bandwidth"):
         assert getattr(fit.cost, field) == pytest.approx(getattr(true, field), rel=1e-6), field
     assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
 

@@ -1,0 +1,183 @@
+"""The must-show of `schedc tune` on this CPU, as one command (docs/tune.md, issue 18).
+
+    python bench/tune_check.py                       # mini, world 2; prints the whole result
+    python bench/tune_check.py --write docs/tune.md  # also records it in that file's section
+
+1. Runs the calibration schedule (default docs/tune/mini_fsdp.sched) and the DDP schedule
+   (docs/tune/mini.sched) once each with --trace, and fits the cost model to each trace
+   alone (`schedc calibrate`): ONE trace per cost model.
+2. Runs the calibration schedule `--repeats` more times: the spread of one layout's
+   measured step is the noise every other figure is read against.
+3. `schedc tune FILE --cost <calibrated on the one trace> --top T --measure K`: tune picks by
+   prediction alone, runs the best K, and states the pick against the fastest measured and
+   the median prediction error (its own output, printed as it is).
+4. Predicts the same K candidates again with two other cost models: the one fitted to the
+   DDP trace alone (does a DDP calibration predict FSDP?) and the two fits merged (each
+   parameter the median of the fits that determine it, `tune --measure`'s refit: the
+   all-reduce's rates from the DDP trace, the all-gather's and reduce-scatter's from the
+   FSDP one, which no single trace at world 2 holds together); for each, the median error
+   and which of the K it ranks first. States the DDP schedule's own measured step beside
+   the pick (tune measures only its top K; DDP may rank below them).
+
+Every run is `OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone
+--nproc_per_node=2 -m schedc run ...`, one after another. Times are medians of the steps
+after the first. Nothing here is cached: each call measures afresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from schedc.compiler import compile_file
+from schedc.tune.measure import Run, command, refit, step_time
+from schedc.viz.cost import CostModel
+from schedc.viz.simulate import simulate
+
+BEGIN = "<!-- tune_check: begin -->"
+END = "<!-- tune_check: end -->"
+
+
+def sh(cmd: list[str], out: list[str]) -> str:
+    """Run a command, echo it and its output (also into `out`), fail loudly."""
+    shown = " ".join(cmd).replace(sys.executable, "python")
+    print(f"$ {shown}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    text = (p.stdout + p.stderr).rstrip()
+    if p.returncode:
+        sys.exit(f"failed (exit {p.returncode}):\n{text}")
+    out.append(f"$ {shown}")
+    return text
+
+
+def traced(file: Path, dest: Path, steps: int, out: list[str]) -> tuple[Path, float]:
+    trace, log = dest.with_suffix(".trace.json"), dest.with_suffix(".log.jsonl")
+    log.unlink(missing_ok=True)
+    sh(command(file, compile_file(file).spec.world, steps, trace, log), out)
+    return trace, step_time(log)
+
+
+def load_avg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate", default="docs/tune/mini_fsdp.sched", type=Path)
+    ap.add_argument("--ddp", default="docs/tune/mini.sched", type=Path)
+    ap.add_argument("--tune", default="docs/tune/mini.sched", type=Path, help="the file tuned")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--measure", type=int, default=8)
+    ap.add_argument("--dir", type=Path, help="where runs go (default: a temporary folder)")
+    ap.add_argument("--write", type=Path, help=f"replace the {BEGIN} section of this file")
+    a = ap.parse_args()
+    d = a.dir or Path(tempfile.mkdtemp(prefix="tune_check."))
+    d.mkdir(parents=True, exist_ok=True)
+    cmds: list[str] = []
+    t0, load0 = time.time(), load_avg()
+    cal_trace, cal_step = traced(a.calibrate, d / "cal", a.steps, cmds)
+    ddp_trace, ddp_step = traced(a.ddp, d / "ddp", a.steps, cmds)
+    params, ddp_params = d / "params.json", d / "ddp_params.json"
+    fit = sh([sys.executable, "-m", "schedc", "calibrate", str(cal_trace), "-o", str(params)], cmds)
+    sh([sys.executable, "-m", "schedc", "calibrate", str(ddp_trace), "-o", str(ddp_params)], cmds)
+    repeats = [cal_step] + [
+        traced(a.calibrate, d / f"repeat{i}", a.steps, cmds)[1] for i in range(a.repeats)
+    ]
+    top = d / "top"
+    tuned = sh(
+        [
+            sys.executable,
+            "-m",
+            "schedc",
+            "tune",
+            str(a.tune),
+            "--cost",
+            str(params),
+            "--top",
+            str(a.top),
+        ]
+        + ["--measure", str(a.measure), "--steps", str(a.steps), "--write-top", str(top)]
+        + ["--fit", str(d / "refit.json")],
+        cmds,
+    )
+    both, _ = refit(
+        [
+            Run(a.calibrate, cal_trace, d / "cal.log.jsonl"),
+            Run(a.ddp, ddp_trace, d / "ddp.log.jsonl"),
+        ],
+        CostModel(),
+    )
+    measured = [step_time(top / f"{i}.log.jsonl") for i in range(1, a.measure + 1)]
+    compiled = [compile_file(top / f"{i}.sched") for i in range(1, a.measure + 1)]
+    others = []
+    for label, cost in (
+        ("the DDP trace alone", CostModel.load(ddp_params)),
+        ("both traces, merged", both),
+    ):
+        predicted = [simulate(c, cost).end for c in compiled]
+        errs = [(p - m) / m for p, m in zip(predicted, measured)]
+        first = min(range(len(predicted)), key=lambda i: predicted[i])
+        others.append(
+            f"- calibrated on {label} instead, the {a.measure} measured candidates are "
+            f"predicted with median |error| {100 * statistics.median(map(abs, errs)):.1f}% "
+            f"(signed, in tune's order: {', '.join(f'{100 * e:+.0f}%' for e in errs)}); it "
+            f"ranks #{first + 1} first of them, measured {measured[first]:.2f} s, "
+            f"{100 * (measured[first] - min(measured)) / min(measured):+.1f}% against the "
+            "fastest measured"
+        )
+    pick = measured[0]
+    spread = 100 * (max(repeats) - min(repeats)) / statistics.median(repeats)
+    lines = [
+        f"2 ranks x 1 thread, load average {load0} at the start and {load_avg()} at the end, "
+        f"{time.time() - t0:.0f} s in all.",
+        "",
+        "```",
+        *cmds,
+        "```",
+        "",
+        f"Calibrated on one trace ({a.calibrate}):",
+        "",
+        "```",
+        fit,
+        "```",
+        "",
+        "```",
+        tuned,
+        "```",
+        "",
+        f"- noise: {a.calibrate} measured {', '.join(f'{x:.2f}' for x in repeats)} s "
+        f"in {len(repeats)} runs (spread {spread:.0f}% of the median)",
+        f"- the DDP schedule {a.ddp} measured {ddp_step:.2f} s; the pick by prediction "
+        f"{pick:.2f} s ({100 * (pick - ddp_step) / ddp_step:+.1f}% against it)",
+        *others,
+    ]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if a.write:
+        doc = a.write.read_text()
+        if BEGIN not in doc or END not in doc:
+            sys.exit(f"{a.write} has no {BEGIN} ... {END} section")
+        head, rest = doc.split(BEGIN, 1)
+        doc = head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
+        a.write.write_text(doc)
+        print(f"wrote {a.write}")
+    json.dump({"repeats": repeats, "ddp": ddp_step, "pick": pick}, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The cost model's CPU terms (issue 18): a per-op overhead, a backward's gradient bytes,
+per-kind collective rates and the optimizer's bytes; `schedc calibrate` fits them back from
+a trace made from known values, and a params.json from before them still loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from schedc.compiler import compile_file
+from schedc.ir.op import Kind, Op
+from schedc.ir.spec import Strategy
+from schedc.viz.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
+from schedc.viz.simulate import simulate
+from schedc.viz.trace import _nnls, calibrate, chrome_trace
+
+REPO = Path(__file__).resolve().parents[2]
+
+TRUE = CostModel(
+    flops=42e9,
+    bandwidth=1.2e9,
+    latency=4e-3,
+    mem_bandwidth=3.5e9,
+    norm_bandwidth=3.5e9,  # calibrate fits the two as one memory speed
+    free=2e-5,
+    overhead=3e-4,
+    grad_bandwidth=1.4e9,
+    gather_bandwidth=2.7e8,
+    gather_latency=1.5e-3,
+    scatter_bandwidth=2.1e8,
+    scatter_latency=0.5e-3,
+)
+
+
+def sched(name: str):
+    return compile_file(REPO / "schedules" / f"{name}.sched")
+
+
+@pytest.mark.parametrize("name", ["tiny_fsdp_prefetch", "gpt2_8gpu", "tiny_ddp_overlap"])
+def test_calibrate_fits_every_term_back(name):
+    c = sched(name)
+    fit = calibrate(c, chrome_trace(simulate(c, TRUE)))
+    got = fit.cost
+    assert getattr(got, fit.compute_key) == pytest.approx(42e9, rel=1e-6)
+    fsdp = c.spec.kind is Strategy.FSDP
+    # an FSDP trace has no all-reduce: bandwidth and latency fit every collective together
+    fields = ("overhead", "grad_bandwidth", "mem_bandwidth", "norm_bandwidth")
+    for field in (*fields, "free") if fsdp else (*fields, "bandwidth", "latency"):
+        want = getattr(TRUE, field)
+        assert getattr(got, field) == pytest.approx(want, rel=1e-6, abs=1e-12), field
+    if fsdp:
+        for field in ("gather_bandwidth", "gather_latency", "scatter_bandwidth", "scatter_latency"):
+            assert getattr(got, field) == pytest.approx(getattr(TRUE, field), rel=1e-6), field
+    else:  # a DDP trace has no all-gather: those keep the all-reduce's, and say so
+        assert got.gather_bandwidth is None and got.scatter_bandwidth is None
+        assert any("no allgather in the trace" in n for n in fit.notes)
+    assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
+    # the refitted model prices the step as the true one did
+    assert simulate(c, got).end == pytest.approx(simulate(c, TRUE).end, rel=1e-6)
+    assert "per fwd/bwd op" in fit.report() and "1.4 GB/s" in fit.report()
+
+
+def test_a_flops_only_trace_fits_no_extra_terms():
+    """A trace the old model explains (FLOPs only) fits overhead 0 and no gradient term:
+    the non-negative least squares drops the columns it does not need."""
+    c = sched("tiny_ddp_overlap")
+    true = CostModel(flops=80e12, bandwidth=40e9, latency=20e-6)
+    fit = calibrate(c, chrome_trace(simulate(c, true)))
+    assert fit.cost.flops_tf32 == pytest.approx(80e12, rel=1e-6)
+    assert fit.cost.overhead == pytest.approx(0, abs=1e-15)
+    assert fit.cost.grad_bandwidth is None
+    assert "no term" in fit.report()
+
+
+def test_nnls_drops_a_column_whose_best_value_is_negative():
+    rows = [(1.0, 1.0, 1.0), (2.0, 0.0, 1.0), (3.0, 1.0, 1.0), (4.0, 0.0, 1.0)]
+    ts = [2 * r[0] - 0.5 * r[1] + 0.1 for r in rows]  # the second column's coefficient < 0
+    x = _nnls(rows, ts, required=(0,))
+    assert x[1] == 0 and x[0] > 0 and x[2] >= 0
+    exact = _nnls(rows, [2 * r[0] + 0.5 * r[1] + 0.1 for r in rows], required=(0,))
+    assert exact == pytest.approx([2, 0.5, 0.1])
+
+
+def test_the_terms_are_priced_from_shapes_and_bytes():
+    c = sched("tiny_fsdp_prefetch")
+    spec = c.spec
+    embed = Op.parse("bwd[embed]@mb0")
+    cfg = spec.model
+    assert grad_bytes(spec, embed) == 4 * (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    assert grad_bytes(spec, Op.parse("fwd[embed]@mb0")) == 0
+    plain = CostModel(flops=1e12)
+    assert duration(spec, embed, TRUE) - duration(spec, embed, plain) > grad_bytes(
+        spec, embed
+    ) / TRUE.grad_bandwidth * (1 - 1e-9)
+    gather = next(op for op in c.plan().ops if op.kind is Kind.ALLGATHER)
+    slow = CostModel(gather_bandwidth=1e9, gather_latency=0.0)
+    assert duration(spec, gather, slow) > duration(spec, gather, CostModel())
+    # FSDP's norm runs in float64: more bytes per parameter than DDP's, on its shards (half)
+    fsdp, ddp = norm_per_param(Strategy.FSDP, 1.0), norm_per_param(Strategy.DDP, 1.0)
+    assert fsdp == 8 + 36 and ddp == 8 + 4
+    assert optimizer_bytes(spec, norm=True) == pytest.approx((28 + fsdp) * cfg.numel / 2, rel=1e-3)
+    assert optimizer_bytes(sched("tiny_ddp_overlap").spec, norm=True) == (28 + ddp) * cfg.numel
+    # unset (the default, a GPU) the norm is not priced: the step is AdamW's bytes alone
+    step = Op.parse("optimizer.step")
+    assert duration(spec, step, CostModel()) == optimizer_bytes(spec) / CostModel().mem_bandwidth
+
+
+def test_an_old_params_file_loads_and_a_bad_term_is_named(tmp_path):
+    old = tmp_path / "old.json"  # written before the CPU terms
+    old.write_text(json.dumps({"flops_tf32": 6.9e10, "bandwidth": 1.5e9, "latency": 0.0096}))
+    cost = CostModel.load(old)
+    assert cost.overhead == 0 and cost.grad_bandwidth is None and cost.gather_bandwidth is None
+    assert cost.link_of(Kind.ALLGATHER) == (0.0096, 1.5e9)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"grad_bandwidth": 0}))
+    with pytest.raises(ValueError, match="grad_bandwidth"):
+        CostModel.load(bad)
+    fitted = tmp_path / "new.json"
+    fitted.write_text(TRUE.to_json())
+    assert CostModel.load(fitted) == TRUE
+
+
+def test_merged_fits_take_each_parameter_from_the_trace_that_measured_it(tmp_path):
+    """A DDP trace measures the all-reduce, an FSDP trace the all-gather and reduce-scatter;
+    `tune --measure`'s refit merges them without the FSDP trace's stand-in bandwidth (its
+    collectives fitted together) pulling the all-reduce's."""
+    from schedc.tune.measure import Run, refit
+
+    runs = []
+    for name in ("tiny_ddp_overlap", "tiny_fsdp_prefetch"):
+        path = REPO / "schedules" / f"{name}.sched"
+        trace = tmp_path / f"{name}.json"
+        tl = simulate(compile_file(path), TRUE)
+        trace.write_text(json.dumps(chrome_trace(tl, path=str(path))))
+        runs.append(Run(path, trace, tmp_path / f"{name}.log"))
+    # a third trace whose fit drops the gradient term (grad_bandwidth None) has no say on it
+    path = REPO / "schedules" / "ddp_overlap.sched"
+    plain = simulate(compile_file(path), replace(TRUE, grad_bandwidth=None, overhead=0.0))
+    (tmp_path / "plain.json").write_text(json.dumps(chrome_trace(plain, path=str(path))))
+    runs.append(Run(path, tmp_path / "plain.json", tmp_path / "plain.log"))
+    merged, notes = refit(runs, CostModel())
+    assert not notes
+    assert merged.grad_bandwidth == pytest.approx(TRUE.grad_bandwidth, rel=1e-6)
+    for field in ("bandwidth", "latency", "gather_bandwidth", "scatter_latency"):
+        assert getattr(merged, field) == pytest.approx(getattr(TRUE, field), rel=1e-6), field
+    alone = calibrate(compile_file(runs[1].file), json.loads(runs[1].trace.read_text()))
+    assert "bandwidth" not in alone.measured and "gather_bandwidth" in alone.measured
+    assert alone.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)  # the stand-in
