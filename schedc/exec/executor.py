@@ -180,6 +180,7 @@ class Executor:
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
         self.loss_scale = 1.0 / spec.accum
+        self.model.loss_scale = self.loss_scale  # the chunked head folds it in (model/gpt2.py)
         streams = tuple(spec.stream_names())  # every rank builds the same stream groups
         if self.device.type == "cuda":
             if options.collectives == "nccl":  # train.py set it before any communicator
@@ -335,9 +336,12 @@ class Executor:
     def compute(self, seg: Segment) -> None:
         op = seg.ops[0] if len(seg.layers) == 1 else seg.ops[-1]
         fn = self._forward if seg.kind is Kind.FWD else self._backward
+        # No poll of finished collectives here: a collective is retired (its buffers, FSDP's
+        # unsharded gradient and gloo's copy of it, dropped) only where the plan waits for it
+        # or a later one on its stream, or at the update, as FSDP2 drops a reduce-scatter's
+        # input once its wait completes; retiring whatever had finished by now made the peak
+        # depend on timing, which the ledger (passes/memory.py) cannot predict.
         self.backend.compute(COMPUTE, op, lambda: fn(seg))
-        if seg.kind is Kind.BWD:
-            self.backend.poll()
 
     def _forward(self, seg: Segment) -> None:
         mb, first, last = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
@@ -402,6 +406,12 @@ class Executor:
         gather on that stream reuses the block at once. schedc does the same.
         """
         unit = self.units[op.target]
+        if self.device.type == "cpu":
+            # compute is done with it when the free runs, and no stream reuses a block on a
+            # CPU: the storage goes now, where the plan frees it (and the ledger counts it)
+            # and not at the next gather on its stream, which may be the update's far side
+            unit.release()
+            return
         unit.drop_grad_views()
         mark = self.backend.mark(COMPUTE)  # after the unit's last use on compute
         self.pending_frees[unit.name] = (mark, self.gathered_on.get(unit.name, COMPUTE))
