@@ -309,6 +309,12 @@ class Executor:
                     ins = instrs[item]
                     if ins.kind is Action.RUN:
                         self.run_op(ins.stream, ins.op)
+                        if ins.op.kind is Kind.FREE and self.device.type == "cpu":
+                            # a compute point is complete once marked and no stream reuses a
+                            # block on a CPU: the storage goes right after the free, where the
+                            # ledger counts it gone, not at the next gather on its stream,
+                            # which for a step's last units is past the update's temporaries
+                            self._reclaim(None)
                     elif ins.kind is Action.RECORD:
                         backend.record(ins.stream, ins.event)
                     else:
@@ -406,12 +412,6 @@ class Executor:
         gather on that stream reuses the block at once. schedc does the same.
         """
         unit = self.units[op.target]
-        if self.device.type == "cpu":
-            # compute is done with it when the free runs, and no stream reuses a block on a
-            # CPU: the storage goes now, where the plan frees it (and the ledger counts it)
-            # and not at the next gather on its stream, which may be the update's far side
-            unit.release()
-            return
         unit.drop_grad_views()
         mark = self.backend.mark(COMPUTE)  # after the unit's last use on compute
         self.pending_frees[unit.name] = (mark, self.gathered_on.get(unit.name, COMPUTE))
