@@ -15,7 +15,11 @@ with async_op semantics run there, first-in first-out, exactly like work queued 
 stream, while the main thread computes. An event recorded after a collective is its work
 handle; a `wait` for it retires that stream's queue up to it (work.wait(), then the
 collective's completion step, e.g. adding a reduce-scattered shard into the gradient).
-Retiring strictly in issue order keeps every result bitwise reproducible.
+Retiring strictly in issue order keeps every result bitwise reproducible, and retiring only
+there and at the update (never when a collective happens to have finished) frees the
+buffers a collective holds at a point the plan names: gloo keeps a copy of a
+reduce-scatter's input until its work is released, so a timing-dependent retirement made
+the peak depend on timing (passes/memory.py counts them until retired).
 
 Mesh dimensions (HSDP): a stream has one process group per dimension its collectives run
 over (`Spec.dims`; a dimension whose group is the whole job uses the stream's world group,
@@ -149,12 +153,6 @@ class CPUBackend:
 
     def wait_mark(self, stream: str, mark: object) -> None:
         pass  # a compute point is complete when it is marked
-
-    def poll(self) -> None:
-        """Retire finished collectives at the head of each queue (never blocks)."""
-        for s, q in self.queues.items():
-            while q and q[0].work is not None and q[0].work.is_completed():
-                self._retire(s, q[0])
 
     def drain(self) -> None:
         for s, q in self.queues.items():
@@ -335,9 +333,6 @@ class CUDABackend:
 
     def wait_mark(self, stream: str, mark: torch.cuda.Event) -> None:
         self.streams[stream].wait_event(mark)
-
-    def poll(self) -> None:
-        pass
 
     def drain(self) -> None:
         for s in self.streams.values():

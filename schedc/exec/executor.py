@@ -183,6 +183,7 @@ class Executor:
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
         self.loss_scale = 1.0 / spec.accum
+        self.model.loss_scale = self.loss_scale  # the chunked head folds it in (model/gpt2.py)
         streams = tuple(spec.stream_names())  # every rank builds the same stream groups
         if self.device.type == "cuda":
             if options.collectives == "nccl":  # train.py set it before any communicator
@@ -318,6 +319,12 @@ class Executor:
                     ins = instrs[item]
                     if ins.kind is Action.RUN:
                         self.run_op(ins.stream, ins.op)
+                        if ins.op.kind is Kind.FREE and self.device.type == "cpu":
+                            # a compute point is complete once marked and no stream reuses a
+                            # block on a CPU: the storage goes right after the free, where the
+                            # ledger counts it gone, not at the next gather on its stream,
+                            # which for a step's last units is past the update's temporaries
+                            self._reclaim(None)
                     elif ins.kind is Action.RECORD:
                         backend.record(ins.stream, ins.event)
                     else:
@@ -345,9 +352,12 @@ class Executor:
     def compute(self, seg: Segment) -> None:
         op = seg.ops[0] if len(seg.layers) == 1 else seg.ops[-1]
         fn = self._forward if seg.kind is Kind.FWD else self._backward
+        # No poll of finished collectives here: a collective is retired (its buffers, FSDP's
+        # unsharded gradient and gloo's copy of it, dropped) only where the plan waits for it
+        # or a later one on its stream, or at the update, as FSDP2 drops a reduce-scatter's
+        # input once its wait completes; retiring whatever had finished by now made the peak
+        # depend on timing, which the ledger (passes/memory.py) cannot predict.
         self.backend.compute(COMPUTE, op, lambda: fn(seg))
-        if seg.kind is Kind.BWD:
-            self.backend.poll()
 
     def _forward(self, seg: Segment) -> None:
         mb, first, last = self.micro[seg.mb], seg.layers[0], seg.layers[-1]

@@ -111,6 +111,9 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
         self.loss_chunk: int | None = None  # tokens per chunk of the head's loss; None: all
         self.embed_into_grad = False  # wte's backward adds into wte.weight.grad in place
+        # the grad the head's loss receives in backward (the executor's 1/k); the chunked
+        # head folds it into the gradients it makes in forward
+        self.loss_scale = 1.0
         if not self.wte.weight.is_meta:
             self.init_weights(seed)
 
@@ -156,7 +159,8 @@ class GPT(nn.Module):
             return self._embed(x)
         if name == "head":
             if targets is not None and self.loss_chunk is not None:
-                return chunked_loss(self.ln_f(x), self.lm_head.weight, targets, self.loss_chunk)
+                h, w = self.ln_f(x), self.lm_head.weight
+                return chunked_loss(h, w, targets, self.loss_chunk, self.loss_scale)
             logits = self._logits(x)
             return logits if targets is None else _cross_entropy(logits, targets)
         return self.h[self._block_index(name)](x)
@@ -278,67 +282,81 @@ class CastIntoGrad(torch.autograd.Function):
 
 
 class ChunkedLinearCE(torch.autograd.Function):
-    """mean cross-entropy of (h @ weight.T) against targets, `chunk` rows at a time.
+    """mean cross-entropy of (h @ weight.T) against targets, `chunk` rows at a time, with its
+    gradients made in the same pass (Liger-Kernel's FusedLinearCrossEntropy).
 
     h (N, C), weight (V, C), targets (N,) int64 -> loss () fp32, the same value as
     `F.cross_entropy(h @ weight.T, targets)` (mean over the N rows, no ignore_index).
-    Forward keeps h (and the weight, a parameter) but no logits: each chunk's (chunk, V)
-    logits live only while its loss is summed. Backward makes each chunk's logits again,
-    forms (softmax - onehot) x grad / N (the loss's scale: a micro-step's 1/k arrives as
-    grad), writes the chunk's rows of grad h and adds its part of grad weight, so its
-    transient is one chunk's logits and their gradient, plus grad h and grad weight.
+    Each chunk's (chunk, V) logits live only while that chunk is handled: forward sums the
+    chunk's loss and, from the same logits, forms (softmax - onehot) x scale / N, writes the
+    chunk's rows of grad h and adds its part of grad weight. It keeps those two gradients
+    (N C and V C) instead of h, so no logits are ever made twice; backward only hands them
+    on. `scale` is the grad the loss will receive in backward (the executor's micro-step
+    1/k): folded in before the matmuls, it gives the very arithmetic of the unchunked head's
+    backward; should another grad arrive, backward multiplies the kept gradients by
+    grad / scale (in place: a second backward through the same graph with yet another grad
+    rescales what the first returned). A forward without autograd (torch.no_grad, a
+    recomputing head's first forward) computes only the loss.
 
-    Under autocast the arithmetic is autocast's for the unchunked head, done explicitly
-    (the Function runs its own casts, since autocast is off in backward): h and the weight
-    cast to the compute dtype, logits in it, cross-entropy in fp32, the logits' gradient
-    rounded to the compute dtype for the two matmuls, grad h in it, and each chunk's part of
-    grad weight added in fp32. The chunked sums of grad weight (over chunks instead of one
-    matmul over all rows) are not bitwise the unchunked ones: they agree within fp32's
-    rounding (tests/oracle.py).
+    Under autocast the arithmetic is autocast's for the unchunked head, done explicitly:
+    h and the weight cast to the compute dtype, logits in it, cross-entropy in fp32, the
+    logits' gradient rounded to the compute dtype for the two matmuls, grad h in it, and
+    each chunk's part of grad weight added in fp32. The chunked sums of grad weight (over
+    chunks instead of one matmul over all rows) are not bitwise the unchunked ones: they
+    agree within fp32's rounding (tests/oracle.py).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk: int):
-        dev = h.device.type
+    def forward(ctx, h, weight, targets, chunk: int, scale: float = 1.0, grads: bool = True):
+        dev, N = h.device.type, h.size(0)
         low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        want_h = grads and ctx.needs_input_grad[0]
+        want_w = grads and ctx.needs_input_grad[1]
+        wide = _wide(h).dtype  # the loss's dtype, and its gradient's
+        ctx.scale = torch.full((), scale, dtype=wide, device=h.device)
         with torch.autocast(dev, enabled=False):
             hc, wc = _cast(h, low), _cast(weight, low)
-            total = torch.zeros((), dtype=_wide(h).dtype, device=h.device)
-            for s in range(0, h.size(0), chunk):
-                logits = hc[s : s + chunk] @ wc.t()  # (chunk, V)
-                total += F.cross_entropy(_wide(logits), targets[s : s + chunk], reduction="sum")
-                del logits
-        ctx.save_for_backward(h, weight, targets)
-        ctx.chunk, ctx.low = chunk, low
-        return total / h.size(0)
+            step = ctx.scale / N  # d loss x scale / d logits = (softmax - onehot) x step
+            total = torch.zeros((), dtype=wide, device=h.device)
+            grad_h = torch.empty_like(hc) if want_h else None
+            grad_w = None  # the first chunk's matmul makes it (no zero-filled pass first)
+            for s in range(0, N, chunk):
+                rows, y = hc[s : s + chunk], targets[s : s + chunk]
+                lsm = F.log_softmax(_wide(rows @ wc.t()), dim=-1)  # (chunk, V), fp32 at least
+                total += F.nll_loss(lsm, y, reduction="sum")  # what cross_entropy sums
+                if not (want_h or want_w):
+                    continue
+                d = lsm.exp_().mul_(step)  # softmax x step, in place of the log-softmax
+                d[torch.arange(d.size(0), device=d.device), y] -= step
+                d = _cast(d, low)
+                if grad_h is not None:
+                    torch.mm(d, wc, out=grad_h[s : s + chunk])
+                if want_w and grad_w is None:
+                    grad_w = _wide(d.t() @ rows)
+                elif want_w and d.dtype == grad_w.dtype:
+                    grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
+                elif want_w:
+                    grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
+                del d, lsm
+        ctx.grad_h = None if grad_h is None else grad_h.to(h.dtype)
+        ctx.grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        return total / N
 
     @staticmethod
     def backward(ctx, grad):
-        h, weight, targets = ctx.saved_tensors
-        chunk, low = ctx.chunk, ctx.low
-        N = h.size(0)
-        with torch.autocast(h.device.type, enabled=False):
-            hc, wc = _cast(h, low), _cast(weight, low)
-            scale = _wide(grad) / N
-            grad_h = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
-            grad_w = None  # the first chunk's matmul makes it (no zero-filled pass first)
-            for s in range(0, N, chunk):
-                rows = hc[s : s + chunk]
-                d = torch.softmax(_wide(rows @ wc.t()), dim=-1)  # (chunk, V), fp32 at least
-                d[torch.arange(d.size(0), device=d.device), targets[s : s + chunk]] -= 1.0
-                d = _cast(d.mul_(scale), low)  # softmax - onehot, scaled as the loss is
-                if grad_h is not None:
-                    torch.mm(d, wc, out=grad_h[s : s + chunk])
-                if grad_w is None:
-                    grad_w = _wide(d.t() @ rows)
-                elif d.dtype == grad_w.dtype:
-                    grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
-                else:
-                    grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
-                del d
-        if grad_h is not None:
-            grad_h = grad_h.to(h.dtype)
-        return grad_h, grad_w.to(weight.dtype), None, None
+        grad_h, grad_w = ctx.grad_h, ctx.grad_w
+        if grad_h is None and grad_w is None:
+            raise RuntimeError("ChunkedLinearCE: backward of a forward run without autograd")
+        grad = grad.to(ctx.scale.dtype)
+        # the scale forward folded in is almost always the grad that arrives (the executor
+        # passes it); compared on the host only on a CPU, where it costs no synchronisation
+        if grad.device.type != "cpu" or not torch.equal(grad, ctx.scale):
+            ratio = grad / ctx.scale
+            for t in (grad_h, grad_w):
+                if t is not None:
+                    t.mul_(ratio.to(t.dtype))
+            ctx.scale = grad
+        return grad_h, grad_w, None, None, None, None
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -351,7 +369,10 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def chunked_loss(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, scale: float = 1.0
 ) -> torch.Tensor:
-    """The head's mean cross-entropy from ln_f's output h (B, T, C), `chunk` tokens at a time."""
-    return ChunkedLinearCE.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), chunk)
+    """The head's mean cross-entropy from ln_f's output h (B, T, C), `chunk` tokens at a time;
+    `scale`: the grad its backward will receive (see ChunkedLinearCE)."""
+    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    flat = h.reshape(-1, h.size(-1))
+    return ChunkedLinearCE.apply(flat, weight, targets.reshape(-1), chunk, scale, grads)

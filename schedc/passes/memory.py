@@ -14,25 +14,35 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 * unsharded gradients (FSDP): a unit's full flat gradient in the gather dtype (autograd
   writes a parameter's gradient in the parameter's dtype), per micro-step (one for the
   whole step under no_sync), from the first backward that writes it until the
-  reduce-scatter that consumes it is retired. Under no_sync with a reduce dtype wider
-  than the gather dtype (bf16 gather, fp32 reduce) the micro-steps accumulate in the
-  reduce dtype, as FSDP2 upcasts them (`FSDPParam.to_accumulated_grad_if_needed`): each
-  micro-step's gradient in the gather dtype lives until the backward of the unit's last
-  writer (its lowest layer), which folds it into a reduce-dtype accumulator (created by
-  the first fold, both live at that moment); the reduce-scatter then sends the
-  accumulator itself, with no cast: the executor retires a stream's collectives
-  in order when a wait reaches one of them, the finished ones after each backward, and
-  all before the update (exec/backends.py `wait`, `poll`, `drain`; on CUDA the caching
-  allocator may reuse the buffer sooner: there the count is an upper bound).
-* communication buffers: the temporaries of one collective, live at its op in the issue
-  order and released after it (a stream runs its collectives one at a time), in bytes:
+  reduce-scatter that consumes it is issued: the executor hands it to the collective
+  (exec/flat.py `take_grad`), and from then on what the collective holds (below) lives until
+  it is retired. The executor retires a stream's collectives in order when a wait reaches
+  one of them, and all before the update, nowhere else (exec/backends.py `wait`, `drain`: a
+  point the plan names, as FSDP2 drops a reduce-scatter's input when its wait completes;
+  on CUDA the caching allocator may reuse the buffer sooner: there the count is an upper
+  bound). Under no_sync with a reduce dtype wider than the gather dtype (bf16 gather,
+  fp32 reduce) the micro-steps accumulate in the reduce dtype, as FSDP2 upcasts them
+  (`FSDPParam.to_accumulated_grad_if_needed`): each micro-step's gradient in the gather
+  dtype lives until the backward of the unit's last writer (its lowest layer), which folds
+  it into a reduce-dtype accumulator (created by the first fold, both live at that
+  moment); the reduce-scatter then takes the accumulator itself, with no cast.
+* communication buffers: the temporaries of a collective, in bytes; an all-gather's and an
+  all-reduce's live at its op in the issue order and are released after it (a stream runs
+  its collectives one at a time); a reduce-scatter holds what it sends, P x r, until it is
+  retired: the unsharded gradient itself (r = g, or the upcast's accumulator) or its cast
+  in a group of one rank, and in a larger group gloo's copy of it (`_reduce_scatter_base`
+  copies its input and keeps the copy until its work is released; measured: the input's
+  bytes, held after the collective completed; NCCL makes none, so on CUDA this is an upper
+  bound), and its output shard when that is a temporary (below) until it is added into the
+  fp32 one at retirement:
 
     all-gather      gather not fp32: the shard cast to the gather dtype, S x g (FSDP2's
                     copy-in of `_sharded_param_data` into a param_dtype buffer)
     reduce-scatter  reduce != gather: the unsharded gradient cast to the reduce dtype,
                     P x r (FSDP2's `reduce_scatter_input`, allocated in reduce_dtype; FSDP2
                     copies into it even when the dtypes agree, schedc's flat gradient
-                    already is that buffer then);
+                    already is that buffer then): what the collective holds in a group of
+                    one, a temporary of the op in a larger one (gloo holds its copy);
                     the output, S x r, unless it is the unit's first of the step and the
                     reduce dtype is fp32 (then it lands in the new fp32 gradient shard);
                     after any other first one, the output is cast back into the new fp32
@@ -71,7 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedc.ir.op import Kind, Op
+from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
 from schedc.ir.spec import Dtype, Spec, Strategy, UnitSpec
 from schedc.model.arch import FP32
@@ -127,6 +137,7 @@ class _Ledger:
 
     def __init__(self, spec: Spec, held: int):
         self.held, self.gathered, self.grads = held, 0, 0
+        self.pending = 0  # buffers of collectives issued and not yet retired
         self.acts = Activations(spec)
         self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations
         self.peak: tuple[int, str, tuple] = (held + self.acts.live, "", ())
@@ -136,13 +147,20 @@ class _Ledger:
     def at(self, op: Op, comm: int = 0, optimizer: int = 0) -> None:
         """Account `op`: its activations (saved, kept, transient) with its temporaries."""
         live, transient = self.acts.step(op)
+        self._account(str(op), comm, live, transient, optimizer)
+
+    def settle(self, at: str) -> None:
+        """Account a moment between ops (no op's transient): buffers changed after `at`."""
+        self._account(at, 0, self.acts.live, 0, 0)
+
+    def _account(self, at: str, comm: int, live: int, transient: int, optimizer: int) -> None:
         self.peaks = [
             max(self.peaks[0], self.gathered),
             max(self.peaks[1], self.grads),
-            max(self.peaks[2], comm),
+            max(self.peaks[2], comm + self.pending),
             max(self.peaks[3], live + transient),
         ]
-        buffers = self.held + self.gathered + self.grads + comm
+        buffers = self.held + self.gathered + self.grads + comm + self.pending
         self.buffers = max(self.buffers, buffers)
         self.settled = max(self.settled, buffers - comm + live)
         total = buffers + live + transient + optimizer
@@ -151,27 +169,11 @@ class _Ledger:
                 ("model states", self.held),
                 ("gathered units", self.gathered),
                 ("unsharded gradients", self.grads),
-                ("communication buffers", comm),
+                ("communication buffers", comm + self.pending),
                 ("activations", live + transient),
                 ("optimizer temporaries", optimizer),
             )
-            self.peak = (total, str(op), parts)
-
-    def settle(self, at: str) -> None:
-        """Account a moment between ops (no op's transient): buffers changed after `at`."""
-        live = self.acts.live
-        self.peaks[1] = max(self.peaks[1], self.grads)
-        buffers = self.held + self.gathered + self.grads
-        self.buffers = max(self.buffers, buffers)
-        self.settled = max(self.settled, buffers + live)
-        if buffers + live > self.peak[0]:
-            parts = (
-                ("model states", self.held),
-                ("gathered units", self.gathered),
-                ("unsharded gradients", self.grads),
-                ("activations", live),
-            )
-            self.peak = (buffers + live, at, parts)
+            self.peak = (total, at, parts)
 
     def report(self, states: int) -> MemoryReport:
         total, at, parts = self.peak
@@ -209,19 +211,19 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
     grad_live: dict[tuple[str, object], int] = {}
     scattered: set[str] = set()  # units reduce-scattered so far in the step
     key = (lambda mb: 0) if fs.no_sync and not upcast else (lambda mb: mb)
-    # gradients reduce-scattered but not yet retired: stream -> [(issue index, (unit, key))]
-    retiring: dict[str, list[tuple[int, tuple[str, int]]]] = {}
+    # reduce-scatters issued but not yet retired: stream -> [(issue index, bytes they hold)]
+    retiring: dict[str, list[tuple[int, int]]] = {}
     stream_of = {ins.op: ins.stream for ins in plan.instrs if ins.kind is Action.RUN}
     issued = {op: i for i, op in enumerate(plan.ops)}
 
     def retire(stream: str | None, upto: int | None) -> None:
         for s in [stream] if stream is not None else list(retiring):
             keep = []
-            for i, live in retiring.get(s, []):
+            for i, held in retiring.get(s, []):
                 if upto is None or i <= upto:
-                    led.grads -= grad_live.pop(live)
+                    led.pending -= held
                 else:
-                    keep.append((i, live))
+                    keep.append((i, held))
             retiring[s] = keep
 
     for ins in plan.instrs:
@@ -236,6 +238,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
         if op.kind is Kind.STEP:
             retire(None, None)  # the update drains every stream first
         comm = 0  # this op's temporaries (see the module's docstring)
+        held = 0  # a reduce-scatter's buffers, until it is retired
         if op.kind is Kind.ALLGATHER:
             led.gathered += numel[op.target] * g
             if g != FP32:
@@ -250,10 +253,19 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
                     led.grads += numel[u.name] * g
         elif op.kind is Kind.REDUCESCATTER:
             n, first = numel[op.target], op.target not in scattered
-            if r != g and not upcast:
-                comm += n * r  # the unsharded gradient, cast to the reduce dtype
+            # what it sends, in the reduce dtype, until retired: the unsharded gradient itself
+            # (r = g, or the upcast's fp32 accumulator; one rank), its cast (one rank), or
+            # gloo's copy of either (more ranks: then the cast is a temporary of the op,
+            # dropped once copied)
+            held = n * r
+            if r != g and D > 1 and not upcast:
+                comm += n * r
             if not (first and r == FP32):
-                comm += n // D * r  # the output shard, added (or cast back) into the fp32 one
+                # the output shard, added (or cast back) into the fp32 one when retired;
+                # HSDP's, once its replicate all-reduce has summed it in place
+                out = n // D * r
+                comm, held = (comm + out, held) if spec.hsdp else (comm, held + out)
+            led.pending += held
             if first:
                 led.held += n // D * FP32  # the gradient shard comes into being
         optimizer = 0
@@ -274,11 +286,15 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
                     led.settle(str(op))
                 led.grads -= grad_live.pop((u, op.mb))  # the micro-step's gradient, folded
         if op.kind is Kind.REDUCESCATTER:
-            # its input lives until the collective is retired (exec/backends.py)
+            # the executor hands the unsharded gradient over (FlatUnit.take_grad): from here
+            # only what the collective holds lives on, until it is retired (exec/backends.py)
             scattered.add(op.target)
             live = (op.target, "acc" if upcast else key(op.mb))
-            if live in grad_live and all(live != x for q in retiring.values() for _, x in q):
-                retiring.setdefault(ins.stream, []).append((issued[op], live))
+            if live in grad_live:
+                led.grads -= grad_live.pop(live)
+            retiring.setdefault(ins.stream, []).append((issued[op], held))
+            if ins.stream == COMPUTE:
+                retire(COMPUTE, issued[op])  # on compute a collective blocks, like a kernel
     return led.report(states)
 
 
@@ -321,10 +337,13 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     of the block's weights (12 C^2 x 2 bytes, made again by every forward); the head the
     bf16 logits (V x 2) besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
 
-    head, `loss chunk K` (model/gpt2.py ChunkedLinearCE): 2 C + 2 per token, fp32 in both
-                dtypes: ln_f's input, mean and rstd, and its output (the Function's saved
-                input; it casts to bf16 itself, inside forward and again in backward). No
-                logits and no log_softmax output are kept.
+    head, `loss chunk K` (model/gpt2.py ChunkedLinearCE, which makes the loss and its
+                gradients in one pass over the logits): ln_f's input, mean and rstd (C + 2
+                fp32 per token) and the Function's two gradients, grad h (N C fp32) and grad
+                weight (V C in the weight's dtype: fp32, or the gather dtype under FSDP),
+                kept from forward to backward in place of h. No logits and no log_softmax
+                output are kept. A recomputing head's first forward runs without autograd and
+                makes no gradients; its recompute makes them.
 
     A recomputing layer keeps only its input during forward (a block: N C in the compute
     dtype's residual stream, fp32; embed: nothing beyond the batch; head: N C), and holds
@@ -336,15 +355,14 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     4 C + 4 C + 2 C); the head's forward, the logits (V); its backward, the gradient of
     log_softmax's output and of the logits (2 V) and of its input (C); embed's backward the
     gradient of its output (C).
-    Chunked, with K = min(chunk, N): forward holds one chunk's logits and log_softmax (2 K V
-    fp32; bf16: K V bf16 logits, their fp32 copy and log_softmax, and the bf16 casts of h
-    and the weight, N C + V C); backward one chunk's logits and softmax (2 K V fp32; bf16:
-    bf16 logits, two fp32 and the bf16 gradient, the casts, and a chunk's (V, C) bf16 part
-    of the weight's gradient before it is added in fp32) and grad h (N C; bf16 N C bf16 and
-    its fp32 copy), and throughout it the weight's gradient, V C fp32, which the Function
-    accumulates and returns whole (measured: 147 MiB of gpt2's chunked head backward). The
-    unchunked head makes one too, but after its (N, V) buffers are gone, so it sets no peak
-    there; chunked, it is most of the head's transient.
+    Chunked, with K = min(chunk, N): forward holds ln_f's output h (N C) and one chunk's
+    logits and log-softmax (2 K V fp32; the softmax and the logits' gradient are made in
+    place of the log-softmax); bf16: K V bf16 logits, their fp32 copy and log-softmax, the
+    bf16 gradient of the logits, the bf16 casts of h and the weight (N C + V C), a chunk's
+    (V, C) bf16 part of the weight's gradient before it is added in fp32, grad h in bf16
+    before its fp32 copy, and, when the weight is 16-bit itself (FSDP's bf16 gather), the
+    fp32 sum of the weight's gradient before its cast. Backward only hands the kept
+    gradients on: its transient is ln_f's gradient of its input (N C fp32).
     """
     cfg, N = spec.model, spec.micro * spec.seq_len
     C, H, V = cfg.n_embd, cfg.n_head, cfg.vocab_size
@@ -354,14 +372,14 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
         return LayerActs(8 * spec.seq_len, 0, N * C * FP32, N * C * FP32)
     if layer == "head" and spec.numerics.loss_chunk is not None:
         K = min(spec.numerics.loss_chunk, N)
-        saved = N * (2 * C + 2) * FP32
-        if not bf16:
-            bwd = (N * C + 2 * K * V + V * C) * FP32
-            return LayerActs(saved, N * C * FP32, 2 * K * V * FP32, bwd)
-        casts = (N * C + V * C) * c
-        fwd = K * V * (c + 2 * FP32) + casts
-        bwd = K * V * (2 * c + 2 * FP32) + casts + V * C * (c + FP32) + N * C * (c + FP32)
-        return LayerActs(saved, N * C * FP32, fwd, bwd)
+        w = spec.numerics.gather.nbytes if spec.kind is Strategy.FSDP else FP32
+        saved = N * (2 * C + 2) * FP32 + V * C * w  # ln_f's, grad h, grad weight
+        fwd = N * C * FP32 + 2 * K * V * FP32  # h, one chunk's logits and log-softmax
+        if bf16:
+            casts = (N * C + V * C) * c
+            fwd = N * C * FP32 + K * V * (2 * c + 2 * FP32) + casts + V * C * c + N * C * c
+            fwd += V * C * FP32 if w != FP32 else 0
+        return LayerActs(saved, N * C * FP32, fwd, N * C * FP32)
     if layer == "head":
         saved = N * ((2 * C + 2 + V) * FP32 if not bf16 else (C + 2 + V) * FP32 + (C + V) * c)
         return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)

@@ -31,6 +31,13 @@ CASES = {
     # text, world, the recompute statement
     "ddp-w2-all-blocks": (DDP_CASES["w2-two-buckets-k2"], 2, "recompute h.0 .. h.1"),
     "ddp-w1-every-layer": (DDP_CASES["w1-two-buckets-k3"], 1, "recompute embed .. head"),
+    # the chunked head recomputing too: its first forward makes only the loss, its
+    # recompute the loss and its gradients
+    "ddp-w1-every-layer-chunked": (
+        DDP_CASES["w1-two-buckets-k3"] + "loss chunk 24\n",
+        1,
+        "recompute embed .. head",
+    ),
     "ddp-w2-one-block": (DDP_CASES["w2-param-buckets-k2"], 2, "recompute h.1"),
     "fsdp-w2-units": (FSDP_CASES["w2-three-units-p1-k2"], 2, "fsdp.recompute u2, u3"),
     "fsdp-w2-no-reshard": (FSDP_CASES["w2-three-units-no-reshard-k2"], 2, "recompute h.0"),

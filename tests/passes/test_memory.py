@@ -75,32 +75,54 @@ def test_a_bf16_gather_halves_the_gathered_units_and_their_gradients():
     assert fp32.states == sum(16 * n // 2 for n in P.values())  # 16 bytes/param / D
 
 
+# reduce-scatters on the compute stream: each is retired as it is issued, so the
+# communication buffers at one op are that op's own
+SERIAL = FSDP.replace("fsdp {{", "stream reducescatter = compute\nfsdp {{")
+
+
 @pytest.mark.parametrize(
     "policy,expected",
     [
-        # fp32: only a unit's second reduce-scatter of the step needs a temporary, S x 4
-        ("fp32", lambda P: max(n // 2 * 4 for n in P.values())),
-        # bf16 gradients reduced in fp32: the fp32 copy of the full gradient, P x 4, plus the
-        # fp32 output of a second reduce-scatter, S x 4 (the first writes the gradient shard)
-        ("bf16", lambda P: max(n * 4 + n // 2 * 4 for n in P.values())),
-        # bf16 gradients reduced in bf16: no input cast, a bf16 output shard S x 2 each time
-        ("bf16-reduce", lambda P: max(n // 2 * 2 for n in P.values())),
-        # fp32 gradients reduced in bf16: the bf16 input P x 2 and its bf16 output S x 2
-        ("fp32-gather", lambda P: max(n * 2 + n // 2 * 2 for n in P.values())),
+        # fp32: what it sends (gloo's copy of the gradient, P x 4) and, for a unit's second
+        # reduce-scatter of the step, the output temporary S x 4
+        ("fp32", lambda P: max(n * 4 + n // 2 * 4 for n in P.values())),
+        # bf16 gradients reduced in fp32: the fp32 cast of the full gradient and gloo's copy
+        # of it, 2 x P x 4, plus the fp32 output of a second reduce-scatter, S x 4 (the
+        # first writes the gradient shard)
+        ("bf16", lambda P: max(2 * n * 4 + n // 2 * 4 for n in P.values())),
+        # bf16 gradients reduced in bf16: no input cast, gloo's copy P x 2, a bf16 output
+        # shard S x 2 each time
+        ("bf16-reduce", lambda P: max(n * 2 + n // 2 * 2 for n in P.values())),
+        # fp32 gradients reduced in bf16: the bf16 input and gloo's copy, 2 x P x 2, and its
+        # bf16 output S x 2
+        ("fp32-gather", lambda P: max(2 * n * 2 + n // 2 * 2 for n in P.values())),
     ],
 )
 def test_reduce_buffers_follow_the_reduce_dtype(policy, expected):
-    c = compiled(FSDP, policy)
+    c = compile_text(SERIAL.format(precision=POLICIES[policy]))
     assert predict(c.spec, c.plan()).comm_peak == expected(sizes(c))
 
 
+def test_a_reduce_scatter_holds_its_buffers_until_it_is_retired():
+    """On the comm stream nothing waits for the reduce-scatters of the first micro-step
+    until the second's forward gathers on that stream: their buffers add up."""
+    c = compiled(FSDP, "fp32")
+    serial = compile_text(SERIAL.format(precision=""))
+    P = sizes(c)
+    overlapped, one = predict(c.spec, c.plan()).comm_peak, predict(serial.spec, serial.plan())
+    assert one.comm_peak == max(n * 4 + n // 2 * 4 for n in P.values())
+    assert overlapped > one.comm_peak
+    assert overlapped <= sum(n * 4 + n // 2 * 4 for n in P.values())
+
+
 def test_the_peak_is_a_sum_of_the_parts_at_one_op():
-    """Under a bf16 gather and reduce the temporaries are bf16 shards (an all-gather's cast
-    shard, a reduce-scatter's output), and the peak is states held, gathered units,
-    gradients and temporaries at one op: above the states, below the sum of the peaks."""
-    c = compiled(FSDP, "bf16-reduce")
+    """Under a bf16 gather and reduce the temporaries are bf16 (an all-gather's cast
+    shard, what a reduce-scatter sends and its output), and the peak is states held,
+    gathered units, gradients and temporaries at one op: above the states, below the sum of
+    the peaks."""
+    c = compile_text(SERIAL.format(precision=POLICIES["bf16-reduce"]))
     m, P = predict(c.spec, c.plan()), sizes(c)
-    assert m.comm_peak == max(n // 2 * 2 for n in P.values())
+    assert m.comm_peak == max(n * 2 + n // 2 * 2 for n in P.values())
     assert m.states < m.buffers_peak <= m.states + m.gathered_peak + m.grads_peak + m.comm_peak
     assert m.peak_at and m.buffers_peak < m.peak <= m.buffers_peak + m.activations + m.states
 
