@@ -5,7 +5,9 @@
 
 1. Runs the calibration schedule (default docs/tune/mini_fsdp.sched) and the DDP schedule
    (docs/tune/mini.sched) once each with --trace, and fits the cost model to each trace
-   alone (`schedc calibrate`): ONE trace per cost model.
+   alone (`schedc calibrate`): ONE trace per cost model. The calibration run also times
+   every collective kind before its first step (`--probe`; `--no-probe` leaves it out), so
+   its one trace prices all-reduces, which an FSDP schedule never runs.
 2. Runs the calibration schedule `--repeats` more times: the spread of one layout's
    measured step is the noise every other figure is read against.
 3. `schedc tune FILE --cost <calibrated on the one trace> --top T --measure K`: tune picks by
@@ -58,10 +60,12 @@ def sh(cmd: list[str], out: list[str]) -> str:
     return text
 
 
-def traced(file: Path, dest: Path, steps: int, out: list[str]) -> tuple[Path, float]:
+def traced(
+    file: Path, dest: Path, steps: int, out: list[str], probe: bool = False
+) -> tuple[Path, float]:
     trace, log = dest.with_suffix(".trace.json"), dest.with_suffix(".log.jsonl")
     log.unlink(missing_ok=True)
-    sh(command(file, compile_file(file).spec.world, steps, trace, log), out)
+    sh(command(file, compile_file(file).spec.world, steps, trace, log, probe), out)
     return trace, step_time(log)
 
 
@@ -81,6 +85,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--measure", type=int, default=8)
+    ap.add_argument(
+        "--no-probe",
+        dest="probe",
+        action="store_false",
+        help="calibrate on the schedule's own ops only (no `schedc run --probe`)",
+    )
     ap.add_argument("--dir", type=Path, help="where runs go (default: a temporary folder)")
     ap.add_argument("--write", type=Path, help=f"replace the {BEGIN} section of this file")
     a = ap.parse_args()
@@ -88,7 +98,9 @@ def main() -> int:
     d.mkdir(parents=True, exist_ok=True)
     cmds: list[str] = []
     t0, load0 = time.time(), load_avg()
-    cal_trace, cal_step = traced(a.calibrate, d / "cal", a.steps, cmds)
+    # the calibration trace times every collective kind too (--probe): an FSDP schedule
+    # runs no all-reduce, and on gloo an all-gather's byte costs several all-reduce bytes
+    cal_trace, cal_step = traced(a.calibrate, d / "cal", a.steps, cmds, probe=a.probe)
     ddp_trace, ddp_step = traced(a.ddp, d / "ddp", a.steps, cmds)
     params, ddp_params = d / "params.json", d / "ddp_params.json"
     fit = sh([sys.executable, "-m", "schedc", "calibrate", str(cal_trace), "-o", str(params)], cmds)

@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "`schedc render --trace` and `schedc calibrate` read it)",
     )
     p.add_argument(
+        "--probe",
+        action="store_true",
+        help="with --trace: first time all-reduce, all-gather and reduce-scatter on the "
+        "world's group at 1, 4 and 16 MiB (about a second on gloo), so that `schedc "
+        "calibrate` prices the collective kinds this schedule does not run",
+    )
+    p.add_argument(
         "--timeout",
         type=TIMEOUT_S,
         default=300.0,
@@ -99,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     # --trace or --log-json path used to fail only after training
     ov = overrides(args)
     check_output("--trace", args.trace)
+    if args.probe and not args.trace:
+        raise UserError("--probe times collectives for the trace: it needs --trace FILE")
     check_output("--log-json", args.log_json)
     check_output("--save", args.save, directory=True)
     compiled = compile_file(args.file or str(default_schedule()), ov)
@@ -121,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         timeout_s=args.timeout,
         trace=bool(args.trace),
+        probe=args.probe,
         nonfinite=args.nonfinite,
         heap=True,  # CPU: predicted vs measured peak at the end (a thread reads it every ms)
     )

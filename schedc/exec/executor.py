@@ -40,6 +40,7 @@ from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_ord
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
+from schedc.exec.probe import probe_collectives
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
@@ -100,6 +101,7 @@ class RunOptions:
     # step start order one step after the other (tests that nothing else is needed)
     sync_each_step: bool = True
     heap: bool = False  # CPU: measure each step's peak live heap (schedc/exec/heap.py)
+    probe: bool = False  # with trace: time each collective kind first (exec/probe.py)
 
 
 @dataclass
@@ -709,8 +711,18 @@ class Executor:
     def close(self) -> None:
         self.backend.close()
 
+    def probe(self) -> None:
+        """Time every collective kind on the world's group, for the trace (exec/probe.py);
+        every rank calls it, before step 0."""
+        if self.opts.trace and self.comm.world > 1:
+            tid = len(self.plan.streams) + 1  # after the streams and the steps track
+            self.probe_events = probe_collectives(
+                self.comm.group, self.comm.rank, self.comm.world, self.device, tid
+            )
+
     def trace_events(self) -> list[dict]:
-        return chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)
+        ops = chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)
+        return ops + getattr(self, "probe_events", [])
 
 
 def collective_streams(plan: Plan) -> set[str]:

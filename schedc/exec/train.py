@@ -143,6 +143,7 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
         "--resume": resume,
         "--save": save,
         "--nonfinite": opts.nonfinite,
+        "--probe": "on" if opts.probe else "off",  # collectives: on every rank, or none
         "device": device.type,
         "precision": str(opts.dtype).removeprefix("torch."),
     }
@@ -222,6 +223,9 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
             raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
         ex = _now["ex"] = Executor(compiled, comm, opts, batches)
+        if opts.probe:
+            where = _here("probing collectives for the trace")
+            ex.probe()
         if job.resume:
             where = _here(f"loading {job.resume}")
             step = checkpoint.load(ex, job.resume, key=job.key)

@@ -38,9 +38,15 @@ class Run:
     log: Path
 
 
-def command(file: Path, world: int, steps: int, trace: Path, log: Path) -> list[str]:
+def command(
+    file: Path, world: int, steps: int, trace: Path, log: Path, probe: bool = False
+) -> list[str]:
+    """`schedc run` of `file` with a trace and a JSON log; `probe`: the trace also times every
+    collective kind (`--probe`, at world > 1), for a calibration that prices them all."""
     run = ["-m", "schedc", "run", str(file), "--steps", str(steps)]
     run += ["--trace", str(trace), "--log-json", str(log)]
+    if probe and world > 1:
+        run.append("--probe")
     if world == 1:
         return [sys.executable, *run]
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]

@@ -29,6 +29,7 @@ from schedc.viz.cost import (
     grad_bytes,
     op_flops,
     optimizer_bytes,
+    ring_factor,
     spans_nodes,
 )
 from schedc.viz.simulate import Interval, Timeline, in_stream_order
@@ -259,6 +260,40 @@ def spans(trace: dict) -> list[TracedOp]:
     return out
 
 
+PROBE_KINDS = {k.value: k for k in (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.REDUCESCATTER)}
+
+
+def probes(trace: dict, name: str = "trace") -> dict[Kind, list[tuple[float, float]]]:
+    """The collective probe of `schedc run --trace --probe` (exec/probe.py), per kind:
+    (volume, seconds) points, volume = ring factor x the full buffer's bytes, and time from
+    the last rank's start to the last rank's end, the median of the repetitions."""
+    timed: dict[tuple[Kind, int, int, int], list[tuple[float, float]]] = {}
+    for i, e in enumerate(trace["traceEvents"]):
+        if e.get("ph") != "X" or e.get("cat") != "probe":
+            continue
+        at = f"{name}: traceEvents[{i}]"
+        args = e.get("args")
+        _object(args, f"{at}.args", present="args" in e)
+        kind = PROBE_KINDS.get(args.get("kind"))
+        nbytes, ranks, rep = args.get("bytes"), args.get("ranks"), args.get("rep")
+        if kind is None or not all(_is_int(v) for v in (nbytes, ranks, rep)):
+            raise TraceError(f"{at}.args: a probe needs kind, bytes, ranks and rep")
+        if not (0 < nbytes <= 1 << 40 and 2 <= ranks <= MAX_RANK):
+            raise TraceError(f"{at}.args: bytes {nbytes} or ranks {ranks} out of range")
+        _time(e, "ts", at)
+        _time(e, "dur", at)
+        ts = float(e["ts"]) / 1e6
+        timed.setdefault((kind, nbytes, ranks, rep), []).append((ts, ts + float(e["dur"]) / 1e6))
+    by_size: dict[tuple[Kind, int, int], list[float]] = {}
+    for (kind, nbytes, ranks, _), xs in timed.items():
+        t = max(end for _, end in xs) - max(start for start, _ in xs)
+        by_size.setdefault((kind, nbytes, ranks), []).append(t)
+    out: dict[Kind, list[tuple[float, float]]] = {}
+    for (kind, nbytes, ranks), ts in sorted(by_size.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(kind, []).append((ring_factor(kind, ranks) * nbytes, _median(ts)))
+    return out
+
+
 def _against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
     """Every span's rank, stream and op must be the schedule's: a trace of another schedule,
     or one edited by hand, is refused here, naming the event, not deep in the drawing."""
@@ -461,7 +496,9 @@ def calibrate(
                  t from the last rank's arrival to the last rank's completion; fitted per
                  kind: all-reduces give latency and bandwidth (every collective together
                  when the trace has no all-reduce), all-gathers gather_*, reduce-scatters
-                 scatter_*; a kind the trace lacks keeps `base`'s (unset: the all-reduce's)
+                 scatter_*; a kind the schedule's ops lack is fitted to the trace's probe
+                 (`schedc run --probe`) if it has one, else keeps `base`'s (unset: the
+                 all-reduce's)
     optimizer:   mem_bandwidth = bytes / t, AdamW's and the norm's and clipping's bytes (so
                  norm_bandwidth is set to it: the same memory-bound passes);   free: t
     What a trace cannot determine keeps `base`'s value, with a note.
@@ -519,6 +556,13 @@ def calibrate(
         links[across].append(point)
         if not across:
             kinds.setdefault(op.kind, []).append(point)
+    # a kind the schedule never runs, timed by the probe (--probe), within one node
+    if base.node_size is None or base.node_size >= spec.world:
+        for kind, points in probes(trace, name).items():
+            if kind not in kinds:
+                kinds[kind] = points
+                links[False] += points
+                notes.append(f"{kind.value}: fitted to the probe's {len(points)} sizes")
     coll = links[False] + links[True]
     bandwidth, latency, m_rms, m_mean = base.bandwidth, base.latency, 0.0, 0.0
     inter = base.inter_bandwidth

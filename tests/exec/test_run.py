@@ -125,6 +125,35 @@ def test_main_command_trains_and_writes_a_trace(tmp_path):
     assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
 
 
+def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
+    """`--probe`: a DDP schedule's trace also times all-gathers and reduce-scatters (on every
+    rank, at each size, twice), and calibrate fits their rates from them."""
+    trace = tmp_path / "run.json"
+    r = torchrun(2, "--steps", "1", "--trace", str(trace), "--probe")
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    probe = [e for e in events if e.get("cat") == "probe"]
+    kinds = {(e["pid"], e["args"]["kind"], e["args"]["bytes"]) for e in probe}
+    assert len(probe) == 2 * 3 * 3 * 2 and len(kinds) == 2 * 3 * 3  # ranks, kinds, sizes, reps
+    fit = subprocess.run(
+        [sys.executable, "-m", "schedc", "calibrate", str(trace)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert fit.returncode == 0, fit.stderr
+    assert "allgather: fitted to the probe's 3 sizes" in fit.stdout
+    assert "reducescatter: fitted to the probe's 3 sizes" in fit.stdout
+
+
+def test_probe_without_a_trace_is_refused():
+    r = subprocess.run(
+        [sys.executable, "-m", "schedc", "run", "--probe"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode != 0 and "--probe times collectives for the trace" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 # -- memory and communication ----------------------------------------------------------------------
 
 

@@ -149,3 +149,61 @@ def test_merged_fits_take_each_parameter_from_the_trace_that_measured_it(tmp_pat
     alone = calibrate(compile_file(runs[1].file), json.loads(runs[1].trace.read_text()))
     assert "bandwidth" not in alone.measured and "gather_bandwidth" in alone.measured
     assert alone.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)  # the stand-in
+
+
+def probe_events(true: CostModel, ranks: int = 2, skew: float = 2e-3) -> list[dict]:
+    """exec/probe.py's events as a link priced by `true` would time them: every kind at its
+    three sizes, twice, rank 1 arriving `skew` late (the time counts from the last arrival)."""
+    from schedc.exec.probe import KINDS, REPS, SIZES  # the layout the executor writes
+
+    events, t = [], 1.0
+    for kind in KINDS:
+        lat, bw = true.link_of(Kind(kind))
+        factor = 2 * (ranks - 1) / ranks if kind == "allreduce" else (ranks - 1) / ranks
+        for size in SIZES:
+            for rep in range(REPS):
+                dur = lat + factor * size / bw
+                for rank in range(ranks):
+                    start = t + rank * skew
+                    events.append(
+                        {
+                            "name": f"probe {kind} {size}",
+                            "ph": "X",
+                            "pid": rank,
+                            "tid": 9,
+                            "ts": start * 1e6,
+                            "dur": (t + (ranks - 1) * skew + dur - start) * 1e6,
+                            "cat": "probe",
+                            "args": {"kind": kind, "bytes": size, "ranks": ranks, "rep": rep},
+                        }
+                    )
+                t += 1.0
+    return events
+
+
+@pytest.mark.torch
+def test_the_probe_prices_the_kind_the_schedule_never_runs():
+    """An FSDP trace has no all-reduce; with `schedc run --probe`'s timings in it, calibrate
+    fits the all-reduce's own bandwidth and latency from them (and the gathers and
+    reduce-scatters still from the schedule's ops, which the probe does not override)."""
+    c = sched("tiny_fsdp_prefetch")
+    trace = chrome_trace(simulate(c, TRUE))
+    other = replace(TRUE, gather_bandwidth=9e8, scatter_bandwidth=8e8)  # not the ops' rates
+    trace["traceEvents"] += probe_events(other)
+    fit = calibrate(c, trace)
+    assert fit.cost.bandwidth == pytest.approx(TRUE.bandwidth, rel=1e-6)
+    assert fit.cost.latency == pytest.approx(TRUE.latency, rel=1e-6)
+    assert fit.cost.gather_bandwidth == pytest.approx(TRUE.gather_bandwidth, rel=1e-6)
+    assert fit.cost.scatter_bandwidth == pytest.approx(TRUE.scatter_bandwidth, rel=1e-6)
+    assert "allreduce: fitted to the probe's 3 sizes" in fit.notes
+    assert {"bandwidth", "latency"} <= fit.measured
+    without = calibrate(c, chrome_trace(simulate(c, TRUE)))  # no probe: every kind together
+    assert without.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)
+
+
+def test_a_malformed_probe_event_is_named():
+    from schedc.viz.trace import TraceError, probes
+
+    bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
+    with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
+        probes(bad)
