@@ -8,12 +8,12 @@ demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU r
 	mkdir -p out
 	$(RUN) -m schedc run --trace out/trace.json
 
-test:  ## install with the test tools, then lint, check the layers and run the whole suite
+test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, the rest in a venv without torch (each test once)
 	scripts/install.sh test
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m torch
 	scripts/test_without_torch.sh
 
 docs:  ## redraw README's pictures (docs/render/*.svg); MEASURED=1 also traces a 2-rank CPU run
