@@ -282,12 +282,12 @@ def test_world_mismatch_without_torchrun_is_a_clear_error():
 def test_world_mismatch_under_torchrun_fails_every_rank():
     r = torchrun(2, str(SCHEDULES / "tiny_4gpu.sched"), timeout=120)
     assert r.returncode != 0
-    # each rank says it on its own line; torchrun's report quotes them again (error files)
+    # each rank that reaches the check says it on its own line (torchrun's report quotes
+    # them again); torchrun may SIGTERM the second rank once the first has failed, before it
+    # prints (seen in CI), so at least one rank, and every line the same error
     own = [ln for ln in r.stderr.splitlines() if ln.startswith("schedc: error on rank")]
-    assert sorted(ln[: len("schedc: error on rank 0")] for ln in own) == [
-        "schedc: error on rank 0",
-        "schedc: error on rank 1",
-    ]
+    ranks = {ln[: len("schedc: error on rank 0")] for ln in own}
+    assert ranks and ranks <= {"schedc: error on rank 0", "schedc: error on rank 1"}, own
     assert all("world-4 schedule, but this job has 2 ranks" in ln for ln in own)
 
 
