@@ -52,8 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--probe",
         action="store_true",
         help="with --trace: first time all-reduce, all-gather and reduce-scatter on the "
-        "world's group at 1, 4 and 16 MiB (about a second on gloo), so that `schedc "
-        "calibrate` prices the collective kinds this schedule does not run",
+        "world's group at 1, 4 and 16 MiB (about a second on gloo), and the forward and "
+        "backward of embed, one block and head at micro 1 and the schedule's micro, so that "
+        "`schedc calibrate` prices the collective kinds and micro sizes this schedule does "
+        "not run",
     )
     p.add_argument(
         "--timeout",
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     ov = overrides(args)
     check_output("--trace", args.trace)
     if args.probe and not args.trace:
-        raise UserError("--probe times collectives for the trace: it needs --trace FILE")
+        raise UserError("--probe times collectives and layers for the trace: it needs --trace FILE")
     check_output("--log-json", args.log_json)
     check_output("--save", args.save, directory=True)
     compiled = compile_file(args.file or str(default_schedule()), ov)

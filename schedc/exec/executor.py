@@ -40,7 +40,7 @@ from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_ord
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
-from schedc.exec.probe import probe_collectives
+from schedc.exec.probe import probe_collectives, probe_compute, probe_micros, track
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
@@ -712,13 +712,31 @@ class Executor:
         self.backend.close()
 
     def probe(self) -> None:
-        """Time every collective kind on the world's group, for the trace (exec/probe.py);
-        every rank calls it, before step 0."""
-        if self.opts.trace and self.comm.world > 1:
-            tid = len(self.plan.streams) + 1  # after the streams and the steps track
-            self.probe_events = probe_collectives(
-                self.comm.group, self.comm.rank, self.comm.world, self.device, tid
-            )
+        """Time every collective kind on the world's group, and the layers at other micro
+        sizes, for the trace (exec/probe.py); every rank calls it, before step 0."""
+        if not self.opts.trace:
+            return
+        spec, rank = self.spec, self.comm.rank
+        tid = len(self.plan.streams) + 1  # after the streams and the steps track
+        events = track(rank, tid)
+        many = self.comm.world > 1  # the ranks time together, in step after barriers
+        if many:
+            events += probe_collectives(self.comm.group, rank, self.comm.world, self.device, tid)
+        # a copy of the model as this executor set it up: its gradients are thrown away
+        model = init_model(spec.model, spec.seed, self.opts.dtype).to(self.device)
+        for attr in ("loss_chunk", "embed_into_grad", "loss_scale"):
+            setattr(model, attr, getattr(self.model, attr))
+        events += probe_compute(
+            model,
+            spec.seq_len,
+            probe_micros(spec.micro),
+            self.autocast,
+            self.device,
+            rank,
+            tid,
+            self.comm.group if many else False,
+        )
+        self.probe_events = events
 
     def trace_events(self) -> list[dict]:
         ops = chrome_events(self.comm.rank, self.plan.streams, self.trace_spans, self.trace_steps)

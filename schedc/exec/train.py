@@ -224,7 +224,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
         ex = _now["ex"] = Executor(compiled, comm, opts, batches)
         if opts.probe:
-            where = _here("probing collectives for the trace")
+            where = _here("probing collectives and layers for the trace")
             ex.probe()
         if job.resume:
             where = _here(f"loading {job.resume}")

@@ -2,9 +2,9 @@
 
     duration   fwd         overhead + FLOPs of the layer for one micro-batch / the compute rate
                bwd         overhead + 2 x fwd's FLOPs / the rate
-                           + the layer's parameter bytes (fp32) / grad_bandwidth (its gradient
-                           written densely: for the embedding, a zero-filled vocab x d table
-                           and an index_add; no term when grad_bandwidth is unset)
+                           + the bytes of the parameter gradients it writes (fp32; the head's
+                           include the tied vocab x d table, the embedding's rows are added
+                           in place: `grad_bytes`) / grad_bandwidth (no term when unset)
                collective  latency + ring(kind, D) x bytes / bandwidth, bytes in the
                            collective's dtype (gather or reduce; passes/memory.op_bytes)
                            ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D,
@@ -89,10 +89,11 @@ class CostModel:
     do not scale with FLOPs. 0 on a GPU, where kernels queue behind each other; a CPU run
     pays it on its only thread (`schedc calibrate` fits it)."""
     grad_bandwidth: float | None = None
-    """Bytes/s at which a backward writes its layer's parameter gradients (fp32 bytes of the
-    layer's parameters): on a CPU the embedding's backward zero-fills a dense vocab x d
-    gradient and index_adds into it, one of the dearest ops of a step. None: no such term
-    (a GPU writes it at HBM speed, inside the FLOPs term's error)."""
+    """Bytes/s at which a backward writes the parameter gradients of the weights its layer
+    reads (`grad_bytes`): a cost per micro-step, not per token. On a CPU the head's backward
+    writes the tied weight's whole vocab x d gradient and adds it into .grad (about 40 ms
+    for the mini model), so micro 1 with k = 4 pays it four times where micro 4 pays it
+    once. None: no such term (a GPU writes it at HBM speed, inside the FLOPs term's error)."""
     norm_bandwidth: float | None = None
     """Bytes/s of the optimizer step's passes before AdamW: the global gradient norm and
     clipping's scale (FSDP sums its shards in float64, so it reads more per parameter than
@@ -223,12 +224,14 @@ def spans_nodes(spec: Spec, op: Op, node_size: float) -> bool:
     return len({r // per for r in spec.mesh.members(0, spec.dim_of(op))}) > 1
 
 
-def op_flops(spec: Spec, op: Op) -> float:
-    """FLOPs of a forward or backward op for one micro-batch (backward = 2 x forward; a
-    recompute is its layer's forward again)."""
+def op_flops(spec: Spec, op: Op, micro: int | None = None) -> float:
+    """FLOPs of a forward or backward op for one micro-batch of `micro` sequences (the
+    schedule's micro size when None; backward = 2 x forward; a recompute is its layer's
+    forward again)."""
     if op.kind not in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         return 0.0
-    f = spec.model.layer_fwd_flops(op.target, spec.micro * spec.seq_len, spec.seq_len)
+    m = spec.micro if micro is None else micro
+    f = spec.model.layer_fwd_flops(op.target, m * spec.seq_len, spec.seq_len)
     return 2 * f if op.kind is Kind.BWD else f
 
 
@@ -238,9 +241,20 @@ def comm_volume(spec: Spec, op: Op) -> float:
 
 
 def grad_bytes(spec: Spec, op: Op) -> float:
-    """Bytes of parameter gradient a backward writes: its layer's parameters, fp32 (the
-    embedding's backward writes the whole vocab x d table, whatever the batch)."""
-    return spec.model.layer_bytes(op.target) if op.kind is Kind.BWD else 0.0
+    """Bytes of parameter gradient a backward writes densely, whatever the batch: every
+    parameter its layer's forward reads, fp32, the tied wte for `head` too (its matmul's
+    weight gradient is a whole vocab x d table, added into .grad), but not for `embed`,
+    whose backward adds only its tokens' rows into .grad in place (model/gpt2.py
+    EmbeddingIntoGrad; a compiled region keeps the dense vocab x d gradient)."""
+    if op.kind is not Kind.BWD:
+        return 0.0
+    m, layer = spec.model, op.target
+    rows_only = layer == "embed" and not spec.numerics.compile
+    return FP32 * sum(
+        p.numel
+        for p in m.params
+        if layer in m.users(p.name) and not (rows_only and p.name == "wte.weight")
+    )
 
 
 def norm_per_param(kind: Strategy, clip: float) -> int:

@@ -268,12 +268,9 @@ def probes(trace: dict, name: str = "trace") -> dict[Kind, list[tuple[float, flo
     (volume, seconds) points, volume = ring factor x the full buffer's bytes, and time from
     the last rank's start to the last rank's end, the median of the repetitions."""
     timed: dict[tuple[Kind, int, int, int], list[tuple[float, float]]] = {}
-    for i, e in enumerate(trace["traceEvents"]):
-        if e.get("ph") != "X" or e.get("cat") != "probe":
+    for e, at, args in _probe_events(trace, name):
+        if args.get("kind") in COMPUTE_PROBES:
             continue
-        at = f"{name}: traceEvents[{i}]"
-        args = e.get("args")
-        _object(args, f"{at}.args", present="args" in e)
         kind = PROBE_KINDS.get(args.get("kind"))
         nbytes, ranks, rep = args.get("bytes"), args.get("ranks"), args.get("rep")
         if kind is None or not all(_is_int(v) for v in (nbytes, ranks, rep)):
@@ -292,6 +289,38 @@ def probes(trace: dict, name: str = "trace") -> dict[Kind, list[tuple[float, flo
     for (kind, nbytes, ranks), ts in sorted(by_size.items(), key=lambda kv: kv[0][1]):
         out.setdefault(kind, []).append((ring_factor(kind, ranks) * nbytes, _median(ts)))
     return out
+
+
+COMPUTE_PROBES = {"fwd": Kind.FWD, "bwd": Kind.BWD}
+
+
+def compute_probes(trace: dict, name: str = "trace") -> list[tuple[Op, int, float]]:
+    """The compute probe of `schedc run --trace --probe` (exec/probe.py): (op, micro size,
+    seconds) per layer, kind and micro size, the median over ranks and repetitions."""
+    timed: dict[tuple[Op, int], list[float]] = {}
+    for e, at, args in _probe_events(trace, name):
+        kind = COMPUTE_PROBES.get(args.get("kind"))
+        if kind is None:
+            continue
+        layer, micro, rep = args.get("layer"), args.get("micro"), args.get("rep")
+        if not (isinstance(layer, str) and _is_int(micro) and _is_int(rep)):
+            raise TraceError(f"{at}.args: a compute probe needs kind, layer, micro and rep")
+        if not 0 < micro <= MAX_RANK:
+            raise TraceError(f"{at}.args: micro {micro} out of range")
+        _time(e, "dur", at)
+        timed.setdefault((Op(kind, layer), micro), []).append(float(e["dur"]) / 1e6)
+    return [(op, micro, _median(ts)) for (op, micro), ts in sorted(timed.items(), key=str)]
+
+
+def _probe_events(trace: dict, name: str):
+    """(event, where, args) of every probe event, args checked to be an object."""
+    for i, e in enumerate(trace["traceEvents"]):
+        if e.get("ph") != "X" or e.get("cat") != "probe":
+            continue
+        at = f"{name}: traceEvents[{i}]"
+        args = e.get("args")
+        _object(args, f"{at}.args", present="args" in e)
+        yield e, at, args
 
 
 def _against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
@@ -517,6 +546,22 @@ def calibrate(
             (s.op, s.end - s.start) for s in used if s.op.kind in (Kind.FWD, Kind.BWD)
         )
     ]
+    # the compute probe (--probe): layers timed at other micro sizes, which set apart what a
+    # backward costs per call (its gradient bytes, the overhead) from what it costs per token
+    probed = compute_probes(trace, name)
+    for op, _, _ in probed:
+        if op.target not in spec.model.layers:
+            raise TraceError(
+                f"{name}: the probe timed layer {op.target!r}, which the schedule's model "
+                "lacks: a trace of another schedule?"
+            )
+    if probed:
+        sizes = sorted({m for _, m, _ in probed})
+        notes.append(
+            f"compute: with the probe's {len(probed)} layer timings at micro "
+            + ", ".join(map(str, sizes))
+        )
+    comp += [(op_flops(spec, op, m), grad_bytes(spec, op), t) for op, m, t in probed]
     key = base.rate_key(spec.numerics)
     rate = base.rate(spec.numerics)
     compute = {key: rate, "overhead": base.overhead, "grad_bandwidth": base.grad_bandwidth}

@@ -127,14 +127,29 @@ def test_main_command_trains_and_writes_a_trace(tmp_path):
 
 def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
     """`--probe`: a DDP schedule's trace also times all-gathers and reduce-scatters (on every
-    rank, at each size, twice), and calibrate fits their rates from them."""
+    rank, at each size, twice) and its layers at micro 1, and calibrate fits from them; the
+    probe's own model leaves the run's numbers as they are."""
+    from schedc.exec.probe import COMPUTE_LAYERS, REPS
+
     trace = tmp_path / "run.json"
     r = torchrun(2, "--steps", "1", "--trace", str(trace), "--probe")
     assert r.returncode == 0, r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     probe = [e for e in events if e.get("cat") == "probe"]
-    kinds = {(e["pid"], e["args"]["kind"], e["args"]["bytes"]) for e in probe}
-    assert len(probe) == 2 * 3 * 3 * 2 and len(kinds) == 2 * 3 * 3  # ranks, kinds, sizes, reps
+    comm = [e for e in probe if "bytes" in e["args"]]
+    kinds = {(e["pid"], e["args"]["kind"], e["args"]["bytes"]) for e in comm}
+    assert len(comm) == 2 * 3 * 3 * 2 and len(kinds) == 2 * 3 * 3  # ranks, kinds, sizes, reps
+    layers = {(e["args"]["kind"], e["args"]["layer"]) for e in probe if "layer" in e["args"]}
+    assert layers == {(k, x) for k in ("fwd", "bwd") for x in COMPUTE_LAYERS}
+    micros = {e["args"]["micro"] for e in probe if "micro" in e["args"]}
+    assert 1 in micros and len(micros) == 2
+    assert len(probe) - len(comm) == 2 * len(COMPUTE_LAYERS) * 2 * 2 * REPS  # ranks, fwd/bwd
+    plain = torchrun(2, "--steps", "1")
+    assert plain.returncode == 0, plain.stderr
+    loss = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert [x.split("dt ")[0] for x in loss] == [
+        x.split("dt ")[0] for x in plain.stdout.splitlines() if x.startswith("step ")
+    ]
     fit = subprocess.run(
         [sys.executable, "-m", "schedc", "calibrate", str(trace)],
         capture_output=True,
@@ -144,13 +159,14 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
     assert fit.returncode == 0, fit.stderr
     assert "allgather: fitted to the probe's 3 sizes" in fit.stdout
     assert "reducescatter: fitted to the probe's 3 sizes" in fit.stdout
+    assert f"compute: with the probe's {2 * len(COMPUTE_LAYERS) * 2} layer timings" in fit.stdout
 
 
 def test_probe_without_a_trace_is_refused():
     r = subprocess.run(
         [sys.executable, "-m", "schedc", "run", "--probe"], capture_output=True, text=True, cwd=ROOT
     )
-    assert r.returncode != 0 and "--probe times collectives for the trace" in r.stderr
+    assert r.returncode != 0 and "--probe times collectives and layers for the trace" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -87,13 +87,19 @@ def test_nnls_drops_a_column_whose_best_value_is_negative():
 def test_the_terms_are_priced_from_shapes_and_bytes():
     c = sched("tiny_fsdp_prefetch")
     spec = c.spec
-    embed = Op.parse("bwd[embed]@mb0")
+    embed, head = Op.parse("bwd[embed]@mb0"), Op.parse("bwd[head]@mb0")
     cfg = spec.model
-    assert grad_bytes(spec, embed) == 4 * (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    C, V = cfg.n_embd, cfg.vocab_size
+    # the head's backward writes the tied weight's whole gradient (and ln_f's); the
+    # embedding's adds its tokens' rows into .grad in place: only wpe's is dense
+    assert grad_bytes(spec, head) == 4 * (V * C + 2 * C)
+    assert grad_bytes(spec, embed) == 4 * cfg.block_size * C
+    compiled = replace(spec, numerics=replace(spec.numerics, compile=True))
+    assert grad_bytes(compiled, embed) == 4 * (V + cfg.block_size) * C  # a dense table again
     assert grad_bytes(spec, Op.parse("fwd[embed]@mb0")) == 0
     plain = CostModel(flops=1e12)
-    assert duration(spec, embed, TRUE) - duration(spec, embed, plain) > grad_bytes(
-        spec, embed
+    assert duration(spec, head, TRUE) - duration(spec, head, plain) > grad_bytes(
+        spec, head
     ) / TRUE.grad_bandwidth * (1 - 1e-9)
     gather = next(op for op in c.plan().ops if op.kind is Kind.ALLGATHER)
     slow = CostModel(gather_bandwidth=1e9, gather_latency=0.0)
@@ -207,3 +213,66 @@ def test_a_malformed_probe_event_is_named():
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
         probes(bad)
+
+
+def compute_probe_events(c, true: CostModel, ranks: int = 2) -> list[dict]:
+    """exec/probe.py's layer timings as `true` prices them, at micro 1 and the schedule's."""
+    from schedc.exec.probe import COMPUTE_LAYERS, REPS, probe_micros
+    from schedc.viz.cost import compute_time, op_flops
+
+    spec, events, t = c.spec, [], 1.0
+    rate = true.rate(spec.numerics)
+    for m in probe_micros(spec.micro):
+        for layer in COMPUTE_LAYERS:
+            for kind in ("fwd", "bwd"):
+                op = Op(Kind(kind), layer)
+                dur = compute_time(op_flops(spec, op, m), grad_bytes(spec, op), rate, true)
+                for rep in range(REPS):
+                    for rank in range(ranks):
+                        args = {"kind": kind, "layer": layer, "micro": m, "tokens": 0, "rep": rep}
+                        events.append(
+                            {
+                                "name": f"probe {kind}[{layer}] micro {m}",
+                                "ph": "X",
+                                "pid": rank,
+                                "tid": 9,
+                                "ts": t * 1e6,
+                                "dur": dur * 1e6,
+                                "cat": "probe",
+                                "args": args,
+                            }
+                        )
+                    t += 1.0
+    return events
+
+
+@pytest.mark.torch
+def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
+    """At one micro size a linear layer's FLOPs and the gradient bytes its backward writes
+    are in a fixed ratio, so a step's ops barely tell a per-call cost from a per-token one;
+    the probe's layer timings at micro 1, priced by the same true model, join the fit's
+    points, and the fit recovers every compute term."""
+    c = sched("tiny_ddp_overlap")
+    trace = chrome_trace(simulate(c, TRUE))
+    trace["traceEvents"] += compute_probe_events(c, TRUE)
+    fit = calibrate(c, trace)
+    assert fit.cost.flops_tf32 == pytest.approx(TRUE.flops, rel=1e-6)
+    assert fit.cost.grad_bandwidth == pytest.approx(TRUE.grad_bandwidth, rel=1e-6)
+    assert fit.cost.overhead == pytest.approx(TRUE.overhead, rel=1e-6)
+    assert any("compute: with the probe's 12 layer timings at micro 1, 2" in n for n in fit.notes)
+    alone = calibrate(c, chrome_trace(simulate(c, TRUE)))
+    assert fit.compute_n == alone.compute_n + 12  # the schedule's distinct ops, the probe's
+
+
+def test_a_compute_probe_of_another_model_or_malformed_is_named():
+    from schedc.viz.trace import TraceError, compute_probes
+
+    c = sched("tiny_ddp_overlap")
+    trace = chrome_trace(simulate(c, TRUE))
+    bad = compute_probe_events(c, TRUE)[:1]
+    bad[0]["args"] = dict(bad[0]["args"], layer="h.99")
+    with pytest.raises(TraceError, match="the probe timed layer 'h.99'"):
+        calibrate(c, {"traceEvents": trace["traceEvents"] + bad})
+    broken = {"traceEvents": [dict(bad[0], args={"kind": "fwd", "layer": "h.0"})]}
+    with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a compute probe needs"):
+        compute_probes(broken)
