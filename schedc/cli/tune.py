@@ -59,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--steps", type=POSITIVE, default=4, help="steps per measured run (default 4)")
     g.add_argument(
+        "--rounds",
+        type=POSITIVE,
+        default=1,
+        help="run the K finalists this many times, interleaved, each measured as the median "
+        "of its rounds (default 1; on a shared or throttling machine, 3)",
+    )
+    g.add_argument(
         "--timeout", type=POSITIVE, default=600, help="seconds per measured run (default 600)"
     )
     g.add_argument(
@@ -102,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     check_output("--write-top", args.write_top, directory=True)
     if args.measure > args.top:
         raise UserError(f"--measure {args.measure}: at most --top ({args.top})")
+    if args.rounds > 1 and not args.measure:
+        raise UserError(f"--rounds {args.rounds} repeats the measured runs: it needs --measure K")
     base = Base.read(args.file)
     opts = options(args, base)
     res = search(base, opts)
@@ -204,7 +213,7 @@ def write(args, base: Base, res: Result, opts: Options) -> list[Path]:
 
 
 def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> None:
-    runs = measure(cands, files[: len(cands)], args.steps, args.timeout)
+    runs = measure(cands, files[: len(cands)], args.steps, args.timeout, rounds=args.rounds)
     fitted, notes = refit(runs, opts.cost)
     again = repredict(cands, fitted)
     extra = [
@@ -216,9 +225,10 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
         ]
         for c, p in zip(cands, again)
     ]
+    rounds = f", the median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     print(
         "\npredicted vs measured (median step after the first, "
-        f"{args.steps} steps each), in predicted order:"
+        f"{args.steps} steps each{rounds}), in predicted order:"
     )
     print(table(cands, extra, ("measured", "error", "refit", "error")))
     errs = [abs(error(c.step, c.measured)) for c in cands]

@@ -1,7 +1,9 @@
 """`schedc tune --measure K`: run the finalists for real, and fit the cost model to their traces.
 
-    measure(candidates, files, steps)  -> each candidate's measured step (median dt of the
-                                          steps after the first, which warms up)
+    measure(candidates, files, steps, rounds=R)
+                                       -> each candidate's measured step (median dt of the
+                                          steps after the first, which warms up; with R
+                                          rounds, the median of its R runs, interleaved)
     refit(runs, cost)                  -> the cost model fitted to every trace at once
 
 Each candidate is its written schedule run as its own job, one after another (they would
@@ -54,26 +56,42 @@ def command(
 
 
 def measure(
-    cands: list[Candidate], files: list[Path], steps: int, timeout: float, echo=print
+    cands: list[Candidate],
+    files: list[Path],
+    steps: int,
+    timeout: float,
+    echo=print,
+    rounds: int = 1,
 ) -> list[Run]:
-    """Run each candidate's file; sets `measured` (seconds) on each. A failed run is a user
-    error naming the file and the end of its output."""
+    """Run each candidate's file, `rounds` times, interleaved (round 1 runs every candidate
+    once, then round 2 ..., each round starting one candidate later, so that none is always
+    the first after a pause), so that a machine that speeds up or slows down over the
+    minutes this takes moves every candidate's figure alike; sets `measured` (seconds) on
+    each: the median over its rounds of each run's median step. A failed run is a user error
+    naming the file and the end of its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    runs = []
-    for i, (cand, file) in enumerate(zip(cands, files)):
-        run = Run(file, file.with_suffix(".trace.json"), file.with_suffix(".log.jsonl"))
-        run.log.unlink(missing_ok=True)
-        cmd = command(file, cand.spec.world, steps, run.trace, run.log)
-        echo(f"schedc: measuring {i + 1}/{len(cands)}: python {' '.join(cmd[1:])}")
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise UserError(f"--measure: {file} ran past {timeout:g} s") from None
-        if p.returncode != 0:
-            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-12:])
-            raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
-        cand.measured = step_time(run.log)
-        runs.append(run)
+    runs, times = [], [[] for _ in cands]
+    K = len(cands)
+    for r in range(rounds):
+        for i in [(r + j) % K for j in range(K)]:  # each round starts one candidate later
+            cand, file = cands[i], files[i]
+            stem = file.parent / (file.stem + (f".r{r + 1}" if rounds > 1 else ""))
+            run = Run(file, Path(f"{stem}.trace.json"), Path(f"{stem}.log.jsonl"))
+            run.log.unlink(missing_ok=True)
+            cmd = command(file, cand.spec.world, steps, run.trace, run.log)
+            what = f"{i + 1}/{len(cands)}" + (f", round {r + 1}/{rounds}" if rounds > 1 else "")
+            echo(f"schedc: measuring {what}: python {' '.join(cmd[1:])}")
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise UserError(f"--measure: {file} ran past {timeout:g} s") from None
+            if p.returncode != 0:
+                tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-12:])
+                raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
+            times[i].append(step_time(run.log))
+            runs.append(run)
+    for cand, ts in zip(cands, times):
+        cand.measured = statistics.median(ts)
     return runs
 
 

@@ -112,6 +112,7 @@ def test_a_budget_nothing_fits_names_the_smallest_predicted_peak(capsys):
         (["--precision", "fp8"], "known policies are fp32, bf16"),
         (["--strategy", "zero"], "expected ddp, fsdp"),
         (["--top", "2", "--measure", "3"], "at most --top"),
+        (["--rounds", "3"], "--rounds 3 repeats the measured runs: it needs --measure K"),
     ],
 )
 def test_bad_flags_are_user_errors(capsys, args, message):
@@ -145,6 +146,8 @@ def test_measure_runs_the_finalists_and_refits_the_cost_model(capsys, tmp_path):
         "2",
         "--steps",
         "2",
+        "--rounds",
+        "2",
         "--strategy",
         "ddp",
         "--fit",
@@ -153,14 +156,22 @@ def test_measure_runs_the_finalists_and_refits_the_cost_model(capsys, tmp_path):
         str(tmp_path / "top"),
     )
     assert code == 0, err
-    assert "predicted vs measured" in out
+    assert "predicted vs measured" in out and "the median of 2 interleaved rounds" in out
+    # round 1 runs both candidates before round 2 runs either, which starts one later
+    lines = [x for x in out.splitlines() if x.startswith("schedc: measuring")]
+    assert [x.split(":")[1] for x in lines] == [
+        " measuring 1/2, round 1/2",
+        " measuring 2/2, round 1/2",
+        " measuring 2/2, round 2/2",
+        " measuring 1/2, round 2/2",
+    ]
     assert re.search(r"median \|error\| [\d.]+% over 2 measured", out)
     assert re.search(r"the pick is -?[\d.]+% slower", out)
     # the traces it took fit a cost model that loads like calibrate's
     cost = CostModel.load(fit)
     assert cost.flops_tf32 != CostModel().flops_tf32
     assert json.loads(fit.read_text())["bandwidth"] > 0
-    assert (tmp_path / "top" / "1.trace.json").exists()
+    assert (tmp_path / "top" / "1.r2.trace.json").exists()
 
 
 def test_a_searched_precision_replaces_the_files(capsys, tmp_path):
