@@ -7,13 +7,14 @@
    (docs/tune/mini.sched) once each with --trace, and fits the cost model to each trace
    alone (`schedc calibrate`): ONE trace per cost model. The calibration run also times
    every collective kind before its first step (`--probe`; `--no-probe` leaves it out), so
-   its one trace prices all-reduces, which an FSDP schedule never runs.
-2. Runs the calibration schedule `--repeats` more times: the spread of one layout's
-   measured step is the noise every other figure is read against.
-3. `schedc tune FILE --cost <calibrated on the one trace> --top T --measure K`: tune picks by
-   prediction alone, runs the best K, and states the pick against the fastest measured and
-   the median prediction error (its own output, printed as it is).
-4. Predicts the same K candidates again with two other cost models: the one fitted to the
+   its one trace prices all-reduces, which an FSDP schedule never runs, and its layers at
+   micro 1 (what a micro-step costs whatever its size, which one micro size cannot show).
+2. `schedc tune FILE --cost <calibrated on the one trace> --top T --measure K --rounds R`:
+   tune picks by prediction alone, runs the best K, R times interleaved (each candidate's
+   figure the median of its rounds; their spread is the noise every other figure is read
+   against), and states the pick against the fastest measured and the median prediction
+   error (its own output, printed as it is).
+3. Predicts the same K candidates again with two other cost models: the one fitted to the
    DDP trace alone (does a DDP calibration predict FSDP?) and the two fits merged (each
    parameter the median of the fits that determine it, `tune --measure`'s refit: the
    all-reduce's rates from the DDP trace, the all-gather's and reduce-scatter's from the
@@ -82,7 +83,13 @@ def main() -> int:
     ap.add_argument("--ddp", default="docs/tune/mini.sched", type=Path)
     ap.add_argument("--tune", default="docs/tune/mini.sched", type=Path, help="the file tuned")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="tune --measure's interleaved rounds: each candidate's figure is the median of "
+        "its rounds, and their spread is the noise (default 3)",
+    )
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--measure", type=int, default=8)
     ap.add_argument(
@@ -105,9 +112,6 @@ def main() -> int:
     params, ddp_params = d / "params.json", d / "ddp_params.json"
     fit = sh([sys.executable, "-m", "schedc", "calibrate", str(cal_trace), "-o", str(params)], cmds)
     sh([sys.executable, "-m", "schedc", "calibrate", str(ddp_trace), "-o", str(ddp_params)], cmds)
-    repeats = [cal_step] + [
-        traced(a.calibrate, d / f"repeat{i}", a.steps, cmds)[1] for i in range(a.repeats)
-    ]
     top = d / "top"
     tuned = sh(
         [
@@ -121,7 +125,8 @@ def main() -> int:
             "--top",
             str(a.top),
         ]
-        + ["--measure", str(a.measure), "--steps", str(a.steps), "--write-top", str(top)]
+        + ["--measure", str(a.measure), "--steps", str(a.steps), "--rounds", str(a.rounds)]
+        + ["--write-top", str(top)]
         + ["--fit", str(d / "refit.json")],
         cmds,
     )
@@ -132,7 +137,10 @@ def main() -> int:
         ],
         CostModel(),
     )
-    measured = [step_time(top / f"{i}.log.jsonl") for i in range(1, a.measure + 1)]
+    # each candidate: its step in every round (tune's figure is their median)
+    tag = [f".r{r}" if a.rounds > 1 else "" for r in range(1, a.rounds + 1)]
+    rounds = [[step_time(top / f"{i}{t}.log.jsonl") for t in tag] for i in range(1, a.measure + 1)]
+    measured = [statistics.median(rs) for rs in rounds]
     compiled = [compile_file(top / f"{i}.sched") for i in range(1, a.measure + 1)]
     others = []
     for label, cost in (
@@ -151,7 +159,7 @@ def main() -> int:
             "fastest measured"
         )
     pick = measured[0]
-    spread = 100 * (max(repeats) - min(repeats)) / statistics.median(repeats)
+    spreads = [100 * (max(rs) - min(rs)) / statistics.median(rs) for rs in rounds]
     lines = [
         f"2 ranks x 1 thread, load average {load0} at the start and {load_avg()} at the end, "
         f"{time.time() - t0:.0f} s in all.",
@@ -170,8 +178,10 @@ def main() -> int:
         tuned,
         "```",
         "",
-        f"- noise: {a.calibrate} measured {', '.join(f'{x:.2f}' for x in repeats)} s "
-        f"in {len(repeats)} runs (spread {spread:.0f}% of the median)",
+        f"- noise: over its {a.rounds} rounds a candidate's step spread "
+        f"{statistics.median(spreads):.0f}% of its median (median over the candidates; "
+        f"{min(spreads):.0f}-{max(spreads):.0f}%); the calibration run itself measured "
+        f"{cal_step:.2f} s",
         f"- the DDP schedule {a.ddp} measured {ddp_step:.2f} s; the pick by prediction "
         f"{pick:.2f} s ({100 * (pick - ddp_step) / ddp_step:+.1f}% against it)",
         *others,
@@ -186,7 +196,7 @@ def main() -> int:
         doc = head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
         a.write.write_text(doc)
         print(f"wrote {a.write}")
-    json.dump({"repeats": repeats, "ddp": ddp_step, "pick": pick}, sys.stdout)
+    json.dump({"rounds": rounds, "ddp": ddp_step, "pick": pick}, sys.stdout)
     print()
     return 0
 
