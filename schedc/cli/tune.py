@@ -245,6 +245,13 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
         f"(#{cands.index(fastest) + 1}) {fmt_time(fastest.measured)}: the pick is "
         f"{100 * (pick.measured / fastest.measured - 1):.1f}% slower"
     )
+    if len(pick.rounds) > 1 and fastest is not pick:
+        # the same round ran both, minutes apart at most: the ratio cancels the machine's drift
+        paired = sorted(a / b for a, b in zip(pick.rounds, fastest.rounds))
+        print(
+            f"paired by round, the pick took {paired[0]:.2f}-{paired[-1]:.2f}x the fastest's "
+            f"time (median {statistics.median(paired):.2f}x over {len(paired)} rounds)"
+        )
     order = sorted(range(len(cands)), key=lambda i: cands[i].measured)
     print("re-ranked by measurement: " + ", ".join(f"#{i + 1}" for i in order))
     for n in notes:

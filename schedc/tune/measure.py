@@ -91,7 +91,7 @@ def measure(
             times[i].append(step_time(run.log))
             runs.append(run)
     for cand, ts in zip(cands, times):
-        cand.measured = statistics.median(ts)
+        cand.measured, cand.rounds = statistics.median(ts), tuple(ts)
     return runs
 
 

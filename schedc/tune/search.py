@@ -70,6 +70,7 @@ class Candidate:
     comm: float = 0.0
     exposed: float = 0.0
     measured: float | None = None  # seconds, from --measure
+    rounds: tuple[float, ...] = ()  # seconds, each round's run (--rounds), in round order
 
     @property
     def spec(self) -> Spec:

@@ -167,6 +167,8 @@ def test_measure_runs_the_finalists_and_refits_the_cost_model(capsys, tmp_path):
     ]
     assert re.search(r"median \|error\| [\d.]+% over 2 measured", out)
     assert re.search(r"the pick is -?[\d.]+% slower", out)
+    if not re.search(r"the fastest measured \(#1\)", out):  # the pick itself was fastest
+        assert re.search(r"paired by round, the pick took [\d.]+-[\d.]+x the fastest", out)
     # the traces it took fit a cost model that loads like calibrate's
     cost = CostModel.load(fit)
     assert cost.flops_tf32 != CostModel().flops_tf32

@@ -264,6 +264,7 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
     assert fit.compute_n == alone.compute_n + 12  # the schedule's distinct ops, the probe's
 
 
+@pytest.mark.torch  # the probe's layout comes from exec/probe.py
 def test_a_compute_probe_of_another_model_or_malformed_is_named():
     from schedc.viz.trace import TraceError, compute_probes
 
