@@ -86,9 +86,9 @@ def main() -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=5,
         help="tune --measure's interleaved rounds: each candidate's figure is the median of "
-        "its rounds, and their spread is the noise (default 3)",
+        "its rounds, and their spread is the noise (default 5)",
     )
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--measure", type=int, default=8)
