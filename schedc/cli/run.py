@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --trace: first time all-reduce, all-gather and reduce-scatter on the "
         "world's group at 1, 4 and 16 MiB (about a second on gloo), and the forward and "
-        "backward of embed, one block and head at micro 1 and the schedule's micro, so that "
+        "backward of embed, one block and head at micro 1 and the schedule's micro (twice "
+        "each, after one to warm up), so that "
         "`schedc calibrate` prices the collective kinds and micro sizes this schedule does "
         "not run",
     )
