@@ -7,6 +7,8 @@ and compared with what the pruned search returns.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from schedc.compiler import compile_text
@@ -16,6 +18,8 @@ from schedc.tune.space import Base, Knobs, candidates, micros, partitions
 from schedc.viz.cost import CostModel
 from schedc.viz.simulate import simulate
 from tests.viz.test_cost_terms import TRUE as CPU  # every term of the cost model set
+
+REPO = Path(__file__).resolve().parents[2]
 
 NANO = """\
 # a nano model on two ranks; tune searches everything below the batch
@@ -177,3 +181,28 @@ def test_a_mesh_goes_with_the_strategy_tune_replaces(tmp_path):
     res = search(base, Options(strategies=("ddp", "fsdp")))
     assert res.ranked and not res.refused
     assert {c.knobs.strategy for c in res.ranked} <= {"ddp", "fsdp"}
+
+
+def test_a_micro_steps_own_cost_ranks_the_larger_micro_size_first():
+    """With only FLOPs priced, micro 1, 2 and 4 tie (the same tokens a step); a calibration
+    that fits a backward's gradient bytes and the per-op overhead (`schedc run --probe`,
+    docs/tune.md) charges each extra micro-step at least the head's tied-weight gradient,
+    so micro 4 (k = 1) ranks first and micro 1 (k = 4) last."""
+    from dataclasses import replace
+
+    from schedc.ir.op import Op
+    from schedc.viz.cost import grad_bytes
+
+    base = Base.read(REPO / "docs" / "tune" / "mini.sched")
+    best = {}
+    for name, cost in (("flops", replace(CPU, grad_bandwidth=None, overhead=0.0)), ("cpu", CPU)):
+        res = search(base, Options(cost=cost, top=40, strategies=("ddp",)))
+        best[name] = {}
+        for c in res.ranked:  # best first: the first of each micro size is its best
+            best[name].setdefault(c.knobs.micro, c.step)
+    flops, cpu = best["flops"], best["cpu"]
+    assert set(flops) == set(cpu) == {1, 2, 4}
+    assert max(flops.values()) - min(flops.values()) < 1e-3 * min(flops.values())
+    spec = compile_text((REPO / "docs" / "tune" / "mini.sched").read_text()).spec
+    head = grad_bytes(spec, Op.parse("bwd[head]@mb0")) / CPU.grad_bandwidth
+    assert cpu[2] - cpu[4] >= head and cpu[1] - cpu[2] >= 2 * head
