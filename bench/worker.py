@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from schedc.compiler import compile_file
 from schedc.exec.heap import heap_bytes as _heap_bytes
+from schedc.exec.heap import keep_freed_memory
 from schedc.model.data import load_batches
 from schedc.model.reference import Reference, clip_coef, global_grad_norm, init_model, make_adamw
 
@@ -47,6 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    keep_freed_memory()  # what `schedc run` does on a CPU; every case alike, baselines too
     torch.set_num_threads(
         max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     )

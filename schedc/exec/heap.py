@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 
@@ -45,6 +46,35 @@ def _mallinfo2():
 
 
 _MALLINFO2 = _mallinfo2()
+
+
+# mallopt(3) parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+# what a user sets to tune glibc's malloc themselves (or another allocator, preloaded)
+_USER_MALLOC = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory torch frees for its next allocation, instead of handing
+    it back to the kernel; call it before the model exists. True if it took effect.
+
+    By default each chunk over the mmap threshold (128 KiB, rising to 32 MiB) is a mapping
+    of its own: freeing it unmaps it, and the next tensor of that size faults in and zeroes
+    every page again, in the kernel, on the rank's only core. A training step frees and
+    allocates the same sizes every micro-step (activations, logits, gradient buffers), so
+    kept memory is reused as it is. Measured on mini at world 2 (docs/benchmarks.md):
+    2.35 million page faults and 6.7 s of kernel time in 10 steps by default, 0.60 million
+    and 3.0 s kept (mostly start-up); the median step went from 1.13-1.16 s to 0.92-0.97 s.
+    The live heap (`heap_bytes`) is unchanged: it counts in-use bytes either way. Left
+    alone where the user tunes malloc (`_USER_MALLOC`) or there is no glibc."""
+    if any(os.environ.get(k) for k in _USER_MALLOC):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    # no chunk gets a mapping of its own, and the heap's free top is never trimmed
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def heap_bytes() -> int | None:
