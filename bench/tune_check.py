@@ -77,6 +77,19 @@ def load_avg() -> str:
         return "?"
 
 
+def runs_once(out: str) -> str:
+    """tune's output with its "measuring i/K, round r/R: CMD" lines folded into the first
+    and a count: the commands differ only in the candidate and round."""
+    lines = out.splitlines()
+    runs = [ln for ln in lines if ln.startswith("schedc: measuring ")]
+    if len(runs) < 2:
+        return out
+    at = lines.index(runs[0])
+    rest = [ln for ln in lines if not ln.startswith("schedc: measuring ")]
+    note = f"schedc: ... {len(runs) - 1} more runs like it, one per candidate and round"
+    return "\n".join(rest[:at] + [runs[0], note] + rest[at:])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate", default="docs/tune/mini_fsdp.sched", type=Path)
@@ -175,7 +188,7 @@ def main() -> int:
         "```",
         "",
         "```",
-        tuned,
+        runs_once(tuned),
         "```",
         "",
         f"- noise: over its {a.rounds} rounds a candidate's step spread "
