@@ -114,6 +114,7 @@ class StepStats:
     tokens_per_s: float
     comm_bytes: dict[str, int] = field(default_factory=dict)  # per collective, this rank
     skipped: str = ""  # why this step's update was skipped (--nonfinite skip)
+    issue_ms: float = 0.0  # host time from the step's start until its update was enqueued
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -253,6 +254,7 @@ class Executor:
     def step(self) -> StepStats:
         spec, s = self.spec, self.step_index
         t0, t0_ns = time.perf_counter(), time.perf_counter_ns()  # the clock of Timed spans
+        self.t0 = t0
         self.micro = [
             _Micro(
                 *(
@@ -611,6 +613,7 @@ class Executor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        stats.issue_ms = (time.perf_counter() - self.t0) * 1e3
         self._release_grads()
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
