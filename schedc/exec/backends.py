@@ -79,6 +79,18 @@ def now() -> int:
     return time.perf_counter_ns()
 
 
+class _Done:
+    """The work of a collective over a group of one rank: complete when issued. Such a
+    collective communicates nothing: an all-reduce leaves its buffer as it is, an all-gather
+    and a reduce-scatter are a copy (a cast, between dtypes) on the issuing stream."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
 class CPUBackend:
     """gloo: compute on the main thread, one single-threaded process group per comm stream."""
 
@@ -211,21 +223,28 @@ class CPUBackend:
 
     @staticmethod
     def all_reduce(t: torch.Tensor) -> Launch:
-        return lambda pg: pg.allreduce([t])
+        return lambda pg: DONE if pg.size() == 1 else pg.allreduce([t])
 
     @staticmethod
     def all_gather(out: torch.Tensor, shard: torch.Tensor) -> Launch:
-        return lambda pg: pg._allgather_base(out, shard)
+        return lambda pg: _copy(out, shard) if pg.size() == 1 else pg._allgather_base(out, shard)
 
     @staticmethod
     def reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> Launch:
-        return lambda pg: pg._reduce_scatter_base(out, full)
+        return lambda pg: _copy(out, full) if pg.size() == 1 else pg._reduce_scatter_base(out, full)
 
     def keep_alive(self, t: torch.Tensor, stream: str) -> None:
         pass  # host memory is freed only when the last Python reference goes
 
     def stats(self) -> dict:
         return {}
+
+
+def _copy(out: torch.Tensor, src: torch.Tensor) -> _Done:
+    """A gather or reduce-scatter over one rank: its output is its input (cast, if the
+    dtypes differ), copied on the issuing stream."""
+    out.copy_(src)
+    return DONE
 
 
 def _gloo_groups(comm, stream: str, mesh, dims) -> dict[str | None, object]:
@@ -284,6 +303,7 @@ class CUDABackend:
             _gloo_cuda_gaps(world[streams[0]], device) if collectives == "gloo" else set()
         )
         self.events: dict[int, torch.cuda.Event] = {}
+        self._spare_marks: list[torch.cuda.Event] = []
         self._timing: list[tuple[Op, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._base: torch.cuda.Event | None = None
         self._base_ns = 0
@@ -319,20 +339,24 @@ class CUDABackend:
         self._timed(stream, op, issue)
 
     def record(self, stream: str, event: int) -> None:
-        e = torch.cuda.Event()
+        # one Event per plan event, re-recorded every step: a wait enqueued before takes the
+        # record that preceded it (cudaStreamWaitEvent), so reuse cannot reorder anything
+        e = self.events.get(event)
+        if e is None:
+            e = self.events[event] = torch.cuda.Event()
         e.record(self.streams[stream])
-        self.events[event] = e
 
     def wait(self, stream: str, event: int) -> None:
         self.streams[stream].wait_event(self.events[event])
 
     def mark(self, stream: str) -> torch.cuda.Event:
-        e = torch.cuda.Event()
+        e = self._spare_marks.pop() if self._spare_marks else torch.cuda.Event()
         e.record(self.streams[stream])
         return e
 
     def wait_mark(self, stream: str, mark: torch.cuda.Event) -> None:
         self.streams[stream].wait_event(mark)
+        self._spare_marks.append(mark)  # its one wait is enqueued: free to record again
 
     def drain(self) -> None:
         for s in self.streams.values():
@@ -350,27 +374,35 @@ class CUDABackend:
 
     @staticmethod
     def all_reduce(t: torch.Tensor) -> Launch:
-        return lambda pg: dist.all_reduce(t, group=pg)
+        return lambda pg: DONE if pg.size() == 1 else dist.all_reduce(t, group=pg)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Launch:
         if "all_gather_into_tensor" in self.fallbacks:  # gloo: the list form, into the views
-            return lambda pg: dist.all_gather(
-                list(out.chunk(dist.get_world_size(pg))), shard, group=pg
-            )
-        return lambda pg: dist.all_gather_into_tensor(out, shard, group=pg)
+
+            def gather(pg):
+                return dist.all_gather(list(out.chunk(pg.size())), shard, group=pg)
+        else:
+
+            def gather(pg):
+                return dist.all_gather_into_tensor(out, shard, group=pg)
+
+        return lambda pg: _copy(out, shard) if pg.size() == 1 else gather(pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Launch:
         if "reduce_scatter_tensor" in self.fallbacks:
             # gloo without a CUDA reduce-scatter: all-reduce the whole buffer, keep this rank's
             # shard, [rank * s, (rank + 1) * s), the same offsets FlatUnit owns; D/2 x the bytes
-            def launch(pg):
+            def scatter(pg):
                 summed = full.clone()
                 dist.all_reduce(summed, group=pg)
                 n, me = out.numel(), dist.get_rank(pg)  # this rank's place in the group
                 out.copy_(summed[me * n : (me + 1) * n])
+        else:
 
-            return launch
-        return lambda pg: dist.reduce_scatter_tensor(out, full, group=pg)
+            def scatter(pg):
+                return dist.reduce_scatter_tensor(out, full, group=pg)
+
+        return lambda pg: _copy(out, full) if pg.size() == 1 else scatter(pg)
 
     def keep_alive(self, t: torch.Tensor, stream: str) -> None:
         """`t` is used on `stream` too: the allocator must not reuse it before that use."""

@@ -101,6 +101,9 @@ class RunOptions:
     # step start order one step after the other (tests that nothing else is needed)
     sync_each_step: bool = True
     heap: bool = False  # CPU: measure each step's peak live heap (schedc/exec/heap.py)
+    # FSDP: measure the gathered and unsharded-gradient peaks from the buffers after every
+    # gather and backward (`memory()`); off, a step spends no host time on it
+    measure: bool = True
     probe: bool = False  # with trace: time each collective kind first (exec/probe.py)
 
 
@@ -244,6 +247,9 @@ class Executor:
         self.pending_frees: dict[str, tuple[object, str]] = {}
         self.gathered_on: dict[str, str] = {}
         self.step_index = 0
+        self.t0 = 0.0  # the current step's start (perf_counter)
+        self.result: StepStats | None = None  # the current step's, made by its update
+        self._update: tuple[torch.Tensor, torch.Tensor] | None = None  # its loss and norm
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Timed]] = []
@@ -287,8 +293,8 @@ class Executor:
             if self.opts.sync_each_step or self.opts.trace:
                 self.backend.synchronize()
         self.at = None  # between steps
+        stats = self._finish()
         dt = time.perf_counter() - t0
-        stats = self.result
         stats.dt_ms = dt * 1e3
         stats.tokens_per_s = spec.tokens_per_step / dt
         stats.comm_bytes = self.comm_bytes
@@ -489,9 +495,9 @@ class Executor:
             def launch(pg, unit=unit):
                 full = unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
                 shard = unit.shard
-                if shard.dtype != full.dtype:
+                if shard.dtype != full.dtype and S > 1:
                     shard = shard.to(full.dtype)  # FSDP2's param_dtype cast, on this stream
-                return b.all_gather(full, shard)(pg)
+                return b.all_gather(full, shard)(pg)  # one rank: the cast into `full` itself
 
             b.collective(stream, op, launch, None, dim)
             self._measure()
@@ -570,54 +576,63 @@ class Executor:
     # -- the update ----------------------------------------------------------------------------
 
     def _optimizer_step(self) -> None:
+        """The update, enqueued without reading anything on the host (the GPU never idles
+        waiting for it): the global norm from the flat gradient buffers, clipping by one
+        foreach multiply, and the non-finite check on the device, handed to fused AdamW as
+        its `found_inf` (a non-finite loss or norm leaves parameters, moments and step count
+        as they were). The step's loss and norm reach the host after it, in `_finish`."""
         spec, opt = self.spec, self.spec.optim
         self.backend.drain()  # every reduction retired: shards and buckets hold final sums
-        stats = StepStats(self.step_index, 0.0, 0.0, 0.0, 0.0, 0.0)
+        stats = StepStats(self.step_index, 0.0, opt.lr_at(self.step_index, spec.steps), 0.0, 0, 0)
         if self.units:
-            sq = sum(
-                (u.shard_grad.double().pow(2).sum() for u in self.units.values()),
-                torch.zeros((), dtype=torch.float64, device=self.device),
-            )
+            grads = [u.shard_grad for u in self.units.values()]
+            # each rank's shards' squared norm, summed over the job; every replica holds the
+            # same shards (HSDP), so the sum counts each R times
+            sq = torch.stack(torch._foreach_norm(grads)).square().sum()
             if self.comm.world > 1:
                 dist.all_reduce(sq, group=self.comm.group)
-                sq /= spec.mesh.replicate  # each replica holds the same shards (HSDP)
-            norm = sq.sqrt().to(self.opts.dtype)
-            grads = [u.shard_grad for u in self.units.values()]
+                if spec.mesh.replicate > 1:
+                    sq /= spec.mesh.replicate
+            norm = sq.sqrt()
         else:
-            grads = [p.grad for p in self.params.values()]
-            norm = global_grad_norm(grads)
+            grads = [b.flat for b in self.buckets.values()]
+            norm = global_grad_norm([p.grad for p in self.params.values()])
         if self.opts.record:
             stats.grads = self.full_tensors(grad=True)
-        # the global loss, before the update: a non-finite loss or norm must not reach it
+        # the global loss: the mean over every rank's micro-steps
         loss = torch.stack([m.loss for m in self.micro]).double().sum() / spec.accum
         if self.comm.world > 1:
             dist.all_reduce(loss, group=self.comm.group)
             loss /= self.comm.world
-        lr = opt.lr_at(self.step_index, spec.steps)
-        stats.loss, stats.lr, stats.grad_norm = loss.item(), lr, norm.item()
-        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
-            why = self._nonfinite(stats)
-            if self.opts.nonfinite != "skip":
-                raise RunError(why)
-            stats.skipped = why  # every rank sees the same global values, so all skip
-            for u in self.units.values():
-                if u.shard_grad is not None:
-                    self.backend.keep_alive(u.shard_grad, COMPUTE)  # as in _release_grads
-                u.drop_shard_grad()
-            self.result = stats
-            return
+        bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).to(torch.float32)
         if opt.clip > 0:
-            coef = clip_coef(norm, opt.clip)
-            for g in grads:
-                g.mul_(coef)
+            torch._foreach_mul_(grads, clip_coef(norm, opt.clip))
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = stats.lr
+        self.optimizer.found_inf = bad  # fused AdamW skips the update where it is 1
         self.optimizer.step()
         stats.issue_ms = (time.perf_counter() - self.t0) * 1e3
         self._release_grads()
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
+        self._update = (loss, norm)
+
+    def _finish(self) -> StepStats:
+        """The step's loss and norm on the host, once its update is enqueued (and on a GPU
+        after the step's kernels ran): the log's values, and the non-finite verdict that
+        every rank reaches alike, since both values are global."""
+        stats, (loss, norm) = self.result, self._update
+        stats.loss, stats.grad_norm = loss.item(), norm.item()
+        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            why = self._nonfinite(stats)
+            if self.opts.nonfinite != "skip":
+                raise RunError(
+                    f"{why}; lower the learning rate, or run with --nonfinite skip to skip "
+                    "such updates"
+                )
+            stats.skipped = why  # the update was skipped on the device (found_inf)
+        return stats
 
     def _held_bytes(self) -> int:
         """Bytes of the model states alive between steps, from the tensors themselves:
@@ -696,6 +711,8 @@ class Executor:
         return out
 
     def _measure(self) -> None:
+        if not self.opts.measure:
+            return
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units.values())
         grads = sum(
             g.numel() * g.element_size()

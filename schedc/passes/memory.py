@@ -1,6 +1,6 @@
 """Per-rank memory predicted from the plan, by walking its issue order.
 
-What schedc itself allocates, each buffer in its own dtype (`spec.numerics`; the issue-13
+What schedc itself allocates, each buffer in its own dtype (`spec.numerics`; the
 executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 
 * model states, fp32 always: parameter, gradient, Adam m and v. DDP and one process keep
@@ -29,20 +29,21 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
 * communication buffers: the temporaries of a collective, in bytes; an all-gather's and an
   all-reduce's live at its op in the issue order and are released after it (a stream runs
   its collectives one at a time); a reduce-scatter holds what it sends, P x r, until it is
-  retired: the unsharded gradient itself (r = g, or the upcast's accumulator) or its cast
-  in a group of one rank, and in a larger group gloo's copy of it (`_reduce_scatter_base`
+  retired: gloo's copy of the unsharded gradient or its cast (`_reduce_scatter_base`
   copies its input and keeps the copy until its work is released; measured: the input's
   bytes, held after the collective completed; NCCL makes none, so on CUDA this is an upper
   bound), and its output shard when that is a temporary (below) until it is added into the
-  fp32 one at retirement:
+  fp32 one at retirement. A group of one rank communicates nothing: its all-gather casts
+  the shard straight into the gathered buffer and its reduce-scatter copies (or casts) the
+  gradient into the output when issued, so it holds no input afterwards:
 
-    all-gather      gather not fp32: the shard cast to the gather dtype, S x g (FSDP2's
-                    copy-in of `_sharded_param_data` into a param_dtype buffer)
+    all-gather      gather not fp32, D > 1: the shard cast to the gather dtype, S x g
+                    (FSDP2's copy-in of `_sharded_param_data` into a param_dtype buffer)
     reduce-scatter  reduce != gather: the unsharded gradient cast to the reduce dtype,
                     P x r (FSDP2's `reduce_scatter_input`, allocated in reduce_dtype; FSDP2
                     copies into it even when the dtypes agree, schedc's flat gradient
-                    already is that buffer then): what the collective holds in a group of
-                    one, a temporary of the op in a larger one (gloo holds its copy);
+                    already is that buffer then): a temporary of the op (gloo holds its
+                    copy in a larger group);
                     the output, S x r, unless it is the unit's first of the step and the
                     reduce dtype is fp32 (then it lands in the new fp32 gradient shard);
                     after any other first one, the output is cast back into the new fp32
@@ -63,9 +64,9 @@ bytes, a reduce-scatter P x r, an all-reduce n x r (HSDP's of a unit: S x r), pe
 over the collective's mesh dimension (`traffic` sums them per dimension; the executor's
 `StepStats.comm_bytes` counts the same from its buffers).
 
-* optimizer temporaries, at the step: foreach AdamW's sqrt(v), 4 bytes a parameter on
-  the rank; FSDP's global norm first squares each gradient shard in float64, a copy and
-  its square, 16 bytes an element of the largest shard (whichever is larger).
+* the update allocates nothing of size: the global norm is one norm per gradient tensor
+  (`torch._foreach_norm`), clipping multiplies in place, and fused AdamW updates in place
+  (measured on a CPU: 0.0002 bytes a parameter, against foreach AdamW's 4 for sqrt(v)).
 * activations (issue 16): what autograd saves per layer per micro-step, derived in
   `layer_acts` from GPT-2's ops at the model's shapes, micro size and compute dtype;
   added at each fwd (a recomputing layer adds only its input), added back at its
@@ -191,8 +192,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             comm = 0
             if spec.kind is Strategy.DDP and r != FP32 and op.kind is Kind.ALLREDUCE:
                 comm = bucket_numel(spec, op.target) * r  # bf16_compress_hook's cast
-            # foreach AdamW: sqrt(v) into a new list of tensors, fp32 per parameter
-            led.at(op, comm, FP32 * spec.model.numel if op.kind is Kind.STEP else 0)
+            led.at(op, comm, 0)  # the update allocates nothing (fused AdamW, foreach norms)
         return led.report(states)
     fs, D = spec.strategy, spec.mesh.shard  # units shard over the shard dimension only
     g = spec.numerics.gather.nbytes
@@ -241,8 +241,9 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
         held = 0  # a reduce-scatter's buffers, until it is retired
         if op.kind is Kind.ALLGATHER:
             led.gathered += numel[op.target] * g
-            if g != FP32:
-                comm = numel[op.target] // D * g  # the shard, cast for the gather
+            if g != FP32 and D > 1:
+                comm = numel[op.target] // D * g  # the shard, cast for the gather (one
+                # rank casts straight into the gathered buffer)
         elif op.kind is Kind.FREE:
             led.gathered -= numel[op.target] * g
         elif op.kind is Kind.BWD:
@@ -257,8 +258,10 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             # (r = g, or the upcast's fp32 accumulator; one rank), its cast (one rank), or
             # gloo's copy of either (more ranks: then the cast is a temporary of the op,
             # dropped once copied)
-            held = n * r
-            if r != g and D > 1 and not upcast:
+            # One rank's reduce-scatter is a copy made when issued: it holds nothing after
+            # it, and a cast to the reduce dtype is a temporary of the op.
+            held = n * r if D > 1 else 0
+            if r != g and not upcast:
                 comm += n * r
             if not (first and r == FP32):
                 # the output shard, added (or cast back) into the fp32 one when retired;
@@ -268,15 +271,7 @@ def predict(spec: Spec, plan: Plan) -> MemoryReport:
             led.pending += held
             if first:
                 led.held += n // D * FP32  # the gradient shard comes into being
-        optimizer = 0
-        if op.kind is Kind.STEP:
-            # the global norm squares each gradient shard in float64 (a copy and its square:
-            # 16 bytes an element, one unit at a time), then foreach AdamW's sqrt(v) (fp32)
-            optimizer = max(
-                2 * 8 * max(n // D for n in numel.values()),
-                FP32 * sum(n // D for n in numel.values()),
-            )
-        led.at(op, comm, optimizer)
+        led.at(op, comm, 0)  # the update allocates nothing (fused AdamW, foreach norms)
         if upcast and op.kind is Kind.BWD:
             for u in (u.name for u in fs.units if last_writer[u.name] == op.target):
                 acc = (u, "acc")
