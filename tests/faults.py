@@ -15,6 +15,10 @@
                               a missing event shows as changed bits once one side is slow)
     skip-replicate-allreduce  HSDP: the all-reduce of each unit's gradient shard over the
                               replicate group never runs (each replica keeps its own)
+    drop-keeps                every instruction's keeps dropped (nothing read across
+                              streams is kept alive: a CUDA race the sanitizer cannot see)
+    record-keeps              not a fault, an instrument: every keep_alive and all-reduce,
+                              with the collective being launched, in ex.mem["keeps"]
 
 Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
 """
@@ -70,9 +74,9 @@ def inject(ex, fault: str) -> None:
                     while True:
                         time.sleep(60)
 
-        def broken(stream, op):
+        def broken(stream, op, *rest):
             trip(op)
-            run_op(stream, op)
+            run_op(stream, op, *rest)
 
         def broken_compute(seg):  # fused forward/backward runs do not go through run_op
             for op in seg.ops:
@@ -148,5 +152,43 @@ def inject(ex, fault: str) -> None:
             collective(stream, op, launch, done, *rest)
 
         backend.compute, backend.collective = slow_compute, slow_collective
+    elif fault == "drop-keeps":
+        import dataclasses
+
+        instrs = tuple(dataclasses.replace(i, keeps=()) for i in ex.plan.instrs)
+        ex.plan = dataclasses.replace(ex.plan, instrs=instrs)
+    elif fault == "record-keeps":
+        backend, log = ex.backend, ex.mem.setdefault("keeps", [])
+        collective, keep_alive, all_reduce = (
+            backend.collective,
+            backend.keep_alive,
+            backend.all_reduce,
+        )
+        launching: list[str] = []  # the collective whose launch is running (it may be deferred)
+
+        def ptr(t) -> int:
+            return t.untyped_storage().data_ptr()
+
+        def logged_collective(stream, op, launch, done, *rest):
+            def logged_launch(pg, launch=launch, op=op):
+                launching.append(str(op))
+                try:
+                    return launch(pg)
+                finally:
+                    launching.pop()
+
+            collective(stream, op, logged_launch, done, *rest)
+
+        def logged_keep(t, stream):
+            where = launching[-1] if launching else "optimizer.step"
+            log.append(("keep", where, stream, ptr(t)))
+            keep_alive(t, stream)
+
+        def logged_all_reduce(t):
+            log.append(("allreduce", launching[-1] if launching else "", "", ptr(t)))
+            return all_reduce(t)
+
+        backend.collective, backend.keep_alive = logged_collective, logged_keep
+        backend.all_reduce = logged_all_reduce
     else:
         raise ValueError(f"unknown fault {fault!r}")

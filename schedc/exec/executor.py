@@ -42,6 +42,7 @@ from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
 from schedc.exec.probe import probe_collectives, probe_compute, probe_micros, track
 from schedc.exec.regions import CompileFailed, Regions, set_tf32
+from schedc.ir.effects import grad_buffer, grad_key, scatter_output, shard_grad, upcast
 from schedc.ir.op import COMPUTE, Kind, Op
 from schedc.ir.plan import Action, Plan
 from schedc.ir.spec import SHARD, BucketSpec, Dtype, Strategy
@@ -214,7 +215,7 @@ class Executor:
             index, S = mesh.index(comm.rank, SHARD), mesh.shard
             # no_sync under a reduce dtype wider than the gather's: FSDP2's upcast, micro-steps
             # accumulate in the reduce dtype (flat.py FlatUnit.fold)
-            self.upcast = spec.no_sync and self.reduce_dtype.itemsize > gather.itemsize
+            self.upcast = upcast(spec)
             accumulate = self.reduce_dtype if self.upcast else None
             self.units = {
                 u.name: FlatUnit(u, spec.model, self.params, index, S, gather, accumulate)
@@ -328,7 +329,7 @@ class Executor:
                         continue
                     ins = instrs[item]
                     if ins.kind is Action.RUN:
-                        self.run_op(ins.stream, ins.op)
+                        self.run_op(ins.stream, ins.op, ins.keeps)
                         if ins.op.kind is Kind.FREE and self.device.type == "cpu":
                             # a compute point is complete once marked and no stream reuses a
                             # block on a CPU: the storage goes right after the free, where the
@@ -344,14 +345,16 @@ class Executor:
             except Exception as e:
                 raise PlanError(self.plan, k, self.comm.rank, self.step_index, e) from e
 
-    def run_op(self, stream: str, op: Op) -> None:
+    def run_op(self, stream: str, op: Op, keeps: tuple[str, ...] = ()) -> None:
+        """Issue `op` on `stream`; `keeps`: the buffers it reads that another stream
+        allocated, which the plan says to keep alive on `stream` (ir/effects.py)."""
         kind = op.kind
         if kind is Kind.FREE:
             self.backend.compute(stream, op, lambda: self._free(op))
         elif kind is Kind.STEP:
-            self.backend.compute(stream, op, self._optimizer_step)
+            self.backend.compute(stream, op, lambda: self._optimizer_step(keeps))
         elif kind.is_collective:
-            self._collective(stream, op)
+            self._collective(stream, op, keeps)
         elif kind is Kind.RECOMPUTE:
             self.backend.compute(stream, op, lambda: self._recompute(op))
         else:  # a forward or backward written outside the compute stream's fusable runs
@@ -405,7 +408,7 @@ class Executor:
     def _backward(self, seg: Segment) -> None:
         mb, top, bottom = self.micro[seg.mb], seg.layers[0], seg.layers[-1]
         if self.units:
-            key = self._grad_key(seg.mb)
+            key = grad_key(self.spec, seg.mb)
             for unit in {u.name: u for layer in seg.layers for u in self.writes[layer]}.values():
                 unit.grad_buffer(key)  # FSDP: the unsharded gradient this backward adds into
         out, inp = mb.out.pop(top), mb.inp.pop(bottom)
@@ -458,14 +461,14 @@ class Executor:
 
     # -- collectives --------------------------------------------------------------------------
 
-    def _collective(self, stream: str, op: Op) -> None:
+    def _collective(self, stream: str, op: Op, keeps: tuple[str, ...] = ()) -> None:
         b = self.backend
         D = self.comm.world  # gradients are averaged over every rank, whatever the mesh
         S = self.spec.mesh.shard
         dim = self.spec.dim_of(op)
         rd = self.reduce_dtype
         if op.kind is Kind.ALLREDUCE and self.units:
-            self._replicate(stream, op, dim)
+            self._replicate(stream, op, dim, keeps)
         elif op.kind is Kind.ALLREDUCE:
             flat = self.buckets[op.target].flat
             self._count(op, flat.numel(), rd)
@@ -503,7 +506,8 @@ class Executor:
             self._measure()
         elif op.kind is Kind.REDUCESCATTER:
             unit = self.units[op.target]
-            grad = unit.take_grad(self._grad_key(op.mb))
+            grad = unit.take_grad(grad_key(self.spec, op.mb))
+            keep = grad_buffer(self.spec, unit.name, op.mb) in keeps
             self._count(op, grad.numel(), rd)
             # the step's first reduce-scatter of a unit writes straight into a new gradient
             # shard; later ones (no_sync off) land in a temporary and are added to it, as do
@@ -513,8 +517,9 @@ class Executor:
             direct = first and rd == unit.shard.dtype
             held: dict[str, torch.Tensor] = {}
 
-            def launch(pg, unit=unit, grad=grad, held=held, direct=direct):
-                b.keep_alive(grad, stream)  # written on compute, read on this stream
+            def launch(pg, unit=unit, grad=grad, held=held, direct=direct, keep=keep):
+                if keep:  # written on compute, read on this stream
+                    b.keep_alive(grad, stream)
                 # the 1/D is applied in the wider of the two dtypes, then the cast (FSDP2's
                 # reduce_dtype cast, on this stream); the sum runs in the reduce dtype
                 if grad.dtype == rd or grad.element_size() > rd.itemsize:
@@ -545,7 +550,7 @@ class Executor:
             else:
                 b.collective(stream, op, launch, None if direct else done, dim)
 
-    def _replicate(self, stream: str, op: Op, dim: str) -> None:
+    def _replicate(self, stream: str, op: Op, dim: str, keeps: tuple[str, ...]) -> None:
         """HSDP: sum a unit's reduce-scattered gradient shard over the replicate group.
 
         The reduce-scatter already divided by the whole world (each rank's gradient x 1/D,
@@ -557,16 +562,16 @@ class Executor:
         held, direct, done = self.scatter_out.pop((op.target, op.mb))
         self._count(op, unit.shard_len, self.reduce_dtype)
 
-        def launch(pg, held=held):
+        # allocated on the reduce-scatter's stream: when that is another stream, its block
+        # must not go back to it before this all-reduce (and its completion) has read it
+        keep = scatter_output(op.target, op.mb) in keeps
+
+        def launch(pg, held=held, keep=keep):
+            if keep:
+                b.keep_alive(held["out"], stream)
             return b.all_reduce(held["out"])(pg)  # direct: the new gradient shard itself
 
         b.collective(stream, op, launch, None if direct else done, dim)
-
-    def _grad_key(self, mb: int) -> int:
-        """Which unsharded gradient a micro-step writes: its own, or under no_sync the one
-        that accumulates the whole step and is reduce-scattered once (its own again when
-        it is folded into a wider accumulator: the upcast)."""
-        return 0 if self.spec.no_sync and not self.upcast else mb
 
     def _count(self, op: Op, numel: int, dtype: torch.dtype) -> None:
         """Bytes a collective moves per rank: its buffer's elements in the dtype it moves."""
@@ -575,7 +580,7 @@ class Executor:
 
     # -- the update ----------------------------------------------------------------------------
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, keeps: tuple[str, ...] = ()) -> None:
         """The update, enqueued without reading anything on the host (the GPU never idles
         waiting for it): the global norm from the flat gradient buffers, clipping by one
         foreach multiply, and the non-finite check on the device, handed to fused AdamW as
@@ -612,7 +617,7 @@ class Executor:
         self.optimizer.found_inf = bad  # fused AdamW skips the update where it is 1
         self.optimizer.step()
         stats.issue_ms = (time.perf_counter() - self.t0) * 1e3
-        self._release_grads()
+        self._release_grads(keeps)
         if self.opts.record:
             stats.params = self.full_tensors(grad=False)
         self.result = stats
@@ -649,7 +654,7 @@ class Executor:
         ]
         return sum(t.untyped_storage().nbytes() for t in held)
 
-    def _release_grads(self) -> None:
+    def _release_grads(self, keeps: tuple[str, ...]) -> None:
         """After the update: measure the model states, then free FSDP's gradient shards."""
         if self.units:
             held = [t for u in self.units.values() for t in (u.shard, u.shard_grad)]
@@ -663,7 +668,7 @@ class Executor:
         ]  # Adam m and v, not the step count
         self.mem["states"] = sum(t.untyped_storage().nbytes() for t in held + opt_state)
         for u in self.units.values():
-            if u.shard_grad is not None:
+            if u.shard_grad is not None and shard_grad(u.name) in keeps:
                 # allocated on a comm stream by the reduce-scatter, read by compute (norm, clip,
                 # AdamW): freed now on the host, its block must wait for compute (FSDP2 keeps
                 # the gradient referenced until the next step instead, _fsdp_collectives.py)

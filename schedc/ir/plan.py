@@ -2,7 +2,8 @@
 
 A plan is what both backends execute, unchanged:
 
-    run    <stream> <op>     issue the op on its stream
+    run    <stream> <op>     issue the op on its stream (keeping alive what it reads that
+                             another stream allocated: `Instr.keeps`, ir/effects.py)
     record <stream> e<i>     mark the point after the producer on the producer's stream
     wait   <stream> e<i>     make the consumer's stream wait for that point
 
@@ -35,6 +36,9 @@ class Instr:
     stream: str
     op: Op | None = None  # run
     event: int | None = None  # record / wait
+    # run: buffers another stream allocated that this op reads, kept alive on its stream
+    # until its work is done (ir/effects.py; CUDA's record_stream; not in the text form)
+    keeps: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.kind is Action.RUN:

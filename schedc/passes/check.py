@@ -16,6 +16,10 @@ Rules, each with its code (errors.CODES):
 * every rank issues the same collectives in the same order on each stream   [spmd]
 * the predicted peak memory fits the declared budget   [memory-budget]
 
+And one invariant of every lowered plan, which no schedule can break (a broken one is a bug
+in schedc, reported as an internal error with its code): every buffer an op reads that
+another stream allocated is kept alive on the reading stream (ir/effects.py)   [keep-alive]
+
 Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
 streams of compute ops) are judged earlier, in lang/resolve.py.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from schedc.ir.effects import missing_keeps
 from schedc.ir.op import REDUCTIONS, Kind, Op
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
@@ -60,7 +65,10 @@ def check_plans(
     memory: dict[int | None, MemoryReport],
     diag: Diagnostics,
 ) -> None:
-    """The rules across ranks' plans (collective order, waits in a circle) and the budget."""
+    """The rules across ranks' plans (collective order, waits in a circle) and the budget,
+    after the plans' own invariants (what the lowering must have made: a compiler bug)."""
+    for plan in plans.values():
+        plan_invariants(spec, plan)
     if _spmd(spec, graphs, plans, diag) and len(graphs) > 1:
         _across_ranks(spec, graphs, diag)
     if spec.memory is not None:
@@ -425,4 +433,35 @@ def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | Non
             f"{report.largest} ({parts})",
             spec.where.get("memory"),
             hint=hint,
+        )
+
+
+# -- invariants of a lowered plan ----------------------------------------------------------------
+
+
+class PlanInvariantError(AssertionError):
+    """A lowered plan breaks a rule that no schedule can break, only a bug in schedc's
+    lowering (or a plan changed after it): an internal error, with the rule's code."""
+
+    def __init__(self, code: str, plan: Plan, index: int, message: str):
+        self.code, self.plan, self.index = code, plan, index
+        who = "every rank" if plan.rank is None else f"rank {plan.rank}"
+        super().__init__(
+            f"plan for {who}, instruction {index} ({plan.instrs[index]}): {message}  [{code}]"
+        )
+
+
+def plan_invariants(spec: Spec, plan: Plan) -> None:
+    """[keep-alive]: every buffer an op reads that another stream allocated is kept alive
+    on the reading stream until that op's work is done (ir/effects.py): otherwise the
+    caching allocator may hand its block to new work on the allocating stream while the
+    reader still reads it (HSDP's replicate all-reduce on its own stream reading the
+    reduce-scatter's output, as FSDP2's `_fsdp_collectives.py` warns)."""
+    for m in missing_keeps(spec, plan.instrs):
+        raise PlanInvariantError(
+            "keep-alive",
+            plan,
+            m.index,
+            f"reads {m.buffer}, allocated on stream '{m.allocated_on}', without keeping it "
+            f"alive on '{m.read_on}'",
         )

@@ -18,7 +18,9 @@ event or `wait_stream` on the current stream). It is numbered after the ops' eve
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 
+from schedc.ir.effects import required_keeps
 from schedc.ir.op import COMPUTE, Op
 from schedc.ir.plan import Action, Instr, Plan
 from schedc.passes.graph import ScheduleGraph
@@ -76,6 +78,9 @@ def lower(sg: ScheduleGraph) -> Plan:
         instrs.append(Instr(Action.RUN, stream, op=op))
         if op in event_of:
             instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
+    # what each op reads that another stream allocated, kept alive on its own (ir/effects.py)
+    for k, keeps in required_keeps(sg.spec, instrs).items():
+        instrs[k] = replace(instrs[k], keeps=keeps)
     return Plan(
         sg.rank,
         streams,

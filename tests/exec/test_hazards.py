@@ -77,8 +77,8 @@ def test_gathered_storage_is_released_only_after_its_allocating_stream_waited_fo
         log.append(("wait", stream, m))
         wait_mark(stream, m)
 
-    def logged_run(stream, op):
-        run_op(stream, op)
+    def logged_run(stream, op, *rest):
+        run_op(stream, op, *rest)
         if op.kind in (Kind.FREE, Kind.ALLGATHER):
             u = ex.units[op.target]
             log.append((op.kind, stream, op, u.full.untyped_storage().nbytes()))

@@ -110,3 +110,39 @@ def test_checkpoints_of_hsdp_schedules_are_refused(monkeypatch, tmp_path, flag):
     job = TrainOptions(**{flag: str(tmp_path / "ckpt")})
     with pytest.raises(RunError, match=r"HSDP schedules \(mesh 2 x 2\) are not supported yet"):
         run_main(c, RunOptions(device="cpu"), job)
+
+
+# -- the replicate all-reduce on a stream of its own ---------------------------------------------
+
+SPLIT = twin("2 x 2") + "stream allreduce = ar\n"
+
+
+def test_split_stream_hsdp_keeps_the_scatter_output_alive_on_the_all_reduce_stream(pool6):
+    """The replicate all-reduce on stream `ar` reads the reduce-scatter's output, which the
+    `comm` stream allocated: the plan keeps it alive on `ar` (CUDA's record_stream, so the
+    allocator hands the block back to `comm` only once `ar` has passed that point), and the
+    executor keeps exactly that tensor alive right before it all-reduces it, on every rank.
+    The gradients the reduce-scatter reads are kept on `comm`, the shards on compute."""
+    plan = compile_text(SPLIT, "split.sched").plan()
+    ars = [i for i in plan.instrs if i.op is not None and i.op.kind.value == "allreduce"]
+    assert ars and all(i.stream == "ar" and i.keeps for i in ars)
+    res = pool6.run(SPLIT, 4, 1, timeout=JOB_S, fault="record-keeps")
+    for rank, mem in enumerate(res.memory):
+        log = mem["keeps"]
+        for i in ars:
+            op = str(i.op)
+            kept = [
+                p for kind, where, stream, p in log if (kind, where, stream) == ("keep", op, "ar")
+            ]
+            summed = [p for kind, where, _, p in log if (kind, where) == ("allreduce", op)]
+            assert len(kept) == 1 and summed == kept, (rank, op, kept, summed)
+            at = log.index(("keep", op, "ar", kept[0]))
+            assert log[at + 1] == ("allreduce", op, "", kept[0])  # kept, then read
+        rs = {w for kind, w, stream, _ in log if kind == "keep" and stream == "comm"}
+        assert rs == {str(i.op) for i in plan.instrs if i.op and i.op.kind.value == "reducescatter"}
+        step = next(i for i in plan.instrs if i.op and i.op.kind.value == "optimizer.step")
+        assert [s for _, w, s, _ in log if w == "optimizer.step"] == ["compute"] * len(step.keeps)
+
+
+def test_split_stream_hsdp_still_equals_the_reference(pool6, reference):
+    assert_matches(pool6.run(SPLIT, 4, 2, timeout=JOB_S), reference(SPLIT, 2))
