@@ -1,4 +1,12 @@
-"""Helpers for the CUDA tests of issue 20 (tests/exec/test_cuda_world.py).
+"""Helpers for the GPU tests (tests/exec/test_cuda.py, tests/exec/test_cuda_world.py).
+
+Where they run: on a CUDA device, or, with SCHEDC_GPU_REHEARSAL=1 (scripts/gpu_check.sh
+--rehearse, in CI), as CPU twins: the same scripts, processes and tolerance logic on the
+CPU with gloo, skipping only what needs a device (the CUDA sanitizer, stream sleeps, the
+caching allocator's counters). `DEVICE` is the device they run on; `gpu_or_twin` and
+`needs_cuda` are their skip marks; `child_env` is the environment of the processes they
+start: this checkout first on PYTHONPATH, and whatever PYTHONPATH already held after it
+(on the GPU machine the site folder its wheels were installed into: lark and graphviz).
 
 `world1_variant` turns any bundled schedule into a small world-1 schedule of the same shape
 (its units or buckets, prefetch, no_sync, streams and micro-step count; the nano model with
@@ -14,11 +22,37 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import re
 import traceback
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+REHEARSAL = os.environ.get("SCHEDC_GPU_REHEARSAL") == "1"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+DEVICE = "cuda" if _cuda() else "cpu"
+gpu_or_twin = pytest.mark.skipif(
+    DEVICE != "cuda" and not REHEARSAL,
+    reason="needs a CUDA device (SCHEDC_GPU_REHEARSAL=1 runs its CPU twin)",
+)
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device, even rehearsed")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child process: this checkout first on PYTHONPATH, then what was
+    there (replacing it drops the wheels' site folder on the GPU machine: `import lark`
+    fails in the child)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def world1_variant(path: Path, max_micro_steps: int = 4) -> str:
@@ -54,19 +88,21 @@ def _rank_main(rank, world, text, steps, store_path, opts, q) -> None:
         timeout = datetime.timedelta(seconds=120)
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        torch.cuda.set_device(0)
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
         c = compile_text(text, f"ranks{world}.sched", Overrides(steps=steps))
         ex = Executor(
             c,
             Comm(rank, world, None, timeout),
-            RunOptions(device="cuda", collectives="gloo", record=True, log=False, **opts),
+            RunOptions(device=DEVICE, collectives="gloo", record=True, log=False, **opts),
         )
         stats = [ex.step() for _ in range(steps)]
+        for s in stats:
+            s.grads = {n: t.cpu() for n, t in s.grads.items()}
+            s.params = {n: t.cpu() for n, t in s.params.items()}
         out = {
-            "losses": [s.loss for s in stats],
-            "grads": [{n: t.cpu() for n, t in s.grads.items()} for s in stats],
-            "params": [{n: t.cpu() for n, t in s.params.items()} for s in stats],
-            "fallbacks": sorted(ex.backend.fallbacks),
+            "steps": stats,
+            "fallbacks": sorted(getattr(ex.backend, "fallbacks", ())),  # CUDA + gloo only
             "memory": ex.memory(),
         }
         ex.close()
@@ -100,8 +136,8 @@ def spawn_ranks(target, world: int, args: tuple, timeout: float = 240) -> dict:
 
 
 def run_ranks(text: str, world: int, steps: int, store_dir: Path, **opts) -> dict:
-    """Rank 0's losses, full gradients and parameters per step (on the CPU), and the
-    collectives gloo lacked on CUDA (the fallbacks used), from `world` processes on GPU 0."""
+    """Rank 0's steps (StepStats, tensors on the CPU), and the collectives gloo lacked on
+    CUDA (the fallbacks used), from `world` processes on GPU 0 (or the CPU, rehearsed)."""
     store = str(store_dir / f"store{world}")
     got = spawn_ranks(_rank_main, world, (text, steps, store, opts))
     assert len({tuple(v["fallbacks"]) for v in got.values()}) == 1  # every rank agrees

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from schedc.compiler import compile_text
 from schedc.exec.executor import Comm, Executor, RunError, RunOptions, pick_device
@@ -55,15 +54,8 @@ _tags = iter(range(10**6))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world1():
-    """A one-process gloo world for in-process executors (none of this module's business
-    outlives it)."""
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
+def _world(world1):
+    """A one-process gloo world for this module's in-process executors."""
 
 
 def run(text: str, *, compile: bool, steps: int = 2, trace: bool = False, into_grad=None):

@@ -33,26 +33,11 @@ from schedc.lang.resolve import Overrides
 from schedc.lang.resources import bundled_schedules
 from tests.cuda_ranks import spawn_ranks
 from tests.exec.test_cuda import FSDP
-
-
-@pytest.fixture(scope="module")
-def world1():
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-_tags = iter(range(10**6))
+from tests.world1 import executor as local_executor
 
 
 def executor(text: str = FSDP, steps: int = 2, **opts) -> Executor:
-    c = compile_text(text, "hazards.sched", Overrides(steps=steps))
-    return Executor(
-        c, Comm(0, 1, tag=f"hazards{next(_tags)}"), RunOptions(device="cpu", log=False, **opts)
-    )
+    return local_executor(text, steps, "hazards.sched", **opts)
 
 
 # -- hazard 2: gathered storage released after its consumer's event ------------------------------
@@ -255,9 +240,12 @@ def test_two_collective_streams_run_and_give_back_storage(world1):
 
 
 @pytest.mark.parametrize("path", bundled_schedules(), ids=lambda p: p.name)
-def test_every_bundled_schedule_has_a_world1_variant_of_its_shape(world1, path):
+def test_every_bundled_schedule_has_a_world1_variant_of_its_shape(world1, path, monkeypatch):
     """The sanitizer runs these on a GPU: each compiles, keeps its strategy, layers and
-    streams, and runs a step on CPU equal to the single-process reference."""
+    streams, and runs a step on CPU equal to the single-process reference. A `compile on`
+    variant compiles with dynamo's eager backend here (the same regions and cut: 80 s of
+    inductor on this CPU otherwise; tests/exec/test_compile.py runs inductor itself)."""
+    monkeypatch.setenv("SCHEDC_COMPILE_BACKEND", "eager")
     from tests.cuda_ranks import world1_variant
     from tests.oracle import reference_steps
 
@@ -267,7 +255,7 @@ def test_every_bundled_schedule_has_a_world1_variant_of_its_shape(world1, path):
     assert c.spec.world == 1 and c.spec.kind is original.kind
     assert c.spec.model.n_layer == original.model.n_layer
     assert set(c.plan().streams) <= set(original.stream_names())
-    ex = Executor(c, Comm(0, 1, tag=f"variant{next(_tags)}"), RunOptions(device="cpu", log=False))
+    ex = Executor(c, Comm(0, 1, tag=f"variant{path.name}"), RunOptions(device="cpu", log=False))
     got = ex.step()
     ex.close()
     assert abs(got.loss - reference_steps(text, 1)[0].loss) <= 1e-5 * abs(got.loss)

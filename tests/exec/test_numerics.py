@@ -9,6 +9,8 @@ one), and the model states must stay fp32 whatever is computed or communicated i
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -107,3 +109,48 @@ def test_master_weights_and_adamw_moments_stay_fp32(pool):
         assert m16["grads_peak"] * 2 == m32["grads_peak"]  # unsharded gradients: bf16
     shards = sum(p.numel() for p in fp32.steps[0].params.values())  # unpadded, whole model
     assert sum(m["states"] for m in low.memory) >= 16 * shards  # 4 bytes x 4 per element
+
+
+# -- bf16 under FSDP: autocast on top of the gathered bf16 weights -------------------------------
+
+BF16_SHAPES = {
+    "single": "model nano\nworld 1\nbatch 4 x 32\nmicro 2\nseed 7\nprecision bf16\n",
+    "fsdp": FSDP(1, "bf16-gather"),
+}
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES)
+def test_bf16_under_fsdp_is_autocast_on_bf16_weights(world1, shape):
+    """The decision docs/language.md records: `precision bf16` autocasts in every shape; FSDP
+    also gathers the weights in bf16 (FSDP2's param_dtype), so its residual stream, which
+    starts at the gathered embedding tables, is bf16 where one process's is fp32. The
+    matmuls are bf16 and the loss fp32 in both; an op autocast leaves alone follows its
+    inputs (on a CPU LayerNorm: bf16 under FSDP; CUDA's autocast runs it in fp32)."""
+    from tests.world1 import executor
+
+    ex = executor(BF16_SHAPES[shape], steps=1)
+    seen: dict[str, torch.dtype] = {}
+
+    def saw(name: str, which: int):
+        def hook(module, *io):  # returns None: the hook changes nothing
+            seen.setdefault(name, io[which][0].dtype if which == 0 else io[which].dtype)
+
+        return hook
+
+    block = ex.model.h[0]
+    hooks = [
+        block.register_forward_pre_hook(saw("residual", 0)),
+        block.ln_1.register_forward_hook(saw("ln_1", 1)),
+        block.attn.c_attn.register_forward_hook(saw("matmul", 1)),
+    ]
+    stats = ex.step()
+    for h in hooks:
+        h.remove()
+    ex.close()
+    residual = torch.bfloat16 if shape == "fsdp" else torch.float32
+    assert seen == {
+        "residual": residual,
+        "ln_1": residual,  # CPU autocast leaves layer_norm to its inputs
+        "matmul": torch.bfloat16,
+    }
+    assert ex.micro[0].loss.dtype == torch.float32 and math.isfinite(stats.loss)

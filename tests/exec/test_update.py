@@ -22,6 +22,7 @@ from schedc.compiler import compile_text
 from schedc.exec.executor import Comm, Executor, RunError, RunOptions
 from schedc.lang.resolve import Overrides
 from tests.cuda_ranks import spawn_ranks
+from tests.world1 import executor as local_executor
 
 pytestmark = pytest.mark.torch
 
@@ -90,23 +91,8 @@ def count_host_reads(ex: Executor) -> HostReads:
     return reads
 
 
-@pytest.fixture(scope="module")
-def world1():
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-_tags = iter(range(10**6))
-
-
 def executor(text: str, steps: int = 3, **opts) -> Executor:
-    c = compile_text(text, "update.sched", Overrides(steps=steps))
-    comm = Comm(0, 1, tag=f"update{next(_tags)}")
-    return Executor(c, comm, RunOptions(device="cpu", log=False, **opts))
+    return local_executor(text, steps, "update.sched", **opts)
 
 
 @pytest.mark.parametrize("layout", TEXTS)
