@@ -393,7 +393,7 @@ def parse(argv):
     ap.add_argument(
         "--rounds", type=int, help="rounds at most, fewer if the budget says so (5; smoke 3)"
     )
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="(cuda)")
     ap.add_argument(
         "--cases", default="", metavar="A,B", help="comma-separated subset (default: all)"
     )
@@ -761,13 +761,16 @@ class Run:
                 v["nanogpt_peak_allocated_gib"] = base["peak_allocated_bytes"] / 2**30
             v["memory_ok"] = mem_ok
             if mem_ok is False:
-                v["verdict"] = "missed"
+                v["verdict"], v["why"] = "missed", "peak allocated above nanogpt's"
             elif ratio >= target:
                 v["verdict"] = "met"
             elif floor is not None and ratio >= floor:
                 v["verdict"] = "floor"
             else:
-                v["verdict"] = "missed"
+                v["verdict"], v["why"] = (
+                    "missed",
+                    "tokens/s below the " + ("floor" if floor is not None else "bar"),
+                )
             out.append(v)
         return out
 
@@ -794,7 +797,8 @@ class Run:
             if v["verdict"] == "not measured":
                 got = f"not measured ({v['why']})"
             else:
-                got = f"{v['verdict'].upper()}: {v['ratio']:.3f}x"
+                why = f" ({v['why']})" if v.get("why") else ""
+                got = f"{v['verdict'].upper()}{why}: {v['ratio']:.3f}x"
                 if v["memory_bar"]:
                     got += (
                         f", peak {v['peak_allocated_gib']:.2f} vs "
@@ -943,12 +947,15 @@ def _num(x: float) -> float | None:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda":
+    if a.device == "cuda":
         if not torch.cuda.is_available():
             print("bench/gpu.py: --device cuda, but torch sees no CUDA device", file=sys.stderr)
             return 1
+        # the device schedc's executor picks (LOCAL_RANK, else 0); set_device needs an index
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     os.environ[BACKEND_ENV] = a.compile_backend  # schedc's compiled regions read it
     for knob in ("recompile_limit", "cache_size_limit"):  # many compiled cases share one process
         if hasattr(torch._dynamo.config, knob):
