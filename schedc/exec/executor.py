@@ -178,9 +178,9 @@ class Executor:
         # what each compute segment calls: eager, or compiled once per region (`compile on`)
         self.regions = Regions(self.model, spec.numerics.compile)
         self.params = dict(self.model.named_parameters())
-        self.batches = batches or load_batches(
-            spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size
-        )
+        if batches is None:
+            batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        self.batches = batches
         # the policy: None where a dtype is the run's own (no autocast, no cast)
         num, master = spec.numerics, options.dtype
         self.autocast = TORCH_DTYPES[num.compute] if num.compute is not Dtype.FP32 else None
