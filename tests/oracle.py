@@ -93,7 +93,64 @@ at most 1.1e-4; 1.5e-4; parameters at most 2.0 lr; 3.25 lr, 99.9% within 1.6 lr;
 norm 5e-3. Loose per element by nature, but a wrong scale (a missing 1/D: a bf16 result
 never cast back; a missing 1/k) moves nearly every gradient by far more than 2e-2, and
 fp32's tolerance still catches a reduction done in bf16 where the schedule says fp32.
-"""
+
+TF32. On CUDA schedc runs fp32 matmuls on TF32 unless the schedule says `tf32 off`
+(`tf32_in_effect`); the reference stays fp32, and such a run is held to "tf32"
+(`reference_steps(..., tf32=True)`, `policy_key`). tests/tf32.py emulates TF32 on a CPU: the
+inputs of every Linear's three matmuls (forward, grad input, grad weight) keep 10 of fp32's
+23 mantissa bits, accumulation in fp32; attention is not emulated (see there). Derivation:
+a TF32 input is off by less than u = 2^-10 relative if the tensor core truncates (the
+emulation's default, the worse case), 2^-11 if the kernel rounds first; bf16 keeps 7 bits
+(2^-8), so TF32's input error is 1/4 of bf16's (1/8 rounded). An output y = sum x_i w_i is
+then off by at most 2u sum |x_i w_i|: 2u relative where the terms agree in sign, absolute
+in the scale of the terms where they cancel; truncation shrinks every product, so its error
+is mostly a scaling of y by about 1 - u (measured: the first step's gradient norm 5.8e-4 to
+8.3e-4 off, 1.3e-4 at most when rounded).
+Unlike bf16 compute, the reference does not run the run's kernels: the forward itself
+differs, so the first step differs by more than summation order. A gradient passes a few
+such matmuls (the head's, each block's forward and backward): rtol 5e-3 = 5u, as bf16's
+2e-2 is 5 x 2^-8, and an absolute term for the cancelling ones. AdamW's first update is
+lr x g/|g|: an element whose gradient is below that error can flip, by up to 2 lr. Each
+later update is at most about lr in either run (|m/sqrt(v)| <= 1.0003 at step 2 with betas
+0.9, 0.95), so two runs differ by at most 2 sum_s lr_s: 4 lr after two steps at a constant
+lr, 9.5 x the third step's lr after the suite's three (lr 1, 1, 0.53 x 1e-3). After the
+first step those flips make the runs diverge as in fp32, from 2 lr instead of 0.1 lr (one
+flipped element of a residual-stream bias, gradient -3.8e-5 vs an error of 6.7e-5, moved
+wte.weight's gradient by 9.4e-3 a step later).
+Measured with `python3 -m tests.tf32 truncate|round 400`: 346 fp32 schedules at worlds 1, 2
+and 4 (116, 108, 122), 26 fixed (test_cuda.py's DDP and FSDP texts; at each world DDP with
+two buckets, one bucket synced every micro-step, a byte cap, per-parameter buckets synced
+every micro-step, FSDP with three units, prefetch 2 under no_sync, two units unresharded,
+two units under no_sync; k = 1-4) and 320 derandomized draws of tests/strategies.py's
+cases() (k <= 4), the executor on gloo ranks under the emulation against the fp32
+reference, 3 steps, each mode (2,076 steps). First step; second; third, the worse mode:
+gradients beyond rtol 5e-3 at most 1.8e-4; 9.4e-3; 5.4e-3, 99% of them within 4.7e-6;
+3.5e-4; 2.2e-4; parameters (beyond rtol 1e-5) at most 2.0 lr; 2.15 lr; 4.05 lr, 99% within
+1.4e-4 lr; 5.9e-2 lr; 1.5e-1 lr; the loss 4.6e-6; 5.9e-5; 7.0e-5 relative, the gradient norm
+8.3e-4; 1.5e-3; 3.0e-3. Truncation is the worse on the first step (gradients 1.8e-4 vs
+1.0e-4 rounded, the norm 8.3e-4 vs 1.3e-4); after it the worst case was a rounding run's
+(the flip above), by chance. test_cuda.py's DDP text: parameters 1.97 lr; 1.01 lr
+(truncated), 1.92 lr; 0.96 lr (rounded). Tolerance "tf32": gradients rtol 5e-3, on the first
+step every element 5e-4, after it every element 2e-2 and 99% within 1e-3; parameters rtol
+1e-5, every element 10 lr (the bound above, for up to three steps), 99% within 3e-1 lr; loss
+2e-4 relative, gradient norm 6e-3: 2 to 3 times the measured maxima, a margin for what the
+emulation leaves out. On a GPU fp32 attention runs 3xTF32 kernels (about fp32) in another
+order than the CPU's, a difference of fp32's size, and cuBLAS sums in its own order; a GPU
+run held to "tf32" with its maxima beside these says whether the margin holds. What it
+still catches (tests/faults.py under the emulation, worlds 2 and 4): a missing 1/k (the
+gradient norm doubles) and DDP reducing after the first micro-step; what it cannot: a
+reduction done in bf16 where the schedule says fp32 is within it at world 2 (caught at
+world 4 on the first step), as a 2^-8 rounding of each rank's share is within TF32's
+error; fp32's tolerance catches it, so that check belongs to a CPU run or `tf32 off`.
+bf16 somewhere and TF32 elsewhere keeps its bf16 key. Under bf16 compute no matmul is fp32
+(autocast runs every Linear and the attention in bf16; a bf16 gather needs bf16 compute),
+so TF32 changes nothing. That leaves fp32 compute with `precision { reduce = bf16 }`:
+measured on the same 346 schedules with that line, both modes, against "bf16": every run
+within it on its first two steps (gradients beyond rtol 2e-2 at most 5.2e-4; 8.0e-3, 99%
+within 5.3e-6; 1.2e-4; parameters at most 2.0 lr; 3.8 lr; loss 3.5e-5, gradient norm
+2.0e-3); on the third, 3 of the 692 runs had an element beyond its 5 lr (at most 7.2 lr),
+inside the 9.5 lr AdamW allows there, as it allows bf16 alone (one of them without TF32:
+3.75 lr)."""
 
 from __future__ import annotations
 
@@ -106,6 +163,7 @@ from schedc.compiler import compile_text
 from schedc.lang.resolve import Overrides
 from schedc.model.data import load_batches
 from schedc.model.reference import Reference, StepResult
+from tests import tf32
 
 
 @dataclass(frozen=True)
@@ -146,6 +204,20 @@ TOL = {
         grad_atol_first=1e-2,
         grad_share_first=0.99,
     ),
+    # fp32 matmuls on TF32 (derived and measured above)
+    "tf32": Tol(
+        5e-3,
+        1e-3,
+        2e-2,
+        0.99,
+        1e-5,
+        10.0,
+        3e-1,
+        0.99,
+        loss_rtol=2e-4,
+        norm_rtol=6e-3,
+        grad_atol_first=5e-4,
+    ),
 }
 
 
@@ -155,20 +227,27 @@ class Steps(tuple):
     policy: str = "float32"
 
 
-def policy_key(numerics, world: int, dtype: str = "float32") -> str:
-    """Which tolerance (a TOL key) a run is held to: the run's dtype for an fp32 policy,
-    "bf16-compute" for bf16 compute alone at a power-of-two world, else "bf16"."""
+def policy_key(numerics, world: int, dtype: str = "float32", tf32: bool = False) -> str:
+    """Which tolerance (a TOL key) a run is held to: the run's dtype for an fp32 policy
+    ("tf32" when its fp32 matmuls ran on TF32: `tf32`, see tf32_in_effect), "bf16-compute"
+    for bf16 compute alone at a power-of-two world, else "bf16" (TF32 or not: see above)."""
     low = {f for f in ("compute", "gather", "reduce") if getattr(numerics, f).value == "bf16"}
     if not low:
-        return dtype
+        return "tf32" if tf32 and dtype == "float32" else dtype
     if low == {"compute"} and world & (world - 1) == 0:
         return "bf16-compute"
     return "bf16"
 
 
+def tf32_in_effect(numerics, device_type: str) -> bool:
+    """Whether a run's fp32 matmuls run on TF32: on CUDA unless the schedule says `tf32 off`
+    (schedc/exec/regions.py set_tf32), never on a CPU. For policy_key's `tf32`."""
+    return device_type == "cuda" and numerics.tf32 is not False
+
+
 @lru_cache(maxsize=64)
-def _reference(key) -> Steps:
-    cfg, optim, data, T, S, B, seed, steps, dtype, numerics, fsdp, world = key
+def _reference(key) -> tuple[StepResult, ...]:
+    cfg, optim, data, T, S, B, seed, steps, dtype, numerics, fsdp = key
     batches = load_batches(data, T, S, cfg.vocab_size)
     low = {"fp32": None, "bf16": torch.bfloat16}
     # one thread, as every pool rank runs (tests/pool.py): a CPU matmul's summation order
@@ -188,33 +267,38 @@ def _reference(key) -> Steps:
             compute=low[numerics.compute.value],
             param_dtype=low[numerics.gather.value] if fsdp else None,
         )
-        out = Steps(ref.step() for _ in range(steps))
+        with tf32.suspended():  # fp32 even when first asked for inside emulate_tf32()
+            return tuple(ref.step() for _ in range(steps))
     finally:
         torch.set_num_threads(threads)
-    out.policy = policy_key(numerics, world, dtype)
-    return out
 
 
-def reference_steps(text: str, steps: int, dtype: str = "float32") -> Steps:
+def reference_steps(text: str, steps: int, dtype: str = "float32", *, tf32: bool = False) -> Steps:
     """What one process does with the schedule's global batch, micro-batch by micro-batch,
-    under the schedule's precision policy (its reduce dtype has no counterpart here)."""
+    under the schedule's precision policy (its reduce dtype has no counterpart here), always
+    on exact fp32 (or `dtype`) matmuls; held to the policy's tolerance, "tf32" where the run
+    it is compared with had TF32 (`tf32`, see tf32_in_effect). The computed steps are cached
+    by what determines them (not the world, nor tf32: they only choose the tolerance)."""
     spec = compile_text(text, "ref.sched", Overrides(steps=steps)).spec
-    return _reference(
-        (
-            spec.model,
-            spec.optim,
-            spec.data,
-            spec.seq_len,
-            spec.seqs,
-            spec.micro,
-            spec.seed,
-            steps,
-            dtype,
-            spec.numerics,
-            spec.kind.value == "fsdp",
-            spec.world,
+    out = Steps(
+        _reference(
+            (
+                spec.model,
+                spec.optim,
+                spec.data,
+                spec.seq_len,
+                spec.seqs,
+                spec.micro,
+                spec.seed,
+                steps,
+                dtype,
+                spec.numerics,
+                spec.kind.value == "fsdp",
+            )
         )
     )
+    out.policy = policy_key(spec.numerics, spec.world, dtype, tf32)
+    return out
 
 
 def assert_matches(result, ref: tuple[StepResult, ...], dtype: str = "float32") -> None:

@@ -14,6 +14,7 @@ schedule never hangs the session or poisons the jobs after it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -38,6 +39,7 @@ class Job:
     fault: str | None = None  # a deliberate executor bug (tests of the tests): tests/faults.py
     id: int = 0
     heap: bool = False  # measure the peak live heap (no full tensors recorded, to not add any)
+    tf32: str | None = None  # steps inside tests/tf32.py's emulate_tf32(mode): TF32 on a CPU
 
 
 @dataclass
@@ -114,8 +116,15 @@ def _run_job(job: Job, rank: int, groups):
         from tests.faults import inject
 
         inject(ex, job.fault)
+    if job.tf32:
+        from tests.tf32 import emulate_tf32
+
+        tf32 = emulate_tf32(job.tf32)
+    else:
+        tf32 = contextlib.nullcontext()
     try:
-        stats = [ex.step() for _ in range(job.steps)]
+        with tf32:
+            stats = [ex.step() for _ in range(job.steps)]
     finally:
         ex.close()
     if rank != 0:
@@ -213,13 +222,14 @@ class Pool:
         fault: str | None = None,
         timeout: float = JOB_TIMEOUT_S,
         heap: bool = False,
+        tf32: str | None = None,
     ) -> JobResult:
         """Run the schedule on ranks 0..world-1; JobFailed (with text and plan) if it cannot."""
         assert 1 <= world <= self.size, world
         if not self.alive:  # a worker died between jobs, or the last restart failed
             self.restart()
         self.jobs += 1
-        job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap)
+        job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap, tf32)
         deadline = time.monotonic() + timeout
         for r, c in enumerate(self.conns[:world]):
             try:
@@ -301,6 +311,7 @@ def describe(job: Job, rank: int | None = None) -> str:
     except Exception as e:  # noqa: BLE001 - a failure report must not fail
         plan = f"(no plan: {type(e).__name__}: {e})"
     fault = f", fault {job.fault!r}" if job.fault else ""
+    fault += f", TF32 emulated ({job.tf32})" if job.tf32 else ""
     return (
         f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
         f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}"
