@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import re
 import traceback
 from pathlib import Path
@@ -106,7 +107,9 @@ def _rank_main(rank, world, text, steps, store_path, opts, q) -> None:
             "memory": ex.memory(),
         }
         ex.close()
-        q.put((rank, out if rank == 0 else {"fallbacks": out["fallbacks"]}))
+        # by value: a tensor sent through the queue as itself is shared memory, which is
+        # gone once this process exits, possibly before the parent has read it
+        q.put((rank, pickle.dumps(out if rank == 0 else {"fallbacks": out["fallbacks"]})))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -129,6 +132,7 @@ def spawn_ranks(target, world: int, args: tuple, timeout: float = 240) -> dict:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+    got = {r: pickle.loads(v) if isinstance(v, bytes) else v for r, v in got.items()}
     errors = [v for v in got.values() if isinstance(v, str)]
     if errors:
         raise AssertionError("a rank failed:\n" + errors[0])
