@@ -79,7 +79,15 @@ class Comm:
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             if "RANK" in os.environ:
-                dist.init_process_group(backend, timeout=timeout)
+                try:
+                    dist.init_process_group(backend, timeout=timeout)
+                except dist.DistError as e:  # a rank that never joined (it failed first)
+                    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    raise RunError(
+                        f"the job's {os.environ.get('WORLD_SIZE', '?')} ranks did not all "
+                        f"join within --timeout {timeout_s:g}s ({why}); a rank that failed "
+                        "before joining says why in its own output"
+                    ) from None
             else:
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout

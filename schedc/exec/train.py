@@ -76,7 +76,9 @@ def agree_at_startup(
     model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its
     text, so comments and spelling may differ), the same collectives in the same order, the
     same data (a fingerprint of the tokens read), and the same run flags (`flags`: resume
-    source and step, save settings, --nonfinite, device, precision). A difference is named
+    source and step, save settings, --nonfinite, --probe, --trace, device, master dtype).
+    The meaning covers every field of the resolved schedule, so the numerics, recompute and
+    the mesh after --precision, --tf32 and --compile are compared too. A difference is named
     by field and rank on every rank: `seed 1 on rank 0, 2 on rank 1`."""
     from schedc.passes.agree import meaning
 
@@ -145,8 +147,10 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
         "--save": save,
         "--nonfinite": opts.nonfinite,
         "--probe": "on" if opts.probe else "off",  # collectives: on every rank, or none
+        # a trace synchronizes every step and gathers its spans at the end: all ranks or none
+        "--trace": "on" if job.trace else "off",
         "device": device.type,
-        "precision": str(opts.dtype).removeprefix("torch."),
+        "master dtype": str(opts.dtype).removeprefix("torch."),
     }
 
 

@@ -18,8 +18,10 @@ difference.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import Enum
 from fractions import Fraction
 
 from schedc.ir.spec import DDPSpec, FSDPSpec, Spec
@@ -125,11 +127,41 @@ def _data(s: Spec) -> str:
     return "the embedded corpus" if d.source == "corpus" else f'{d.kind} "{d.source}"'
 
 
+# Spec fields that say nothing about what a step computes or how ranks talk: where the
+# text came from. Every other field is compared, so a setting added to Spec is compared
+# without anyone remembering to (tests/cli/test_flags.py adds one and checks).
+NOT_MEANING = {
+    "source": "the file's text and path",
+    "where": "source positions",
+}
+# fields that `meaning` shows in words, under names of their own
+NAMED = {
+    "model_name",
+    "model",
+    "world",
+    "seqs",
+    "seq_len",
+    "micro",
+    "accum",
+    "steps",
+    "seed",
+    "data",
+    "optim",
+    "strategy",
+    "streams",
+}
+_POSITIONS = {"span", "spans", "after_spans", "where"}
+
+
 def meaning(spec: Spec) -> dict[str, str]:
     """What a schedule computes, field by field, without its spelling: no path, text,
     comments or positions, and the data source resolved. Ranks prove at start-up that
     theirs are equal (schedc/exec/train.py), so two files that differ only in comments, or in
-    `data corpus` written or left out, run together, and a difference is named by field."""
+    `data corpus` written or left out, run together, and a difference is named by field.
+
+    Every field of Spec but NOT_MEANING's is here: NAMED's in words, each other one (the
+    numerics, recompute, the mesh, programs, the budget, and whatever is added later) as
+    its value's text; the numerics one entry per setting (`numerics.compute`, ...)."""
     st = spec.strategy
     if isinstance(st, DDPSpec):
         how = f"ddp overlap={st.overlap} no_sync={st.no_sync} " + " ".join(
@@ -143,7 +175,7 @@ def meaning(spec: Spec) -> dict[str, str]:
         )
     else:
         how = "single"
-    return {
+    out = {
         "model": _model(spec),
         "world": str(spec.world),
         "batch": f"{spec.seqs} x {spec.seq_len}",
@@ -157,3 +189,36 @@ def meaning(spec: Spec) -> dict[str, str]:
             f"{k.value}:{v}" for k, v in sorted(spec.streams.items(), key=lambda kv: kv[0].value)
         ),
     }
+    for f in dataclasses.fields(spec):
+        if f.name in NAMED or f.name in NOT_MEANING:
+            continue
+        value = getattr(spec, f.name)
+        if dataclasses.is_dataclass(value) and f.name == "numerics":
+            for sub in dataclasses.fields(value):
+                out[f"numerics.{sub.name}"] = _text(getattr(value, sub.name))
+        else:
+            out[f.name] = _text(value)
+    return out
+
+
+def _text(v) -> str:
+    """A value as text, without source positions, the same on every rank."""
+    if v is None:
+        return "none"
+    if isinstance(v, Enum):
+        return str(v.value)
+    if isinstance(v, (frozenset, set)):
+        return "{" + ", ".join(sorted(_text(x) for x in v)) + "}"
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_text(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = sorted((_text(k), _text(x)) for k, x in v.items())
+        return "{" + ", ".join(f"{k}: {x}" for k, x in items) + "}"
+    if dataclasses.is_dataclass(v):
+        parts = (
+            f"{f.name}={_text(getattr(v, f.name))}"
+            for f in dataclasses.fields(v)
+            if f.name not in _POSITIONS
+        )
+        return f"{type(v).__name__}({', '.join(parts)})"
+    return str(v)

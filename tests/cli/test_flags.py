@@ -214,12 +214,51 @@ def test_meaning_names_what_differs():
     assert {k for k in a if a[k] != b[k]} == {"seed"}
 
 
+def test_meaning_covers_every_field_of_the_spec_even_one_added_later():
+    """The compared set is derived from Spec's fields: a setting added to Spec is compared
+    without being listed anywhere (here a subclass with one more field)."""
+    import dataclasses
+
+    from schedc.ir.spec import Spec
+    from schedc.passes.agree import NAMED, NOT_MEANING
+
+    spec = compile_text(Path(DDP).read_text()).spec
+    covered = set(NAMED) | set(NOT_MEANING) | {k.split(".")[0] for k in meaning(spec)}
+    assert {f.name for f in dataclasses.fields(Spec)} <= covered
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(Spec):
+        new_setting: int = 0
+
+    base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(Spec)}
+    a, b = Wider(**base, new_setting=1), Wider(**base, new_setting=2)
+    ma, mb = meaning(a), meaning(b)
+    assert {k for k in ma if ma[k] != mb[k]} == {"new_setting"}
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ("precision { compute = bf16 }\n", "numerics.compute"),
+        ("precision { reduce = bf16 }\n", "numerics.reduce"),
+        ("tf32 off\n", "numerics.tf32"),
+        ("compile on\n", "numerics.compile"),
+        ("loss chunk 16\n", "numerics.loss_chunk"),
+        ("recompute h.0\n", "recompute"),
+    ],
+)
+def test_meaning_names_each_numerics_setting(edit, field):
+    text = Path(DDP).read_text()
+    a, b = meaning(compile_text(text).spec), meaning(compile_text(text + edit).spec)
+    assert {k for k in a if a[k] != b[k]} == {field}
+
+
 # -- start-up agreement across ranks (real processes, gloo) ---------------------------------------
 
 
-def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, str]]:
-    """`schedc run ARGS[r]` as one process per rank (torchrun gives every rank the same
-    args); returns (exit code, stdout, stderr) of each."""
+def start(per_rank: list[list[str]], cwd: Path = ROOT) -> list[subprocess.Popen]:
+    """`schedc run ARGS[r]` as one process per rank, as torchrun starts them (its
+    environment; torchrun gives every rank the same args, here each its own)."""
     _port[0] += 1
     env = {
         **os.environ,
@@ -231,7 +270,7 @@ def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, 
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "schedc", "run", *args],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
@@ -242,16 +281,26 @@ def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, 
         )
         for r, args in enumerate(per_rank)
     ]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    """Each rank's (exit code, stdout, stderr); every rank is killed if one outlives the
+    bound."""
     out = []
     for p in procs:
         try:
-            o, e = p.communicate(timeout=180)
+            o, e = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise AssertionError("a rank did not exit within the bound") from None
         out.append((p.returncode, o, e))
     return out
+
+
+def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, str]]:
+    """`schedc run ARGS[r]` as one process per rank; (exit code, stdout, stderr) of each."""
+    return finish(start(per_rank, cwd), timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +346,108 @@ def test_ranks_with_the_same_meaning_spelled_differently_run_together(tmp_path):
     (c0, out, e0), (c1, _, e1) = launch([[DDP, "--steps", "1"], [str(other), "--steps", "1"]])
     assert c0 == 0 and c1 == 0, e0 + e1
     assert "step    0" in out
+
+
+# -- ranks that differ in numerics, recompute, mesh or tracing ------------------------------------
+
+FSDP2 = """model nano
+world 2
+batch 4 x 16
+micro 2
+steps 1
+fsdp { unit all = embed .. head }
+"""
+DDP2 = FSDP2.replace("fsdp { unit all = embed .. head }", "ddp { bucket_cap 1 MiB }")
+# case -> (the schedule, what rank 1 adds to it: text, flags as Overrides, or a trace,
+# the field every rank must name); rank 0 runs the schedule as it is
+DIFFER = {
+    "precision": (DDP2, {"precision": "bf16"}, "numerics.compute"),
+    "compute": (DDP2, "precision { compute = bf16 }\n", "numerics.compute"),
+    "gather": (FSDP2, "precision bf16\n", "numerics.gather"),  # gather bf16 needs compute bf16
+    "reduce": (DDP2, "precision { reduce = bf16 }\n", "numerics.reduce"),
+    "tf32": (DDP2, {"tf32": False}, "numerics.tf32"),
+    "compile": (DDP2, {"compile": True}, "numerics.compile"),
+    "loss chunk": (DDP2, "loss chunk 16\n", "numerics.loss_chunk"),
+    "recompute": (DDP2, "recompute h.0\n", "recompute"),
+    "mesh": (FSDP2, "mesh 2 x 1\n", "declared_mesh"),
+    "trace": (DDP2, {"trace": "t.json"}, "--trace"),
+}
+
+
+def _agree_on_ranks(rank, world, q) -> None:
+    """Each case's start-up agreement, as `schedc run` makes it (exec/train.py: the meaning
+    of the schedule after the flags, the collectives, the data, the run flags), on two
+    real gloo ranks; every rank reports what it refused with."""
+    import datetime
+    import traceback
+
+    try:
+        import torch.distributed as dist
+
+        from schedc.exec.executor import Comm, RunError, RunOptions
+        from schedc.exec.train import TrainOptions, agree_at_startup, run_flags
+        from schedc.lang.resolve import Overrides
+        from schedc.model.data import corpus_tokens, fingerprint
+
+        timeout = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        out = {}
+        for case, (text, change, _) in DIFFER.items():
+            flags = change if rank == 1 and isinstance(change, dict) else {}
+            if rank == 1 and isinstance(change, str):
+                text += change
+            trace = flags.pop("trace", None)
+            compiled = compile_text(text, f"{case}.sched", Overrides(**flags))
+            job = TrainOptions(trace=trace)
+            opts = RunOptions(device="cpu", trace=bool(trace))
+            try:
+                agree_at_startup(
+                    compiled,
+                    Comm(rank, world, None, timeout),
+                    compiled.plan(rank),
+                    fingerprint(corpus_tokens()),
+                    run_flags(job, __import__("torch").device("cpu"), opts),
+                )
+                out[case] = "agreed"
+            except RunError as e:
+                out[case] = str(e)
+        q.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def differing(tmp_path_factory) -> dict[int, dict[str, str]]:
+    from tests.cuda_ranks import spawn_ranks
+
+    _port[0] += 1
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port[0]))
+    return spawn_ranks(_agree_on_ranks, 2, (), timeout=180)
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+@pytest.mark.parametrize("case", DIFFER)
+def test_ranks_differing_in_numerics_mesh_or_trace_refuse_to_start(differing, case):
+    """Refused before step 0 on every rank, the field named (a difference in numerics once
+    trained silently, or aborted inside gloo)."""
+    field = DIFFER[case][2]
+    for rank in (0, 1):
+        said = differing[rank][case]
+        assert said.startswith("ranks disagree before step 1") and f"{field} " in said, said
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+@pytest.mark.parametrize("flags", [["--precision", "bf16"], ["--trace", "TRACE"]])
+def test_a_numerics_or_trace_flag_on_one_rank_refuses_the_job(tmp_path, flags):
+    """The same through the command line, as torchrun starts it: every rank exits 1 before
+    step 0, naming the field (no gloo abort, no rank waiting out --timeout)."""
+    flags = [f.replace("TRACE", str(tmp_path / "t.json")) for f in flags]
+    field = "numerics.compute" if "--precision" in flags else "--trace"
+    common = [DDP, "--steps", "1", "--timeout", "60"]
+    for code, out, err in launch([common, common + flags]):
+        assert code == 1, err
+        assert "ranks disagree before step 1" in err and f"{field} " in err, err
+        assert "step    0" not in out and "Traceback" not in err
