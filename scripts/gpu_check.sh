@@ -29,7 +29,8 @@
 # --rehearse runs the same parts on a CPU (CI does, in a venv made like the GPU machine's
 # image: scripts/gpu_rehearsal.sh): the wheels installed the same way, the CUDA tests as
 # their CPU twins (SCHEDC_GPU_REHEARSAL=1: same code paths and tolerance logic, skipping what
-# needs a device), bench/gpu.py --smoke on the CPU with its real budget logic.
+# needs a device), bench/gpu.py --smoke on the CPU with its real budget logic; each part's
+# timeout is four times the GPU machine's (world-4 twins on two cores).
 #
 # Results (at most 8 files come back from the GPU machine): gpu_check.log (everything printed),
 # bench_gpu.json, benchmarks.md (docs/benchmarks.md with its GPU section rewritten) and
@@ -54,7 +55,7 @@ start=$(date +%s)
 status=0
 elapsed() { echo $(($(date +%s) - start)); }
 part() {  # part NAME TIMEOUT_S COMMAND...: run it, note its exit status
-  local name=$1 limit=$2
+  local name=$1 limit=$(($2 * SCALE))
   shift 2
   echo "== $name ($(elapsed) s so far)"
   timeout --kill-after=10 "$limit" "$@"
@@ -67,8 +68,10 @@ part() {  # part NAME TIMEOUT_S COMMAND...: run it, note its exit status
   return "$rc"
 }
 
+SCALE=1  # the parts' timeouts are the GPU machine's; a 2-core CPU runs the twins slower
 if [ "$REHEARSE" = 1 ]; then
   export SCHEDC_GPU_REHEARSAL=1
+  SCALE=4
   BENCH=(--smoke --device cpu --compile-backend aot_eager --budget-s 60)
   echo "gpu_check: rehearsal on $(uname -m), the CUDA tests as CPU twins"
 else
