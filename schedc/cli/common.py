@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from schedc.lang.diagnostics import CompileError, UserError
@@ -96,19 +97,31 @@ COUNT = _number(int, 0, what="whole number >= 0")
 
 def check_output(flag: str, path: str | None, *, directory: bool = False) -> Path | None:
     """Refuse, before any work, an output that cannot be written, so a typo costs no compile,
-    training or layout: a file (-o, --trace, --log-json) that is a directory or whose
-    directory is missing, or a checkpoint directory (--save) that is a file or whose parent
-    is missing. A file is tried for real: opened to append if it exists, else created and
-    removed again, the one test that also holds in /proc, on read-only file systems and for
-    root, whom os.access never refuses. The OS still has the last word when it is written."""
-    if not path:
+    training or layout: an empty value; a name longer than its file system allows; a file
+    (-o, --trace, --log-json) that is a directory, not a regular file, or whose directory
+    is missing; a checkpoint directory (--save) that is a file or whose parent is missing.
+    Writability is tried for real, by creating a probe of a name of its own beside the path
+    (inside the directory, for a directory that exists) and removing it: the one test that
+    also holds in /proc, on read-only file systems and for root, whom os.access never
+    refuses, and that never touches the path itself, which every rank of a job checks at
+    the same moment. The OS still has the last word when it is written."""
+    if path is None:
         return None
+    if not path.strip():
+        raise UserError(f"{flag}: the path is empty")
     p = Path(path)
-    if p.exists() and p.is_dir() != directory:
+    _name_fits(flag, path, p)
+    try:
+        exists = p.exists()
+    except (OSError, ValueError) as e:  # ValueError: a NUL; OSError: a name too long
+        raise UserError(f"{flag} {path[:80]}: {getattr(e, 'strerror', None) or e}") from None
+    if exists and p.is_dir() != directory:
         raise UserError(
             f"{flag} {path}: " + ("not a directory" if directory else "is a directory, not a file")
         )
-    parent = p if directory and p.exists() else p.parent
+    if exists and not directory and not p.is_file():
+        raise UserError(f"{flag} {path}: not a regular file")
+    parent = p if directory and exists else p.parent
     if not parent.is_dir():
         raise UserError(
             f"{flag} {path}: "
@@ -116,20 +129,42 @@ def check_output(flag: str, path: str | None, *, directory: bool = False) -> Pat
             + f": {parent}"
         )
     try:
-        if directory:
-            if not os.access(parent, os.W_OK):
-                raise PermissionError(13, "permission denied")
-        elif p.exists():
-            if not p.is_file():
-                raise UserError(f"{flag} {path}: not a regular file")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".schedc-probe-")
+        os.close(fd)
+        os.unlink(probe)
+        if exists and not directory:
             with open(p, "ab"):  # appends nothing; opening is the test
                 pass
-        else:
-            with open(p, "xb"):
-                pass
-            p.unlink()
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+    except (OSError, ValueError) as e:
         raise UserError(
             f"{flag} {path}: cannot write: {getattr(e, 'strerror', None) or e}"
         ) from None
     return p
+
+
+def _name_fits(flag: str, path: str, p: Path) -> None:
+    """A file name longer than its file system allows (the OS says only 'File name too
+    long', and only when it is written)."""
+    try:
+        longest = os.pathconf(p.parent if p.parent.is_dir() else "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    n = len(p.name.encode(errors="surrogateescape"))
+    if n > longest:
+        raise UserError(
+            f"{flag} {path[:60]}...: the file name is {n} bytes, more than the {longest} its "
+            "file system allows"
+        )
+
+
+def check_distinct(*outputs: tuple[str, str | None]) -> None:
+    """Refuse two output flags that name the same path (`tune -o X --write-top X`): the
+    second would fail after all the work, or overwrite the first."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
+        if not path:
+            continue
+        key = Path(os.path.abspath(path))
+        if key in seen:
+            raise UserError(f"{flag} {path}: {seen[key]} writes there too; give each its own")
+        seen[key] = flag

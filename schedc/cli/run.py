@@ -15,6 +15,7 @@ from schedc.cli.common import (
     TIMEOUT_S,
     RankError,
     add_override_args,
+    check_distinct,
     check_output,
     overrides,
 )
@@ -108,11 +109,15 @@ def run(args: argparse.Namespace) -> int:
     # flag values first (the number types above checked the numbers), before any work: a bad
     # --trace or --log-json path used to fail only after training
     ov = overrides(args)
+    for flag, value in (("--resume", args.resume), ("--checkpoint-key", args.checkpoint_key)):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag}: the path is empty")
     check_output("--trace", args.trace)
     if args.probe and not args.trace:
         raise UserError("--probe times collectives and layers for the trace: it needs --trace FILE")
     check_output("--log-json", args.log_json)
     check_output("--save", args.save, directory=True)
+    check_distinct(("--trace", args.trace), ("--log-json", args.log_json), ("--save", args.save))
     compiled = compile_file(args.file or str(default_schedule()), ov)
     try:
         import torch  # noqa: F401

@@ -15,11 +15,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from schedc.cli.common import COUNT, POSITIVE, check_output
+from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output
 from schedc.cli.render import add_cost_args, cost_from_args
 from schedc.ir.spec import POLICIES
 from schedc.lang.diagnostics import UserError
-from schedc.lang.resolve import UNITS
+from schedc.lang.resolve import UNITS, size_bytes
 from schedc.passes.memory import fmt_bytes
 from schedc.tune.measure import error, measure, refit, repredict
 from schedc.tune.search import Candidate, Options, Result, search
@@ -75,16 +75,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_budget(text: str) -> tuple[int, str]:
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", text)
-    if not m or float(m.group(1)) <= 0:
+    """A budget the way the language reads `memory` (lang/resolve.py `size_bytes`): a
+    whole number of bytes below 1 EiB, so every candidate can say it."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2) not in UNITS:
         raise UserError(f"--budget {text!r}: expected a size such as 80GiB or 512 MiB")
-    n = int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+    try:
+        n = size_bytes(float(m.group(1)), m.group(2), "--budget", m.group(1))
+    except ValueError as e:
+        raise UserError(str(e)) from None
     return n, fmt_size(n)
 
 
 def options(args, base: Base) -> Options:
     budget, budget_text = None, None
-    if args.budget:
+    if args.budget is not None:
         budget, budget_text = parse_budget(args.budget)
     elif base.memory:
         budget, budget_text = parse_budget(base.memory)
@@ -107,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     check_output("-o", args.output)
     check_output("--fit", args.fit)
     check_output("--write-top", args.write_top, directory=True)
+    check_distinct(("-o", args.output), ("--fit", args.fit), ("--write-top", args.write_top))
     if args.measure > args.top:
         raise UserError(f"--measure {args.measure}: at most --top ({args.top})")
     if args.rounds > 1 and not args.measure:

@@ -179,6 +179,21 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     return spec, r.diag.warnings
 
 
+MAX_SIZE = 1 << 60  # bytes: a size of 1 EiB or more is a typo, and overflows int64 sums
+
+
+def size_bytes(number: float, unit: str, what: str = "a size", text: str | None = None) -> int:
+    """A size in bytes (`memory 80 GiB`, `tune --budget 80GiB`): a whole number of bytes,
+    at least 1 and below MAX_SIZE, or ValueError saying so."""
+    v = number * UNITS[unit]
+    shown = f"{text if text is not None else f'{number:g}'} {unit}".rstrip()
+    if v >= MAX_SIZE:
+        raise ValueError(f"{what} must be below 1 EiB (2^60 bytes), got {shown}")
+    if not v >= 1 or v != int(v):
+        raise ValueError(f"{what} must be a positive whole number of bytes, got {shown}")
+    return int(v)
+
+
 class _Resolver:
     def __init__(self, ast: Schedule, overrides: Overrides = Overrides()):
         self.ov = overrides
@@ -235,16 +250,11 @@ class _Resolver:
                 hint="use B, KB, MB, GB, KiB, MiB or GiB",
             )
             return None
-        v = size.number.value * UNITS[size.unit]
-        if not (v >= 1 and v < 1 << 60) or v != int(v):
-            self.err(
-                "value-range",
-                f"{what} must be a positive whole number of bytes, "
-                f"got {size.number.text} {size.unit}".rstrip(),
-                size.span,
-            )
+        try:
+            return size_bytes(size.number.value, size.unit, what, size.number.text)
+        except ValueError as e:
+            self.err("value-range", str(e), size.span)
             return None
-        return int(v)
 
     # -- the run --------------------------------------------------------------------------------
 

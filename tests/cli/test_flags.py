@@ -126,14 +126,73 @@ def test_usage_errors_exit_1_not_argparses_2(capsys):
         ("--save", "/missing/dir/ck", "no such directory: /missing/dir"),
         ("--save", "{tmp}/file", "not a directory"),
         ("--save", "{tmp}/file/ck", "not a directory: "),
+        ("--save", "/proc/ck", "cannot write"),
+        ("--trace", "/proc/t.json", "cannot write"),
+        ("--trace", "{tmp}/" + "t" * 300, "the file name is 300 bytes, more than the 255"),
+        ("--log-json", "{tmp}/" + "l" * 300, "more than the 255 its file system allows"),
     ],
 )
 def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value, want):
     (tmp_path / "file").write_text("x")
     value = value.format(tmp=tmp_path)
     code, out, err = cli(capsys, "run", ONE, "--steps", "1", flag, value)
-    assert code == 1 and f"schedc: error: {flag} {value}: " in err and want in err, err
+    assert code == 1 and f"schedc: error: {flag} {value[:60]}" in err and want in err, err
     assert "step" not in out  # refused before step 0, not after the run as --trace was
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", ONE, "--trace", ""],
+        ["run", ONE, "--save", ""],
+        ["run", ONE, "--resume", ""],
+        ["run", ONE, "--log-json", " "],
+        ["render", ONE, "-o", ""],
+        ["tune", ONE, "--budget", ""],
+        ["tune", ONE, "-o", ""],
+    ],
+    ids=lambda a: " ".join(a[2:]) or "empty",
+)
+def test_an_empty_flag_value_is_refused_not_ignored(capsys, argv):
+    code, out, err = cli(capsys, *argv)
+    assert code == 1 and "schedc: error:" in err and "Traceback" not in err, err
+    assert out == "" or "step" not in out
+
+
+def test_two_outputs_of_one_run_must_differ(capsys, tmp_path):
+    x = str(tmp_path / "x")
+    code, _, err = cli(capsys, "tune", ONE, "-o", x, "--write-top", x)
+    assert code == 1 and f"--write-top {x}: -o writes there too" in err, err
+    code, _, err = cli(capsys, "run", ONE, "--trace", x, "--log-json", x)
+    assert code == 1 and f"--log-json {x}: --trace writes there too" in err, err
+
+
+def test_ranks_checking_one_missing_output_at_once_never_collide(tmp_path):
+    """Every rank checks --trace's path at start-up, at the same moment: the check probes a
+    name of its own, never the path itself, so none sees another's probe (the old check
+    created and removed the path: 'File exists' for the loser, seen in tune --measure)."""
+    import threading
+
+    from schedc.cli.common import check_output
+
+    path, errors = str(tmp_path / "t.json"), []
+    start = threading.Barrier(8)
+
+    def rank() -> None:
+        for _ in range(200):
+            try:
+                start.wait()
+                check_output("--trace", path)
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(e)
+
+    threads = [threading.Thread(target=rank) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and not Path(path).exists()
+    assert not list(tmp_path.iterdir())  # no probe left behind
 
 
 # -- optimizer values that fp32 turns into zero ---------------------------------------------------
