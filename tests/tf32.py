@@ -220,7 +220,7 @@ def run_ranks(
     from tests.cuda_ranks import spawn_ranks
 
     store = str(store_dir / f"tf32-store{world}")
-    return pickle.loads(spawn_ranks(_rank_main, world, (text, steps, store, mode))[0])
+    return spawn_ranks(_rank_main, world, (text, steps, store, mode))[0]  # unpickled there
 
 
 # -- the measurement behind TOL["tf32"] --------------------------------------------------------

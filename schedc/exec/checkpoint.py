@@ -44,11 +44,13 @@ import hmac
 import importlib
 import io
 import json
+import math
 import os
 import pickle
 import re
 import shutil
 import stat
+import zipfile
 from pathlib import Path, PosixPath
 
 import torch
@@ -277,6 +279,7 @@ HMAC_FILE = "meta.json.hmac"
 MAX_META_BYTES = 32 << 20  # meta.json: 7 KB at world 1 (6.7 KB of it a rank's RNG state)
 MAX_METADATA_BYTES = 64 << 20  # DCP's .metadata: 38 KB for the tiny model's 157 tensors
 MAX_FILES, MAX_WORLD, MAX_UNITS = 4096, 4096, 4096
+RECORD_SLACK = 64 << 10  # a stored chunk's record: its bytes plus torch.save's (1,577 measured)
 _STEP = re.compile(r"step_[0-9]{8,12}")
 _FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # what DCP writes
 _ITEM = re.compile(r"(param|optim|unit)\.[A-Za-z0-9_.]{1,200}")  # what executor_state writes
@@ -332,9 +335,16 @@ def _read(path: Path, limit: int, what: str = "a checkpoint file") -> bytes:
     return data
 
 
-def _hash_file(path: Path) -> tuple[str, int]:
-    """SHA-256 and size of a regular file (never a link, FIFO or device)."""
+def _hash_file(path: Path, limit: int | None = None) -> tuple[str, int]:
+    """SHA-256 and size of a regular file (never a link, FIFO or device), refused before
+    a byte is read when it is larger than `limit` (a sparse file costs nothing to make)."""
     fd = _open(path)
+    size = os.fstat(fd).st_size
+    if limit is not None and size > limit:
+        os.close(fd)
+        raise CheckpointError(
+            f"{path}: {size} bytes, more than the {limit} a checkpoint of this model can hold"
+        )
     h, n = hashlib.sha256(), 0
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
@@ -381,6 +391,36 @@ def find(root: str | os.PathLike) -> Path:
 def verify(path: Path, key: bytes | None = None) -> dict:
     """Check the HMAC (with a key), meta.json's schema, and every file's hash; no byte of the
     checkpoint is used before. Returns meta.json, with the files' sizes under "_sizes"."""
+    meta = read_meta(path, key)
+    limit = _largest(meta, path / "meta.json")
+    sizes = {}
+    for fname, want in meta["files"].items():
+        got, sizes[fname] = _hash_file(path / fname, limit)
+        if got != want:
+            raise CheckpointError(
+                f"{path / fname}: contents do not match the checkpoint's hash "
+                "(truncated or altered)"
+            )
+    meta["_sizes"] = sizes
+    return meta
+
+
+def _largest(meta: dict, where: Path) -> int:
+    """The most bytes one file of a checkpoint of meta's model can hold: every parameter
+    and its two AdamW moments in float64, with room for padding and per-record headers."""
+    from schedc.model.arch import GPTConfig
+
+    try:
+        numel = GPTConfig(**meta["model_config"]).numel
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{where}: field 'model_config': not a GPT-2 configuration") from None
+    return 32 * numel + (64 << 20)
+
+
+def read_meta(path: Path, key: bytes | None = None) -> dict:
+    """meta.json, read as a checkpoint file is (a regular file, at most MAX_META_BYTES),
+    its HMAC checked with a key before a byte of it is parsed, then its schema; the files
+    it lists are not read (verify does that)."""
     where = path / "meta.json"
     raw = _read(where, MAX_META_BYTES, "meta.json")
     mac = path / HMAC_FILE
@@ -404,20 +444,13 @@ def verify(path: Path, key: bytes | None = None) -> dict:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: not valid JSON: nested too deeply") from None
     _check_meta(meta, where)
     if _STEP.fullmatch(path.name) and path.name != f"step_{meta['step']:08d}":
         raise CheckpointError(
             f"{where}: field 'step': {meta['step']}, but the directory is {path.name} (renamed?)"
         )
-    sizes = {}
-    for fname, want in meta["files"].items():
-        got, sizes[fname] = _hash_file(path / fname)
-        if got != want:
-            raise CheckpointError(
-                f"{path / fname}: contents do not match the checkpoint's hash "
-                "(truncated or altered)"
-            )
-    meta["_sizes"] = sizes
     return meta
 
 
@@ -562,16 +595,20 @@ class SafeReader(FileSystemReader):
                 f"{path}: refused: {type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}"
             ) from None
-        _check_metadata(metadata, path, self.meta["_sizes"])
+        _check_metadata(metadata, path, self.meta["_sizes"], self.meta["world"])
+        _check_records(metadata, Path(self.path))
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
+def _check_metadata(md, where: Path, sizes: dict[str, int], world: int) -> None:
     """The unpickled metadata has exactly the shape of what schedc saves: tensor items only
     (a bytes item would reach torch.load(weights_only=False)), keys executor_state writes,
-    every stored chunk inside one of the checkpoint's hashed .distcp files, no transforms."""
+    every stored chunk inside one of the checkpoint's hashed .distcp files, no transforms;
+    and nothing that costs more to load than what it declares: at most one chunk per rank
+    of an item, tiling it, each stored in a record the size of its tensor (torch.save
+    never compresses; a deflated record of 2 MB once loaded into 2.4 GB)."""
 
     def bad(what: str):
         raise CheckpointError(f"{where}: refused: {what}")
@@ -611,6 +648,15 @@ def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
             )
         ):
             bad(f"item {k} has a malformed shape or chunk list")
+        if not 0 < len(v.chunks) <= world:
+            bad(
+                f"item {k} has {len(v.chunks)} chunks; a checkpoint of {world} "
+                f"rank{'s' * (world != 1)} has 1 to {world}"
+            )
+        if any(o + n > d for c in v.chunks for o, n, d in zip(c.offsets, c.sizes, v.size)) or sum(
+            math.prod(c.sizes) for c in v.chunks
+        ) != math.prod(v.size):
+            bad(f"item {k}: its chunks do not tile its {tuple(v.size)} elements")
     if md.planner_data is not None and (
         type(md.planner_data) is not dict
         or not all(
@@ -643,6 +689,83 @@ def _check_metadata(md, where: Path, sizes: dict[str, int]) -> None:
             bad(f"item {idx.fqn}: bytes {info.offset}+{info.length} lie outside {f}")
         if info.transform_descriptors:
             bad(f"item {idx.fqn} asks for stream transforms, which schedc never writes")
+        v = items[idx.fqn]
+        chunk = next((c for c in v.chunks if tuple(c.offsets) == tuple(idx.offset or ())), None)
+        if chunk is None:
+            bad(f"storage of {idx.fqn} at {idx.offset} is no chunk of it")
+        n = math.prod(chunk.sizes) * v.properties.dtype.itemsize
+        if not n <= info.length <= n + RECORD_SLACK:
+            bad(
+                f"item {idx.fqn}: a record of {info.length} bytes for a chunk of {n} "
+                f"(schedc writes {n} plus at most {RECORD_SLACK} of headers)"
+            )
+    if len(md.storage_data) != sum(len(v.chunks) for v in items.values()):
+        bad("the storage entries are not one a chunk")
+
+
+def _check_records(md, step: Path) -> None:
+    """Every stored chunk's record is what torch.save writes: a zip archive of stored
+    (uncompressed) entries no larger than the chunk plus headers. Read from the records'
+    central directories only, before torch.load inflates anything (a 2 MB deflated record
+    once became 2.4 GB)."""
+    items = md.state_dict_metadata
+    by_file: dict[str, list] = {}
+    for idx, info in md.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((idx, info))
+    for fname, entries in by_file.items():
+        where = step / fname
+        fd = _open(where)
+        with os.fdopen(fd, "rb") as f:
+            for idx, info in entries:
+                v = items[idx.fqn]
+                chunk = next(c for c in v.chunks if tuple(c.offsets) == tuple(idx.offset or ()))
+                n = math.prod(chunk.sizes) * v.properties.dtype.itemsize
+                try:
+                    with zipfile.ZipFile(_Window(f, info.offset, info.length)) as z:
+                        infos = z.infolist()
+                except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+                    raise CheckpointError(
+                        f"{where}: the record of {idx.fqn} is not a tensor torch.save wrote: {e}"
+                    ) from None
+                packed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
+                size = sum(i.file_size for i in infos)
+                if packed or size > n + RECORD_SLACK or len(infos) > 64:
+                    raise CheckpointError(
+                        f"{where}: the record of {idx.fqn} holds {size} bytes"
+                        + (" compressed" if packed else "")
+                        + f" for a chunk of {n}; torch.save stores a tensor's bytes as they are"
+                    )
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a file of their own."""
+
+    def __init__(self, f, offset: int, length: int):
+        self.f, self.offset, self.length, self.at = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.length}[whence]
+        self.at = min(max(base + pos, 0), self.length)
+        return self.at
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.length - self.at)
+        if n <= 0:
+            return 0
+        self.f.seek(self.offset + self.at)
+        data = self.f.read(n)
+        buf[: len(data)] = data
+        self.at += len(data)
+        return len(data)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -678,6 +801,30 @@ class _MetadataUnpickler(pickle._Unpickler):
         }
     )
     dispatch = dict(pickle._Unpickler.dispatch)  # noqa: RUF012 - pickle reads it off the class
+    # Resource bounds. schedc's metadata nests 7 deep (Metadata, dict, item, list, chunk,
+    # Size, int) and holds a few objects per tensor (GPT-2 FSDP at world 8: under 10,000);
+    # a tuple nested 10^6 deep in 1 MB crashed the interpreter when freed or compared.
+    MAX_DEPTH = 32
+    MAX_OBJECTS = 200_000
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._depth: dict[int, int] = {}
+        self._alive: list = []  # every container made, so no id() is reused while loading
+
+    def _nest(self, obj, children) -> None:
+        """`obj` holds `children`: it nests one deeper than the deepest of them."""
+        key = id(obj)
+        if key not in self._depth:
+            self._depth[key] = 0
+            self._alive.append(obj)
+            if len(self._alive) > self.MAX_OBJECTS:
+                raise pickle.UnpicklingError(f"metadata holds over {self.MAX_OBJECTS} objects")
+        d = 1 + max((self._depth.get(id(c), 0) for c in children), default=0)
+        if d > self._depth[key]:
+            if d > self.MAX_DEPTH:
+                raise pickle.UnpicklingError(f"metadata nests deeper than {self.MAX_DEPTH} levels")
+            self._depth[key] = d
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
@@ -716,11 +863,48 @@ class _MetadataUnpickler(pickle._Unpickler):
             self._refuse(f"BUILD of {cls.__name__} with a state it never has")
         pickle._Unpickler.load_build(self)
 
+    def _made(load):
+        """A container from the stack (TUPLE, LIST, DICT, ...): nested one below its items."""
+
+        def made(self):
+            load(self)
+            top = self.stack[-1]
+            items = [*top.keys(), *top.values()] if type(top) is dict else top
+            self._nest(top, items)
+
+        return made
+
+    def _filled(load, where):
+        """Items added to a container already made (APPEND, SETITEMS, ...)."""
+
+        def filled(self):
+            target, items = where(self)
+            items = list(items)
+            load(self)
+            self._nest(self.stack[-1] if target is None else target, items)
+
+        return filled
+
     for op, fn in ((pickle.REDUCE, _reduce), (pickle.NEWOBJ, _newobj), (pickle.BUILD, _build)):
         dispatch[op[0]] = fn
+    for name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "LIST", "DICT", "FROZENSET"):
+        op = getattr(pickle, name)
+        dispatch[op[0]] = _made(dispatch[op[0]])
+    for name, where in (
+        ("APPEND", lambda self: (self.stack[-2], self.stack[-1:])),
+        ("SETITEM", lambda self: (self.stack[-3], self.stack[-2:])),
+        ("APPENDS", lambda self: (self.metastack[-1][-1], self.stack)),
+        ("SETITEMS", lambda self: (self.metastack[-1][-1], self.stack)),
+        ("ADDITEMS", lambda self: (self.metastack[-1][-1], self.stack)),
+        ("REDUCE", lambda self: (None, self.stack[-1:])),
+        ("NEWOBJ", lambda self: (None, self.stack[-1:])),
+        ("BUILD", lambda self: (self.stack[-2], self.stack[-1:])),
+    ):
+        op = getattr(pickle, name)
+        dispatch[op[0]] = _filled(dispatch[op[0]], where)
     for name in ("INST", "OBJ", "NEWOBJ_EX", "PERSID", "BINPERSID"):
         dispatch[getattr(pickle, name)[0]] = lambda self, name=name: self._refuse(name)
-    del op, fn, name
+    del op, fn, name, where
 
 
 def _name(obj) -> str:

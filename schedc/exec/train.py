@@ -127,17 +127,16 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     step (read from its meta.json now, before any collective: a rank that resumes alone
     would otherwise wait in DCP's collectives for the others until --timeout), the save
     directory and cadence, what to do on a non-finite loss, the device type, the precision."""
-    from schedc.exec.checkpoint import CheckpointError, find
+    from schedc.exec.checkpoint import CheckpointError, find, read_meta
 
     resume = "none"
     if job.resume:
         try:
+            # bounded, a regular file only, its HMAC checked first with --checkpoint-key
             path = find(job.resume)
-            step = json.loads((path / "meta.json").read_text()).get("step")
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise CheckpointError(f"{path}/meta.json: 'step' is not a step number")
+            step = read_meta(path, job.key)["step"]
             resume = f"{path.resolve()} (step {step})"
-        except (CheckpointError, OSError, ValueError, AttributeError) as e:
+        except (CheckpointError, OSError) as e:
             resume = f"unusable: {e}"  # said after agreement, by every rank that has it
     save = "none"
     if job.save:

@@ -354,8 +354,88 @@ def rng(v):
     return f
 
 
+# -- load-time bombs: small to write, costly to load (each bounded, tests below) -----------------
+
+
+def meta_to(target: str):
+    def go(ck, step, canary, tmp):
+        (step / "meta.json").unlink()
+        (step / "meta.json").symlink_to(target)
+
+    return go
+
+
+def sparse(rel: str, size: int):
+    def go(ck, step, canary, tmp):
+        (ck / rel).unlink()  # a new file: copy() hard-links the saved one
+        with open(ck / rel, "wb") as f:
+            f.truncate(size)  # nothing written: it costs the attacker no disk
+
+    return go
+
+
+def deep_tuple(ck, step, canary, tmp):
+    """The issue's 1 MB .metadata: one dict holding a tuple nested 10^6 deep (it segfaulted
+    the loader), meta.json rehashed."""
+    set_metadata(step, b"\x80\x04}" + b")" + b"\x85" * 10**6 + b"K\x01s.")
+
+
+def repeated_chunks(md, step: Path, canary: Path) -> None:
+    """wte's chunk entry 20,000 times (32 s to load before, growing with the count)."""
+    v = md.state_dict_metadata["param.wte.weight"]
+    v.chunks = v.chunks * 20_000
+
+
+def deflated_record(ck, step, canary, tmp):
+    """A record that inflates: torch.save of a 256 MiB tensor, its data deflated to a few
+    hundred KB and padded to wte's size so its length looks right, appended to the data
+    file, wte's storage pointed at it, everything rehashed."""
+    import io as _io
+    import zipfile
+
+    md = real_metadata(step)
+    fqn = "param.wte.weight"
+    n = 4 * torch.Size(md.state_dict_metadata[fqn].size).numel()
+    raw = _io.BytesIO()
+    torch.save(torch.zeros(64 << 20), raw)
+
+    def pack(pad: int) -> bytes:
+        packed = _io.BytesIO()
+        with zipfile.ZipFile(raw) as src, zipfile.ZipFile(packed, "w") as out:
+            for info in src.infolist():
+                out.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+            if pad:
+                out.writestr("archive/pad", b"\0" * pad)  # stored: the length looks right
+        return packed.getvalue()
+
+    record = pack(max(0, n - len(pack(0))))
+    assert n <= len(record) <= n + checkpoint.RECORD_SLACK  # passes the length check
+    data = step / "__0_0.distcp"
+    blob = data.read_bytes()
+    data.unlink()
+    data.write_bytes(blob + record)
+    restore(md, fqn, offset=len(blob), length=len(record))
+    set_metadata(step, pickle.dumps(md))
+
+
 A = SimpleNamespace
+BOMBS = {
+    "bomb: meta.json a symlink to /dev/zero": A(do=meta_to("/dev/zero"), file=f"{STEP}/meta.json"),
+    "bomb: meta.json sparse 2 GiB": A(
+        do=sparse(f"{STEP}/meta.json", 2 << 30), file=f"{STEP}/meta.json"
+    ),
+    "bomb: meta.json a FIFO": A(do=fifo(f"{STEP}/meta.json"), file=f"{STEP}/meta.json"),
+    "bomb: .metadata a tuple nested 10^6 deep": A(do=deep_tuple, file=f"{STEP}/.metadata"),
+    "bomb: a chunk entry repeated 20,000 times": A(
+        do=edit_metadata(repeated_chunks), file=f"{STEP}/.metadata"
+    ),
+    "bomb: a deflated record": A(do=deflated_record, file=f"{STEP}/__0_0.distcp"),
+    "bomb: an 8 GiB sparse .distcp": A(
+        do=sparse(f"{STEP}/__0_0.distcp", 8 << 30), file=f"{STEP}/__0_0.distcp"
+    ),
+}
 ATTACKS = {
+    **BOMBS,
     # pickle gadgets in .metadata, meta.json's hash list rewritten to match
     **{
         f"gadget: {name}": A(
@@ -568,7 +648,15 @@ def test_a_short_key_file_is_refused(tmp_path):
         checkpoint.read_key(tmp_path / "k")
 
 
-@pytest.mark.parametrize("name", ["gadget: GLOBAL os.system", "DCP raises (an item missing)"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gadget: GLOBAL os.system",
+        "DCP raises (an item missing)",
+        "bomb: meta.json a FIFO",  # read by the start-up agreement, before any verification
+        "bomb: .metadata a tuple nested 10^6 deep",  # exited 139 with no output
+    ],
+)
 def test_the_cli_says_one_line_and_exits_1(saved, tmp_path, name):
     ck, step = copy(saved, "plain", tmp_path)
     canary = tmp_path / "canary"
@@ -599,3 +687,54 @@ def test_the_cli_says_one_line_and_exits_1(saved, tmp_path, name):
     assert len(lines) == 1 and lines[0].startswith("schedc: error: "), p.stderr
     assert str(ck / ATTACKS[name].file) in lines[0]
     assert "Traceback" not in p.stderr and not canary.exists()
+
+
+# each bomb in a fresh process: refused within 5 s and 300 MB above what the loader held
+BOUNDED = r"""
+import json, resource, sys, time
+import torch.distributed as dist
+from schedc.compiler import compile_file
+from schedc.exec import checkpoint
+from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.lang.resolve import Overrides
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+c = compile_file("schedules/tiny_1gpu.sched", Overrides(steps=1))
+ex = Executor(c, Comm(0, 1), RunOptions(device="cpu", log=False))
+out = {}
+for name, ck in json.loads(sys.argv[1]).items():
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    try:
+        checkpoint.load(ex, ck)
+        said = "loaded"
+    except checkpoint.CheckpointError as e:
+        said = str(e)
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base  # KiB on Linux
+    out[name] = {"s": time.perf_counter() - t0, "mb": grew / 1024, "said": said}
+print(json.dumps(out))
+"""
+
+
+def test_each_bomb_is_refused_within_5_s_and_300_mb(saved, tmp_path):
+    cks = {}
+    for i, (name, bomb) in enumerate(BOMBS.items()):
+        ck, step = copy(saved, "plain", tmp_path / str(i))
+        bomb.do(ck, step, tmp_path / "canary", tmp_path)
+        cks[name] = str(ck)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run(
+        [sys.executable, "-c", BOUNDED, json.dumps(cks)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]  # no segfault, no traceback
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, bomb in BOMBS.items():
+        r = got[name]
+        print(f"{name}: {r['s']:.2f} s, +{r['mb']:.0f} MB: {r['said']}")
+        assert str(Path(cks[name]) / bomb.file) in r["said"] and "\n" not in r["said"], r
+        assert r["s"] <= 5 and r["mb"] <= 300, (name, r)
