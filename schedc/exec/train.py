@@ -44,6 +44,7 @@ from schedc.exec.executor import (
     pick_device,
 )
 from schedc.exec.heap import keep_freed_memory
+from schedc.exec.heartbeat import STALE_S, Heartbeat
 from schedc.exec.launcher import tell_launcher
 from schedc.ir.plan import Action, Plan
 from schedc.model.data import CORPUS, DataError, fingerprint, load_batches
@@ -214,6 +215,19 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
     where = _here("start-up")
     watch_sigterm(comm)
+    beats = Heartbeat(
+        comm.rank,
+        comm.world,
+        min(STALE_S, opts.timeout_s),
+        lambda: plan_position(_now["ex"]),
+        lambda peer, quiet, at: fail(
+            comm,
+            f"rank {peer} has sent no heartbeat for {quiet:.0f}s, last at {at}: it is stopped "
+            "or its host is gone (a slow rank still beats)",
+            _now["where"],
+        ),
+    )
+    beats.start()
     try:
         try:
             batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
@@ -298,6 +312,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         raise RunError(str(e)) from None
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
+    beats.done()
     dist.destroy_process_group()
     return 0
 
@@ -471,7 +486,7 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
         who = ", ".join(str(r) for r in silent)
         lines.append(
             f"schedc: rank {comm.rank}: rank{'s' if len(silent) > 1 else ''} {who} "
-            f"stopped answering (dead, or stuck past --timeout "
+            f"stopped answering (dead, stopped, or stuck past --timeout "
             f"{comm.timeout.total_seconds():.0f}s); nothing from "
             f"{'them' if len(silent) > 1 else 'it'} in {FAILURE_GRACE_S:.0f}s"
         )

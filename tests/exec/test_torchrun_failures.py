@@ -39,7 +39,8 @@ INSTRUCTION = re.compile(
 )
 
 
-def torchrun(timeout: int) -> subprocess.Popen:
+def torchrun(timeout: int | None) -> subprocess.Popen:
+    """`schedc run` of a long run on two ranks; `timeout` None: the default --timeout."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -53,8 +54,7 @@ def torchrun(timeout: int) -> subprocess.Popen:
             SCHED,
             "--steps",
             "100000",
-            "--timeout",
-            str(timeout),
+            *(["--timeout", str(timeout)] if timeout is not None else []),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -128,8 +128,11 @@ def test_a_killed_rank_leaves_the_survivor_naming_its_instruction():
     assert f'File "{ROOT / "schedc"}' not in err  # no traceback from schedc itself
 
 
-def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound():
-    p = torchrun(timeout=10)
+@pytest.mark.parametrize("timeout", [10, None], ids=["timeout-10", "default-timeout"])
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound(timeout):
+    """At --timeout 10 and at the default (300 s): a stopped rank beats no more, so its
+    watcher names it within seconds (exec/heartbeat.py), whatever the collectives wait."""
+    p = torchrun(timeout=timeout)
     pids = running(p)
     os.kill(pids[1], signal.SIGSTOP)  # alive, but answers nothing
     try:
