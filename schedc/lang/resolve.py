@@ -112,7 +112,11 @@ BLOCK_WORDS = {
     "fsdp": {"keep": "it ends a unit: `unit tied = wte.weight keep`"},
 }
 BLOCK_ARTICLE = {"ddp": "a ddp", "fsdp": "an fsdp"}  # as said aloud: "an eff-ess-dee-pee"
-MAX_OPS = 200_000  # forward and backward ops in one step (gpt2-xl x 2,000 micro-steps)
+# ops in one step's graph: compile time and memory grow with them (measured on a 2-core CPU:
+# 34,817 ops in 10.8 s and 250 MB; 280,000 took 90 s and 1.7 GB), so a step is bounded to
+# what compiles in about 10 s and 300 MB: GPT-2 124M FSDP with a unit a layer and 300
+# micro-steps, or one process with 1,100
+MAX_OPS = 32_000
 DEFAULT_STEPS = 20
 DEFAULT_SEED = 1337
 STREAM_KINDS = {k.value: k for k in Kind}
@@ -192,6 +196,22 @@ def size_bytes(number: float, unit: str, what: str = "a size", text: str | None 
     if not v >= 1 or v != int(v):
         raise ValueError(f"{what} must be a positive whole number of bytes, got {shown}")
     return int(v)
+
+
+def ops_per_step(
+    model: GPTConfig, accum: int, strategy, recompute: frozenset[str], hsdp: bool
+) -> int:
+    """At most the ops of one step's graph (passes/graph.py): per micro-step a forward and
+    a backward of every layer and each recompute; DDP's all-reduce of each bucket, FSDP's
+    two gathers and two frees of each unit and its reduce-scatter (and HSDP's all-reduce),
+    every micro-step (fewer under no_sync or for kept units); the update."""
+    layers = len(model.layers)
+    n = accum * (2 * layers + len(recompute)) + 1
+    if isinstance(strategy, DDPSpec):
+        n += accum * len(strategy.buckets)
+    elif isinstance(strategy, FSDPSpec):
+        n += accum * len(strategy.units) * (6 if hsdp else 5)
+    return n
 
 
 class _Resolver:
@@ -310,15 +330,7 @@ class _Resolver:
         world = settings.get("world")
         micro, accum = self.batch_arithmetic(seqs, world, settings)
         if model is not None and accum is not None and 2 * accum * len(model.layers) > MAX_OPS:
-            # compile time and memory grow with the ops of a step; keep both bounded
-            self.err(
-                "value-range",
-                f"{accum:,} micro-steps x {len(model.layers)} layers is "
-                f"{2 * accum * len(model.layers):,} forward and backward ops per step; "
-                f"schedc compiles at most {MAX_OPS:,}",
-                self.seen.get("micro") or self.seen.get("accumulate"),
-                hint="use a larger `micro` (fewer micro-steps per update)",
-            )
+            self.too_many_ops(accum, 2 * accum * len(model.layers), "forward and backward")
             micro, accum = None, None
         if model is not None and seq_len is not None and seq_len > model.block_size:
             self.err(
@@ -366,6 +378,13 @@ class _Resolver:
             model,
             strategy,
         )
+        if model is not None and accum is not None:
+            n = ops_per_step(
+                model, accum, strategy, recompute, mesh is not None and mesh.replicate > 1
+            )
+            if n > MAX_OPS:
+                self.too_many_ops(accum, n, "forward, backward, collective and free")
+                accum = None
         streams = self.streams(by_type.get(StreamDecl, []), strategy)
         programs = self.programs(by_type.get(Program, []), model, strategy, world, accum, streams)
         self.diag.raise_if_any()
@@ -390,6 +409,15 @@ class _Resolver:
             recompute=recompute,
             where=dict(self.seen),
             declared_mesh=mesh,
+        )
+
+    def too_many_ops(self, accum: int, n: int, what: str) -> None:
+        self.err(
+            "value-range",
+            f"{accum:,} micro-steps make {n:,} {what} ops per step; schedc compiles at most "
+            f"{MAX_OPS:,} (about 10 s and 300 MB on a 2-core CPU)",
+            self.seen.get("micro") or self.seen.get("accumulate"),
+            hint="use a larger `micro` (fewer micro-steps per update)",
         )
 
     def model(self, m: Model | None) -> tuple[str | None, GPTConfig | None]:

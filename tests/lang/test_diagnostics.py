@@ -385,10 +385,19 @@ FAIL = [
     pytest.param(
         "model nano\nworld 1\nbatch 2000000 x 32\nmicro 1",
         "value-range",
-        "2,000,000 micro-steps x 4 layers is 16,000,000 forward and backward ops",
+        "2,000,000 micro-steps make 16,000,000 forward and backward ops per step; schedc "
+        "compiles at most 32,000",
         "micro 1",
         "larger `micro`",
         id="value-too-many-ops",
+    ),
+    pytest.param(  # under the forward/backward count, over it with FSDP's gathers and frees
+        "model nano\nworld 1\nbatch 3000 x 32\nmicro 1\nfsdp { unit all = embed .. head }",
+        "value-range",
+        "3,000 micro-steps make 39,001 forward, backward, collective and free ops per step",
+        "micro 1",
+        "larger `micro`",
+        id="value-too-many-ops-fsdp",
     ),
     pytest.param(
         NANO + "ddp { bucket b1 = head, h.99  bucket b2 = h.0, embed }",
