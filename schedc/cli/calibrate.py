@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from schedc.cli.common import check_output, overrides
+from schedc.cli.common import check_distinct, check_output, overrides
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.viz.cost import CostModel
@@ -43,12 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.output:
         check_output("-o", args.output)
+        check_distinct(
+            ("-o", args.output), inputs=(("the trace", args.trace), ("--schedule", args.schedule))
+        )
     try:
         trace = load(args.trace)  # validated: otherData.schedule is a file name if present
-        path = args.schedule or (trace.get("otherData") or {}).get("schedule")
+        path = args.schedule or trace.schedule
         if not path:
             raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
-        if not Path(path).exists():
+        if not args.schedule and not _exists(path):
             raise UserError(
                 f"{args.trace} was recorded from {path}, which is not here; pass --schedule FILE"
             )
@@ -70,3 +73,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
         print(f"schedc: wrote {args.output} (use: schedc render ... --cost {args.output})")
     return 0
+
+
+def _exists(path: str) -> bool:
+    """Whether the trace's schedule is here (a name too long for the file system is not)."""
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):
+        return False

@@ -15,14 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from schedc.cli.common import check_output, overrides
+from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
 from schedc.lang.diagnostics import UserError
-from schedc.viz.cost import CostModel
+from schedc.viz.cost import CostModel, check_parameter
 from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import panels_for, timeline_dot
-from schedc.viz.trace import TraceError, calibrate, load
+from schedc.viz.trace import Trace, TraceError, calibrate, load
 from schedc.viz.units import parse_rate, parse_time
 
 HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
@@ -69,21 +69,33 @@ def cost_from_args(args: argparse.Namespace, base: CostModel | None = None) -> C
     """Flags > --cost file > `base` (default: CostModel's defaults)."""
     try:
         base = CostModel.load(args.cost) if args.cost else base or CostModel()
-        return base.with_(
-            flops=parse_rate(args.flops) if args.flops else None,
-            bandwidth=parse_rate(args.bandwidth) if args.bandwidth else None,
-            inter_bandwidth=parse_rate(args.inter_bandwidth) if args.inter_bandwidth else None,
-            node_size=_node_size(args.node_size),
-            latency=parse_time(args.latency) if args.latency is not None else None,
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(f"cost model: {e}") from None
+    except ValueError as e:
+        raise UserError(f"--cost {e}") from None
+    return base.with_(**cost_flags(args))
 
 
-def _node_size(n: int | None) -> float | None:
-    if n is not None and n < 1:
-        raise ValueError(f"--node-size must be >= 1, got {n}")
-    return float(n) if n is not None else None
+COST_FLAGS = ("--cost", "--flops", "--bandwidth", "--inter-bandwidth", "--node-size", "--latency")
+
+
+def cost_flags(args: argparse.Namespace) -> dict[str, float]:
+    """The cost flags given, each read and held to its parameter's range (viz/cost.py): a
+    UserError naming the flag when one is out of it."""
+    given = {}
+    for name, read in (
+        ("flops", parse_rate),
+        ("bandwidth", parse_rate),
+        ("inter_bandwidth", parse_rate),
+        ("node_size", float),
+        ("latency", parse_time),
+    ):
+        text = getattr(args, name)
+        if text is None:
+            continue
+        try:
+            given[name] = check_parameter(name, read(text))
+        except ValueError as e:
+            raise UserError(f"--{name.replace('_', '-')} {text}: {e}") from None
+    return given
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,6 +158,14 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join('.' + f for f in FORMATS)}"
         )
     check_output("-o", args.output)
+    check_distinct(
+        ("-o", args.output),
+        inputs=(
+            *(("a schedule", f) for f in args.files),
+            ("--trace", args.trace),
+            ("--cost", args.cost),
+        ),
+    )
     view = args.view or ("timeline" if args.trace else "graph")
     if args.trace and view == "graph":
         raise UserError("--trace draws a measured timeline; drop --view graph")
@@ -159,7 +179,22 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             "--compare sets the predicted timeline beside a measured one; add --trace RUN.json"
         )
+    priced = view == "timeline" and (not args.trace or args.compare)
+    unused = [f for f in COST_FLAGS if given(args, f)]
+    if unused and not priced:
+        raise UserError(
+            f"{unused[0]} prices a predicted timeline, which "
+            + ("a measured one without --compare" if args.trace else "the graph view")
+            + " does not draw: add "
+            + ("--compare" if args.trace else "--view timeline")
+        )
+    if priced:
+        cost_from_args(args)  # a bad --cost file or flag is said before any work
     compiled = [compile_file(f, overrides(args)) for f in args.files]
+    try:
+        trace = load(args.trace) if args.trace else None
+    except TraceError as e:
+        raise UserError(str(e)) from None
     for c in compiled:
         if args.rank is not None and not 0 <= args.rank < c.spec.world:
             raise UserError(f"--rank {args.rank}: {c.source.path} has ranks 0..{c.spec.world - 1}")
@@ -167,12 +202,17 @@ def run(args: argparse.Namespace) -> int:
         dot = graph_dot(compiled, args.rank, args.unfold)
         report = []
     else:
-        fitted = _fit_from_trace(compiled[0], args) if args.compare and not args.cost else None
+        fitted = (
+            _fit_from_trace(compiled[0], trace, args)
+            if trace and args.compare and not args.cost
+            else None
+        )
         panels = panels_for(
             compiled,
             cost_from_args(args, fitted),
             rank=args.rank,
-            trace=args.trace,
+            trace=trace,
+            trace_name=args.trace or "",
             step=args.step,
             compare=args.compare,
             cost_note=f"fitted to {Path(args.trace).name}" if fitted else "",
@@ -197,12 +237,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_from_trace(c: Compiled, args: argparse.Namespace) -> CostModel:
+def _fit_from_trace(c: Compiled, trace: Trace, args: argparse.Namespace) -> CostModel:
     """--compare without --cost: the prediction is priced by the model `schedc calibrate`
     fits to the very trace it is compared with (defaults would predict a GPU: a 100 us
     strip above a 275 ms CPU step). Says so, and what it fitted, in one line."""
     try:
-        fit = calibrate(c, load(args.trace), name=args.trace)
+        fit = calibrate(c, trace, name=args.trace)
     except TraceError as e:
         raise UserError(str(e)) from None
     flags = [

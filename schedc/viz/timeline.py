@@ -27,7 +27,7 @@ from schedc.viz.dot import COLORS, FONT, REPLICATE_COLORS, attrs, colors_of, q
 from schedc.viz.graph import describe
 from schedc.viz.overlap import Overlap, overlap
 from schedc.viz.simulate import Interval, Timeline, simulate
-from schedc.viz.trace import TraceError, load, measured
+from schedc.viz.trace import Trace, TraceError, measured
 from schedc.viz.units import fmt_time
 
 WIDTH = 1400.0  # points of time axis
@@ -76,7 +76,8 @@ def panels_for(
     cost: CostModel,
     *,
     rank: int | None = None,
-    trace: str | None = None,
+    trace: Trace | None = None,
+    trace_name: str = "trace",
     step: int | None = None,
     compare: bool = False,
     cost_note: str = "",
@@ -85,11 +86,11 @@ def panels_for(
     `trace` (with the prediction above it when `compare`); one rank, or all. `cost_note`
     says where the cost model came from, in the predicted panels' subtitles."""
     ranks = [rank] if rank is not None else None
-    if not trace:
+    if trace is None:
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
     c = compiled[0]
     try:
-        tl = measured(c, load(trace), step, ranks, name=trace)
+        tl = measured(c, trace, step, ranks, name=trace_name)
     except TraceError as e:
         raise UserError(str(e)) from None
     panels = []

@@ -1,7 +1,8 @@
 """Measured timelines from `schedc run --trace` files, and the cost model fitted to them.
 
+    load(path)                             -> Trace      the file, checked, its op spans kept
     measured(compiled, trace, step, ranks) -> Timeline   one step's spans, per rank and stream
-    chrome_trace(timeline)                 -> dict       a timeline as a trace (for tests)
+    chrome_trace(timeline)                 -> dict       a timeline as a trace file's JSON
     calibrate(compiled, trace)             -> Fit        compute throughput from fwd/bwd spans,
                                                          bandwidth and latency from collectives
 
@@ -12,9 +13,11 @@ imports torch.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +43,7 @@ class TraceError(ValueError):
     """The trace cannot be read, or does not belong to the schedule it is drawn with."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TracedOp:
     """One op span of a trace: when a rank ran it, on which stream, in which step."""
 
@@ -53,26 +56,41 @@ class TracedOp:
     index: int = -1  # the event's position in traceEvents, for messages
 
 
+@dataclass(frozen=True)
+class Trace:
+    """A trace as schedc reads it: the op spans (every "X" event named by an op, its stream
+    resolved), the probe events of `--probe`, and the schedule it names. Every other event
+    is dropped on reading, so a 256 MiB file of 1.7 million spans is held in about 350 MB
+    (docs/benchmarks.md, "Large traces")."""
+
+    spans: list[TracedOp]
+    probes: list[tuple[int, dict]]  # (index in traceEvents, event) with cat "probe"
+    schedule: str | None = None  # otherData.schedule: the file the run compiled
+
+
 MAX_BYTES = 256 << 20  # the largest trace file schedc reads (~1.7M events of ~155 bytes)
 MAX_US = 1e18  # ts and dur bound, microseconds (31,700 years; epoch-based clocks fit)
 MAX_RANK = 2**31 - 1
+CHUNK = 4 << 20  # bytes read at a time by the streaming reader
 
 
-def load(path: str | Path) -> dict:
-    """The trace at `path`, read (a regular file, at most MAX_BYTES) and checked against the
-    schema (`validate`) before anything else looks at it; every failure is one TraceError."""
+def load(path: str | Path) -> Trace:
+    """The trace at `path`: a regular file of at most MAX_BYTES (its size known before a
+    byte is read), checked against the schema before anything else looks at it. Every
+    failure is one TraceError.
+
+    Read as a stream: the events are decoded one at a time and only those schedc reads are
+    kept (`_Reader`), so memory follows the spans, not the text. A file the stream cannot
+    take in its stride (a syntax error, a schema error, an unusual envelope) is read again
+    whole and judged by `validate`, so every message is the same as for the parsed JSON."""
     path = Path(path)
-    try:
-        # O_NONBLOCK: opening a FIFO would wait for a writer; reading it (or /dev/zero)
-        # would never end, so anything but a regular file is refused before the first read
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}") from None
-    if raw is None:
-        raise TraceError(f"cannot read trace {path}: not a regular file")
-    if len(raw) > MAX_BYTES:
+    with _open(path) as f:
+        try:
+            return _Stream(f, str(path)).trace()
+        except _Unstreamable:
+            f.seek(0)
+            raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:  # grown since it was opened
         raise TraceError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a trace schedc reads")
     try:
         data = json.loads(raw)
@@ -85,6 +103,207 @@ def load(path: str | Path) -> dict:
     return validate(data, str(path))
 
 
+def _open(path: Path):
+    """The file, opened for reading if it is a regular file of at most MAX_BYTES."""
+    try:
+        # O_NONBLOCK: opening a FIFO would wait for a writer; reading it (or /dev/zero)
+        # would never end, so anything but a regular file is refused before the first read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise TraceError(f"cannot read trace {path}: {getattr(e, 'strerror', None) or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise TraceError(f"cannot read trace {path}: not a regular file")
+    if st.st_size > MAX_BYTES:
+        os.close(fd)
+        raise TraceError(f"{path}: larger than {MAX_BYTES >> 20} MiB; not a trace schedc reads")
+    return os.fdopen(fd, "rb")
+
+
+class _Unstreamable(Exception):
+    """The streaming reader stops: the file is judged whole instead (`load`)."""
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+class _Stream:
+    """A trace file decoded one event at a time: the envelope (an object whose traceEvents is
+    a list, or a list of events) walked by hand, each event and every other value decoded
+    by json's own scanner. Anything unusual raises _Unstreamable."""
+
+    def __init__(self, f, name: str):
+        self.f, self.name = f, name
+        self.text, self.pos, self.eof = "", 0, False
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.want = CHUNK
+
+    def trace(self) -> Trace:
+        reader = _Reader(self.name)
+        try:
+            first = self._peek()
+            if first == "[":
+                self._events(reader, "")
+            elif first == "{":
+                self._envelope(reader)
+            else:
+                raise _Unstreamable
+            if self._peek() != "":  # extra data after the top value
+                raise _Unstreamable
+            return reader.trace()
+        except (ValueError, RecursionError, TraceError):  # judged again, whole, by validate
+            raise _Unstreamable from None
+
+    def _envelope(self, reader: _Reader) -> None:
+        self.pos += 1
+        keys: set[str] = set()
+        if self._peek() == "}":
+            raise _Unstreamable  # no traceEvents: validate says so
+        while True:
+            key = self._value()
+            if not isinstance(key, str) or key in keys or self._peek() != ":":
+                raise _Unstreamable
+            keys.add(key)
+            self.pos += 1
+            self._peek()
+            if key == "traceEvents":
+                if self._peek() != "[":
+                    raise _Unstreamable
+                self._events(reader, "traceEvents")
+            elif key == "otherData":
+                reader.other(self._value())
+            else:
+                self._value()
+            sep = self._peek()
+            self.pos += 1
+            if sep == "}":
+                break
+            if sep != ",":
+                raise _Unstreamable
+        if "traceEvents" not in keys:
+            raise _Unstreamable
+
+    def _events(self, reader: _Reader, where: str) -> None:
+        self.pos += 1
+        if self._peek() == "]":
+            self.pos += 1
+            return
+        i = 0
+        while True:
+            reader.add(i, self._value(), where)
+            i += 1
+            sep = self._peek()
+            self.pos += 1
+            if sep == "]":
+                return
+            if sep != ",":
+                raise _Unstreamable
+
+    def _peek(self) -> str:
+        """The next character that is not whitespace ('' at the end), reading on as needed."""
+        while True:
+            self.pos = _WS.match(self.text, self.pos).end()
+            if self.pos < len(self.text) or not self._more():
+                return self.text[self.pos : self.pos + 1]
+
+    def _value(self):
+        """The JSON value at the cursor. A value must end before the text read so far does
+        (or at the end of the file): `12` read so far may be the start of `1234`."""
+        self._peek()
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.text, self.pos)
+                if end < len(self.text) or self.eof:
+                    self.pos = end
+                    return value
+            except ValueError:
+                if self.eof:
+                    raise
+            self._more(grow=True)
+
+    def _more(self, grow: bool = False) -> bool:
+        """Read on: the rest of the text, then up to `want` bytes (doubled each time a
+        value is cut, so one long value costs linear time). False at the end of the file."""
+        if self.eof:
+            return False
+        if grow:
+            self.want *= 2
+        chunk = self.f.read(self.want)
+        self.eof = not chunk
+        self.text = self.text[self.pos :] + self.utf8.decode(chunk, final=self.eof)
+        self.pos = 0
+        return not self.eof or self.pos < len(self.text)
+
+
+class _Reader:
+    """Events in, a Trace out: each event checked against the schema (`_event`) and kept
+    only if schedc reads it; names, streams and steps shared, so a million spans of a few
+    dozen ops hold a few dozen strings."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.spans: list[TracedOp] = []
+        self.unresolved: list[tuple[int, int, object]] = []  # (position, pid, tid)
+        self.threads: dict[tuple[int, object], str] = {}
+        self.probes: list[tuple[int, dict]] = []
+        self.schedule: str | None = None
+        self.ops: dict[str, Op | None] = {}
+        self.shared: dict = {}
+
+    def other(self, other) -> None:
+        _object(other, f"{self.name}: otherData")
+        if "schedule" in other:
+            _path_text(other["schedule"], f"{self.name}: otherData.schedule")
+            self.schedule = other["schedule"]
+
+    def add(self, i: int, e, where: str) -> None:
+        _event(e, f"{self.name}: {where}[{i}]", self._op)
+        ph = e["ph"]
+        if ph == "X":
+            if e.get("cat") == "probe":
+                self.probes.append((i, e))
+            op = self._op(e)
+            if op is None:
+                return
+            args = e.get("args") or {}
+            stream = args.get("stream")
+            if not stream:
+                self.unresolved.append((len(self.spans), e["pid"], e.get("tid")))
+            ts = float(e["ts"]) / 1e6
+            share = self.shared.setdefault
+            self.spans.append(
+                TracedOp(
+                    share(e["pid"], e["pid"]),
+                    share(args.get("step") or 0, args.get("step") or 0),
+                    share(stream, stream) if stream else "",
+                    op,
+                    ts,
+                    ts + float(e["dur"]) / 1e6,
+                    i,
+                )
+            )
+        elif ph == "M" and e.get("name") == "thread_name":
+            self.threads[(e["pid"], e["tid"])] = e["args"]["name"]
+
+    def _op(self, e) -> Op | None:
+        name = e.get("name", "")
+        if name not in self.ops:
+            try:
+                self.ops[name] = Op.parse(name)
+            except OpSyntaxError:
+                self.ops[name] = None
+        return self.ops[name]
+
+    def trace(self) -> Trace:
+        """The Trace, each span without args.stream given its thread's name (or the tid)."""
+        for n, pid, tid in self.unresolved:
+            stream = self.threads.get((pid, tid)) or str(tid)
+            self.spans[n] = replace(self.spans[n], stream=self.shared.setdefault(stream, stream))
+        return Trace(self.spans, self.probes, self.schedule)
+
+
 # -- the schema: what schedc reads from a trace (docs/trace.md) ---------------------------------
 #
 # The envelope of every event (an object; `ph` a string; `name`, if present, a string) is
@@ -93,11 +312,11 @@ def load(path: str | Path) -> dict:
 # "thread_name" events. Every other event, and every field not named here, is ignored.
 
 
-def validate(data, path: str) -> dict:
-    """`data` (parsed JSON) as a trace dict, or TraceError naming the first bad field."""
+def validate(data, path: str) -> Trace:
+    """`data` (parsed JSON) as a Trace, or TraceError naming the first bad field."""
+    reader = _Reader(path)
     if isinstance(data, list):  # Chrome's JSON Array Format: the events alone
         events, where = data, ""
-        data = {"traceEvents": data}
     else:
         if not isinstance(data, dict):
             raise TraceError(
@@ -110,17 +329,15 @@ def validate(data, path: str) -> dict:
                 f"{path}: traceEvents: expected a list of events, got "
                 f"{_shown(events) if 'traceEvents' in data else 'nothing'}"
             )
-        other = data.get("otherData")
-        if other is not None:
-            _object(other, f"{path}: otherData")
-            if "schedule" in other:
-                _path_text(other["schedule"], f"{path}: otherData.schedule")
+        if data.get("otherData") is not None:
+            reader.other(data["otherData"])
     for i, e in enumerate(events):
-        _event(e, f"{path}: {where}[{i}]")
-    return data
+        reader.add(i, e, where)
+    return reader.trace()
 
 
-def _event(e, at: str) -> None:
+def _event(e, at: str, op=None) -> None:
+    """Check one event; `op(e)` is its op, or None (a name that is no op's)."""
     _object(e, at)
     if not isinstance(e.get("ph"), str):
         raise TraceError(
@@ -129,7 +346,7 @@ def _event(e, at: str) -> None:
         )
     if "name" in e and not isinstance(e["name"], str):
         raise TraceError(f"{at}.name: expected a string, got {_shown(e['name'])}")
-    if e["ph"] == "X" and _op(e) is not None:
+    if e["ph"] == "X" and (op or _op)(e) is not None:
         _rank(e, "pid", at)
         _thread(e, at)
         _time(e, "ts", at)
@@ -239,31 +456,10 @@ def _shown(v) -> str:
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
 
 
-def spans(trace: dict) -> list[TracedOp]:
-    """Every op span in the trace (events whose name is not an op are skipped); `trace` is
-    one `load` or `validate` accepted, so every field read here has its schema's type."""
-    threads = {
-        (e["pid"], e["tid"]): e["args"]["name"]
-        for e in trace["traceEvents"]
-        if e["ph"] == "M" and e.get("name") == "thread_name"
-    }
-    out = []
-    for n, e in enumerate(trace["traceEvents"]):
-        if e["ph"] != "X" or (op := _op(e)) is None:
-            continue
-        args = e.get("args") or {}
-        stream = args.get("stream") or threads.get((e["pid"], e.get("tid"))) or str(e.get("tid"))
-        ts = float(e["ts"]) / 1e6
-        out.append(
-            TracedOp(e["pid"], args.get("step") or 0, stream, op, ts, ts + float(e["dur"]) / 1e6, n)
-        )
-    return out
-
-
 PROBE_KINDS = {k.value: k for k in (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.REDUCESCATTER)}
 
 
-def probes(trace: dict, name: str = "trace") -> dict[Kind, list[tuple[float, float]]]:
+def probes(trace: Trace, name: str = "trace") -> dict[Kind, list[tuple[float, float]]]:
     """The collective probe of `schedc run --trace --probe` (exec/probe.py), per kind:
     (volume, seconds) points, volume = ring factor x the full buffer's bytes, and time from
     the last rank's start to the last rank's end, the median of the repetitions."""
@@ -294,7 +490,7 @@ def probes(trace: dict, name: str = "trace") -> dict[Kind, list[tuple[float, flo
 COMPUTE_PROBES = {"fwd": Kind.FWD, "bwd": Kind.BWD}
 
 
-def compute_probes(trace: dict, name: str = "trace") -> list[tuple[Op, int, float]]:
+def compute_probes(trace: Trace, name: str = "trace") -> list[tuple[Op, int, float]]:
     """The compute probe of `schedc run --trace --probe` (exec/probe.py): (op, micro size,
     seconds) per layer, kind and micro size, the median over ranks and repetitions."""
     timed: dict[tuple[Op, int], list[float]] = {}
@@ -312,11 +508,9 @@ def compute_probes(trace: dict, name: str = "trace") -> list[tuple[Op, int, floa
     return [(op, micro, _median(ts)) for (op, micro), ts in sorted(timed.items(), key=str)]
 
 
-def _probe_events(trace: dict, name: str):
+def _probe_events(trace: Trace, name: str):
     """(event, where, args) of every probe event, args checked to be an object."""
-    for i, e in enumerate(trace["traceEvents"]):
-        if e.get("ph") != "X" or e.get("cat") != "probe":
-            continue
+    for i, e in trace.probes:
         at = f"{name}: traceEvents[{i}]"
         args = e.get("args")
         _object(args, f"{at}.args", present="args" in e)
@@ -348,20 +542,20 @@ def _against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
             )
 
 
-def steps(trace: dict) -> list[int]:
-    return sorted({s.step for s in spans(trace)})
+def steps(trace: Trace) -> list[int]:
+    return sorted({s.step for s in trace.spans})
 
 
 def measured(
     compiled: Compiled,
-    trace: dict,
+    trace: Trace,
     step: int | None = None,
     ranks: list[int] | None = None,
     name: str = "trace",
 ) -> Timeline:
     """One step of the trace as a Timeline; times from the step's first span on any shown rank
     (on one machine every rank's clock is the same CLOCK_MONOTONIC, so ranks line up)."""
-    every = spans(trace)
+    every = trace.spans
     if not every:
         raise TraceError(f"{name} holds no op spans; was it written by `schedc run --trace`?")
     have = sorted({s.step for s in every})
@@ -437,7 +631,10 @@ def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
             ev["args"]["launch_us"] = i.start * 1e6
             ev["args"]["complete_us"] = i.end * 1e6
         events.append(ev)
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": path}}
+    trace: dict = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path:
+        trace["otherData"] = {"schedule": path}
+    return trace
 
 
 # -- calibration -----------------------------------------------------------------------------------
@@ -509,7 +706,7 @@ class Fit:
 
 
 def calibrate(
-    compiled: Compiled, trace: dict, base: CostModel | None = None, name: str = "trace"
+    compiled: Compiled, trace: Trace, base: CostModel | None = None, name: str = "trace"
 ) -> Fit:
     """Least squares over the ops of the trace, skipping step 0 (warm-up) if there are more.
 
@@ -533,7 +730,7 @@ def calibrate(
     What a trace cannot determine keeps `base`'s value, with a note.
     """
     spec, base = compiled.spec, base or CostModel()
-    every = spans(trace)
+    every = trace.spans
     have = sorted({s.step for s in every})
     used = [s for s in every if s.step != have[0]] if len(have) > 1 else every
     if not used:

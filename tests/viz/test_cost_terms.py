@@ -15,7 +15,13 @@ from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
 from schedc.viz.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
 from schedc.viz.simulate import simulate
-from schedc.viz.trace import _nnls, calibrate, chrome_trace
+from schedc.viz.trace import _nnls, calibrate, chrome_trace, load, validate
+
+
+def traced(timeline):
+    """A simulated timeline as `schedc run --trace` would have traced it, read back."""
+    return validate(chrome_trace(timeline), "trace")
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +48,7 @@ def sched(name: str):
 @pytest.mark.parametrize("name", ["tiny_fsdp_prefetch", "gpt2_8gpu", "tiny_ddp_overlap"])
 def test_calibrate_fits_every_term_back(name):
     c = sched(name)
-    fit = calibrate(c, chrome_trace(simulate(c, TRUE)))
+    fit = calibrate(c, traced(simulate(c, TRUE)))
     got = fit.cost
     assert getattr(got, fit.compute_key) == pytest.approx(42e9, rel=1e-6)
     fsdp = c.spec.kind is Strategy.FSDP
@@ -68,7 +74,7 @@ def test_a_flops_only_trace_fits_no_extra_terms():
     the non-negative least squares drops the columns it does not need."""
     c = sched("tiny_ddp_overlap")
     true = CostModel(flops=80e12, bandwidth=40e9, latency=20e-6)
-    fit = calibrate(c, chrome_trace(simulate(c, true)))
+    fit = calibrate(c, traced(simulate(c, true)))
     assert fit.cost.flops_tf32 == pytest.approx(80e12, rel=1e-6)
     assert fit.cost.overhead == pytest.approx(0, abs=1e-15)
     assert fit.cost.grad_bandwidth is None
@@ -152,7 +158,7 @@ def test_merged_fits_take_each_parameter_from_the_trace_that_measured_it(tmp_pat
     assert merged.grad_bandwidth == pytest.approx(TRUE.grad_bandwidth, rel=1e-6)
     for field in ("bandwidth", "latency", "gather_bandwidth", "scatter_latency"):
         assert getattr(merged, field) == pytest.approx(getattr(TRUE, field), rel=1e-6), field
-    alone = calibrate(compile_file(runs[1].file), json.loads(runs[1].trace.read_text()))
+    alone = calibrate(compile_file(runs[1].file), load(runs[1].trace))
     assert "bandwidth" not in alone.measured and "gather_bandwidth" in alone.measured
     assert alone.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)  # the stand-in
 
@@ -196,14 +202,14 @@ def test_the_probe_prices_the_kind_the_schedule_never_runs():
     trace = chrome_trace(simulate(c, TRUE))
     other = replace(TRUE, gather_bandwidth=9e8, scatter_bandwidth=8e8)  # not the ops' rates
     trace["traceEvents"] += probe_events(other)
-    fit = calibrate(c, trace)
+    fit = calibrate(c, validate(trace, "trace"))
     assert fit.cost.bandwidth == pytest.approx(TRUE.bandwidth, rel=1e-6)
     assert fit.cost.latency == pytest.approx(TRUE.latency, rel=1e-6)
     assert fit.cost.gather_bandwidth == pytest.approx(TRUE.gather_bandwidth, rel=1e-6)
     assert fit.cost.scatter_bandwidth == pytest.approx(TRUE.scatter_bandwidth, rel=1e-6)
     assert "allreduce: fitted to the probe's 3 sizes" in fit.notes
     assert {"bandwidth", "latency"} <= fit.measured
-    without = calibrate(c, chrome_trace(simulate(c, TRUE)))  # no probe: every kind together
+    without = calibrate(c, traced(simulate(c, TRUE)))  # no probe: every kind together
     assert without.cost.bandwidth != pytest.approx(TRUE.bandwidth, rel=1e-3)
 
 
@@ -212,7 +218,7 @@ def test_a_malformed_probe_event_is_named():
 
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
-        probes(bad)
+        probes(validate(bad, "trace"))
 
 
 def compute_probe_events(c, true: CostModel, ranks: int = 2) -> list[dict]:
@@ -255,12 +261,12 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
     c = sched("tiny_ddp_overlap")
     trace = chrome_trace(simulate(c, TRUE))
     trace["traceEvents"] += compute_probe_events(c, TRUE)
-    fit = calibrate(c, trace)
+    fit = calibrate(c, validate(trace, "trace"))
     assert fit.cost.flops_tf32 == pytest.approx(TRUE.flops, rel=1e-6)
     assert fit.cost.grad_bandwidth == pytest.approx(TRUE.grad_bandwidth, rel=1e-6)
     assert fit.cost.overhead == pytest.approx(TRUE.overhead, rel=1e-6)
     assert any("compute: with the probe's 12 layer timings at micro 1, 2" in n for n in fit.notes)
-    alone = calibrate(c, chrome_trace(simulate(c, TRUE)))
+    alone = calibrate(c, traced(simulate(c, TRUE)))
     assert fit.compute_n == alone.compute_n + 12  # the schedule's distinct ops, the probe's
 
 
@@ -273,7 +279,7 @@ def test_a_compute_probe_of_another_model_or_malformed_is_named():
     bad = compute_probe_events(c, TRUE)[:1]
     bad[0]["args"] = dict(bad[0]["args"], layer="h.99")
     with pytest.raises(TraceError, match="the probe timed layer 'h.99'"):
-        calibrate(c, {"traceEvents": trace["traceEvents"] + bad})
+        calibrate(c, validate({"traceEvents": trace["traceEvents"] + bad}, "trace"))
     broken = {"traceEvents": [dict(bad[0], args={"kind": "fwd", "layer": "h.0"})]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a compute probe needs"):
-        compute_probes(broken)
+        compute_probes(validate(broken, "trace"))

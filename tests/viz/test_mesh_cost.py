@@ -10,7 +10,7 @@ from schedc.compiler import compile_file
 from schedc.ir.op import Kind
 from schedc.viz.cost import CostModel, duration, spans_nodes
 from schedc.viz.simulate import simulate
-from schedc.viz.trace import calibrate, chrome_trace
+from schedc.viz.trace import calibrate, chrome_trace, validate
 from tests.conftest import REPO
 
 TWO_NODES = CostModel(bandwidth=100e9, inter_bandwidth=12.5e9, node_size=8)
@@ -52,7 +52,7 @@ def test_a_gather_within_a_node_moves_the_node_share_at_nvlink_speed():
 def test_calibrate_fits_both_bandwidths():
     hsdp = sched("gpt2_2x8_hsdp")
     true = CostModel(flops=42e12, bandwidth=90e9, inter_bandwidth=11e9, node_size=8, latency=20e-6)
-    fit = calibrate(hsdp, chrome_trace(simulate(hsdp, true)), CostModel(node_size=8))
+    fit = calibrate(hsdp, validate(chrome_trace(simulate(hsdp, true)), "t"), CostModel(node_size=8))
     assert fit.cost.bandwidth == pytest.approx(90e9, rel=1e-6)
     assert fit.cost.inter_bandwidth == pytest.approx(11e9, rel=1e-6)
     assert fit.inter_n > 0 and "across nodes" in fit.report()

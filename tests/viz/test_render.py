@@ -24,7 +24,7 @@ from schedc.viz.graph import graph_dot
 from schedc.viz.overlap import overlap
 from schedc.viz.simulate import simulate
 from schedc.viz.timeline import Panel, panels_for, timeline_dot
-from schedc.viz.trace import calibrate, chrome_trace, load, measured
+from schedc.viz.trace import calibrate, chrome_trace, load, measured, validate
 from schedc.viz.units import parse_rate, parse_time
 from tests.goldens import GOLDEN, assert_golden
 
@@ -355,7 +355,7 @@ def test_every_collective_is_labelled_or_in_the_table(path):
     _assert_every_collective_named(Panel.of(c, simulate(c)))
     slow_comm = CostModel(bandwidth=20e9, latency=40e-6)
     _assert_every_collective_named(
-        Panel.of(c, measured(c, chrome_trace(simulate(c, slow_comm), step=1)))
+        Panel.of(c, measured(c, validate(chrome_trace(simulate(c, slow_comm), step=1), "t")))
     )
 
 
@@ -377,7 +377,7 @@ def test_the_same_op_has_one_label_on_every_rank():
             if e1.get("cat") == "collective":
                 e1["dur"] /= 3
             trace["traceEvents"].append(e1)
-    tl = measured(c, trace)
+    tl = measured(c, validate(trace, "t"))
     assert tl.ranks == (0, 1)
     labels, _, _ = _naming(timeline_dot([Panel.of(c, tl)]))
     for iv in tl.intervals:
@@ -400,7 +400,7 @@ def test_calibrate_recovers_a_synthetic_trace(name):
         norm_bandwidth=0.9e12,
         free=3e-6,
     )
-    fit = calibrate(c, chrome_trace(simulate(c, true)))
+    fit = calibrate(c, validate(chrome_trace(simulate(c, true)), "t"))
     assert fit.cost.flops is None  # the fitted rate is the schedule's compute dtype's
     assert fit.compute_key == CostModel().rate_key(c.spec.numerics)
     assert getattr(fit.cost, fit.compute_key) == pytest.approx(42e12, rel=1e-6)
@@ -539,7 +539,7 @@ def test_compare_without_cost_fits_the_model_to_the_trace(real_trace, capsys):
 def test_every_collective_of_a_real_trace_is_named(real_trace):
     c = compile_file(real_trace / "w1.sched")
     for panel in panels_for(
-        [c], CostModel(), trace=str(real_trace / "t.json"), step=None, compare=True
+        [c], CostModel(), trace=load(real_trace / "t.json"), step=None, compare=True
     ):
         _assert_every_collective_named(panel)
 
@@ -549,7 +549,7 @@ def test_a_real_trace_has_step_slices_and_one_name_per_op(real_trace):
     """Perfetto shows each step as a slice `step N` on a "steps" track drawn first; every op
     span of step N lies inside it; each op is one span per step named by its IR text."""
     c = compile_file(real_trace / "w1.sched")
-    events = load(real_trace / "t.json")["traceEvents"]
+    events = json.loads((real_trace / "t.json").read_text())["traceEvents"]
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
     }
@@ -644,7 +644,15 @@ def test_without_graphviz_the_message_names_the_command_that_draws_the_view(
         (["-o", "x.dot", "--window", "mb1:"], "add --view timeline"),
         (["-o", "x.dot", "--view", "timeline", "--window", "mb7:"], "no micro-step mb7"),
         (["-o", "x.dot", "--rank", "8"], "has ranks 0..7"),
-        (["-o", "x.dot", "--view", "timeline", "--flops", "fast"], "cost model"),
+        (
+            ["-o", "x.dot", "--view", "timeline", "--flops", "fast"],
+            "--flops fast: 'fast' is not a rate",
+        ),
+        (
+            ["-o", "x.dot", "--view", "timeline", "--latency", "inf"],
+            "latency must be between 0 and",
+        ),
+        (["-o", "x.dot", "--flops", "300T"], "--flops prices a predicted timeline"),
     ],
 )
 def test_usage_errors(argv, message, tmp_path, capsys, monkeypatch):
