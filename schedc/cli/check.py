@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from schedc.cli.common import add_override_args, overrides
+from schedc.cli.common import add_override_args, overrides, require
 from schedc.compiler import Compiled, compile_file
 from schedc.ir.op import COMPUTE, Kind
 from schedc.ir.plan import Action, Plan
@@ -17,6 +17,9 @@ from schedc.lang.resources import bundled_schedules
 from schedc.passes.memory import fmt_bytes, traffic
 
 HELP = "prove schedules legal; print a summary or a stage's text"
+
+# (flag, the flag it needs, what it does): alone, it would be silently ignored
+NEEDS = [("--rank", "--dump", "picks the rank whose graph, program or plan --dump prints")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require(args, NEEDS)
     files = [Path(f) for f in args.files] or bundled_schedules()
     if args.dump and len(files) != 1 and args.files:
         raise UserError("--dump takes one file")

@@ -157,9 +157,13 @@ def _name_fits(flag: str, path: str, p: Path) -> None:
         )
 
 
-def check_distinct(*outputs: tuple[str, str | None]) -> None:
+def check_distinct(
+    *outputs: tuple[str, str | None], inputs: tuple[tuple[str, str | None], ...] = ()
+) -> None:
     """Refuse two output flags that name the same path (`tune -o X --write-top X`): the
-    second would fail after all the work, or overwrite the first."""
+    second would fail after all the work, or overwrite the first; and an output that names
+    a file the command reads (`run s.sched --log-json s.sched` appended a log line to the
+    schedule, `render t.json --trace t.json -o ...`)."""
     seen: dict[Path, str] = {}
     for flag, path in outputs:
         if not path:
@@ -168,3 +172,46 @@ def check_distinct(*outputs: tuple[str, str | None]) -> None:
         if key in seen:
             raise UserError(f"{flag} {path}: {seen[key]} writes there too; give each its own")
         seen[key] = flag
+        for source, read in inputs:
+            if read and _same_file(path, read):
+                raise UserError(
+                    f"{flag} {path}: that is {source}, which this command reads; write elsewhere"
+                )
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def option_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether the user set `flag` (flags that depend on others default to None, not to
+    their documented default, so that setting one alone can be told apart)."""
+    value = getattr(args, option_dest(flag), None)
+    return not (value is None or value is False)
+
+
+def require(args: argparse.Namespace, rules: list[tuple[str, str, str]]) -> None:
+    """Refuse a flag that would be silently ignored: each rule (flag, needed, why) says that
+    `flag` does something only together with `needed` (given, and not 0: `--measure 0`
+    measures nothing)."""
+    for flag, needed, why in rules:
+        if given(args, flag) and not getattr(args, option_dest(needed), None):
+            value = getattr(args, option_dest(flag))
+            shown = f"{flag} {value}" if value is not True else flag
+            raise UserError(f"{shown} {why}: it needs {needed}")
+
+
+def defaults(args: argparse.Namespace, **values) -> None:
+    """Fill in the documented defaults of the flags `require` judged (None until then)."""
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)

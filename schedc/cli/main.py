@@ -68,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _refuse_blank(args: argparse.Namespace) -> None:
+    """An empty or blank value is never a value: `--resume ""` used to mean no --resume, and
+    `--cost " "` was read as no cost file. Refused before any work, for every verb's flags
+    and file arguments alike."""
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and not v.strip():
+                name = max(action.option_strings, key=len, default=action.metavar or action.dest)
+                raise UserError(f"{name}: the value is empty")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run" and _under_torchrun():
@@ -81,6 +94,7 @@ def _verb(args: argparse.Namespace) -> tuple[int, str, str | None]:
     """Run the verb; print its error, if any. Returns (exit code, the error as printed,
     an internal error's traceback)."""
     try:
+        _refuse_blank(args)
         return VERBS[args.command].run(args) or 0, "", None
     except CompileError as e:
         return _say(EXIT_USER, _report(e))

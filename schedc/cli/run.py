@@ -17,13 +17,22 @@ from schedc.cli.common import (
     add_override_args,
     check_distinct,
     check_output,
+    defaults,
     overrides,
+    require,
 )
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.lang.resources import default_schedule
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
+
+# (flag, the flag it needs, what it does): alone, it would be silently ignored
+NEEDS = [
+    ("--probe", "--trace", "times collectives and layers for the trace"),
+    ("--save-every", "--save", "says how often --save writes a checkpoint"),
+    ("--keep", "--save", "says how many checkpoints --save keeps"),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,14 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-every",
         type=POSITIVE,
-        default=100,
         metavar="N",
         help="checkpoint every N steps, and after the last (default 100)",
     )
     p.add_argument(
         "--keep",
         type=COUNT,
-        default=2,
         metavar="N",
         help="with --save: the newest N checkpoints are kept, older ones deleted "
         "(default 2; 0 keeps every one)",
@@ -113,11 +120,19 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and not value.strip():
             raise UserError(f"{flag}: the path is empty")
     check_output("--trace", args.trace)
-    if args.probe and not args.trace:
-        raise UserError("--probe times collectives and layers for the trace: it needs --trace FILE")
+    require(args, NEEDS)
+    defaults(args, save_every=100, keep=2)
     check_output("--log-json", args.log_json)
     check_output("--save", args.save, directory=True)
-    check_distinct(("--trace", args.trace), ("--log-json", args.log_json), ("--save", args.save))
+    check_distinct(
+        ("--trace", args.trace),
+        ("--log-json", args.log_json),
+        ("--save", args.save),
+        inputs=(
+            ("the schedule", args.file or str(default_schedule())),
+            ("--checkpoint-key", args.checkpoint_key),
+        ),
+    )
     compiled = compile_file(args.file or str(default_schedule()), ov)
     try:
         import torch  # noqa: F401

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output
+from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
 from schedc.cli.render import add_cost_args, cost_from_args
 from schedc.ir.spec import POLICIES
 from schedc.lang.diagnostics import UserError
@@ -27,6 +27,14 @@ from schedc.tune.space import Base, fmt_size
 from schedc.viz.units import fmt_rate, fmt_time
 
 HELP = "search the legal schedules of a file for the fastest that fits, and write it"
+
+# (flag, the flag it needs, what it does): alone, it would be silently ignored
+NEEDS = [
+    ("--steps", "--measure", "sets the steps of each measured run"),
+    ("--rounds", "--measure", "repeats the measured runs"),
+    ("--timeout", "--measure", "bounds each measured run"),
+    ("--fit", "--measure", "writes the cost model fitted to the measured runs"),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,17 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--measure", type=COUNT, default=0, metavar="K", help="run the best K (at most --top)"
     )
-    g.add_argument("--steps", type=POSITIVE, default=4, help="steps per measured run (default 4)")
+    g.add_argument("--steps", type=POSITIVE, help="steps per measured run (default 4)")
     g.add_argument(
         "--rounds",
         type=POSITIVE,
-        default=1,
         help="run the K finalists this many times, interleaved, each measured as the median "
         "of its rounds (default 1; on a shared or throttling machine, 3)",
     )
-    g.add_argument(
-        "--timeout", type=POSITIVE, default=600, help="seconds per measured run (default 600)"
-    )
+    g.add_argument("--timeout", type=POSITIVE, help="seconds per measured run (default 600)")
     g.add_argument(
         "--fit", metavar="PARAMS.json", help="write the cost model fitted to the measured traces"
     )
@@ -112,11 +117,16 @@ def run(args: argparse.Namespace) -> int:
     check_output("-o", args.output)
     check_output("--fit", args.fit)
     check_output("--write-top", args.write_top, directory=True)
-    check_distinct(("-o", args.output), ("--fit", args.fit), ("--write-top", args.write_top))
+    check_distinct(
+        ("-o", args.output),
+        ("--fit", args.fit),
+        ("--write-top", args.write_top),
+        inputs=(("the schedule", args.file), ("--cost", args.cost)),
+    )
     if args.measure > args.top:
         raise UserError(f"--measure {args.measure}: at most --top ({args.top})")
-    if args.rounds > 1 and not args.measure:
-        raise UserError(f"--rounds {args.rounds} repeats the measured runs: it needs --measure K")
+    require(args, NEEDS)
+    defaults(args, steps=4, rounds=1, timeout=600)
     base = Base.read(args.file)
     opts = options(args, base)
     res = search(base, opts)

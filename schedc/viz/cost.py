@@ -32,9 +32,11 @@ Times are seconds. Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from schedc.files import read_limited
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Dtype, Numerics, Spec, Strategy
 from schedc.model.arch import FP32
@@ -176,8 +178,21 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        """A params.json as `schedc calibrate -o` writes it; keys it lacks keep their default."""
-        data = json.loads(Path(path).read_text())
+        """A params.json as `schedc calibrate -o` writes it; keys it lacks keep their default.
+        Read through the bounded reader (a regular file of at most 64 KiB: a params file is
+        a few hundred bytes); every value is a number in its parameter's range."""
+        try:
+            raw = read_limited(path, PARAMS_MAX_BYTES)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+        if len(raw) > PARAMS_MAX_BYTES:
+            raise ValueError(f"{path}: larger than {PARAMS_MAX_BYTES >> 10} KiB; not a params file")
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply (a params file is flat)") from None
+        except ValueError as e:  # JSONDecodeError, bad UTF-8
+            raise ValueError(f"{path}: not JSON: {e}") from None
         if not isinstance(data, dict):
             # a file's content: a bad value, not a programming error's TypeError
             raise ValueError(f"{path}: expected a JSON object of cost parameters")  # noqa: TRY004
@@ -185,13 +200,16 @@ class CostModel:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"{path}: unknown cost parameter{'s' * (len(unknown) != 1)} {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
+                f"{path}: unknown cost parameter{'s' * (len(unknown) != 1)} "
+                f"{', '.join(map(repr, unknown[:5]))}; known: {', '.join(sorted(known))}"
             )
-        values = {k: float(v) for k, v in data.items() if v is not None}
-        bad = [k for k, v in values.items() if not v > 0 and k not in MAY_BE_ZERO]
-        if bad or any(v < 0 for v in values.values()):
-            raise ValueError(f"{path}: cost parameters must be positive ({', '.join(bad)})")
+        values = {}
+        for k, v in data.items():
+            if v is None:
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"{path}: {k}: expected a number, got {json.dumps(v)[:40]}")
+            values[k] = check_parameter(k, float(v), where=f"{path}: ")
         return cls(**values)
 
     def with_(self, **changes: float | None) -> CostModel:
@@ -199,6 +217,28 @@ class CostModel:
 
 
 MAY_BE_ZERO = ("latency", "free", "overhead", "gather_latency", "scatter_latency")
+PARAMS_MAX_BYTES = 64 << 10
+
+# What each parameter may be, from a flag or a params file: a rate between 1 and 1e24 a
+# second (a yottaFLOP/s), a time between 0 and an hour, a node of 1 to a million ranks.
+# Outside them a timeline cannot be drawn (a step of 1e300 s has no time scale) and no real
+# machine is described.
+RATE, TIME, RANKS = (1.0, 1e24, "/s"), (0.0, 3600.0, " s"), (1.0, 1e6, " ranks")
+
+
+def parameter_range(name: str) -> tuple[float, float, str]:
+    """(lowest, highest, unit) a cost parameter may take."""
+    if name == "node_size":
+        return RANKS
+    return TIME if name in MAY_BE_ZERO else RATE
+
+
+def check_parameter(name: str, value: float, where: str = "") -> float:
+    """`value`, if it lies in `name`'s range; else ValueError saying the range."""
+    lo, hi, unit = parameter_range(name)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ValueError(f"{where}{name} must be between {lo:g} and {hi:g}{unit}, got {value:g}")
+    return value
 
 
 # -- durations ------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def parse_rate(text: str) -> float:
     mult = 1.0
     if t and t[-1] in _SI and not t[-1].isdigit():
         mult, t = _SI[t[-1]], t[:-1]
-    value = float(t) * mult
+    value = _number(t, text, "a rate: 300T, 3e14, 100GB/s") * mult
     if not value > 0:
         raise ValueError(f"{text!r} is not a positive rate")
     return value
@@ -48,10 +48,17 @@ def parse_time(text: str) -> float:
     t = text.strip().replace(" ", "")
     for unit in sorted(_TIME, key=len, reverse=True):
         if t.endswith(unit) and t[: -len(unit)]:
-            value = float(t[: -len(unit)]) * _TIME[unit]
+            value = _number(t[: -len(unit)], text, "a time: 10us, 0.5ms, 1e-5") * _TIME[unit]
             break
     else:
-        value = float(t)
+        value = _number(t, text, "a time: 10us, 0.5ms, 1e-5")
     if value < 0:
         raise ValueError(f"{text!r} is negative")
     return value
+
+
+def _number(t: str, text: str, what: str) -> float:
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not {what}") from None

@@ -159,6 +159,49 @@ def test_an_empty_flag_value_is_refused_not_ignored(capsys, argv):
     assert out == "" or "step" not in out
 
 
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["check", DDP, "--rank", "1"], "--rank 1 picks the rank whose graph, program or plan"),
+        (["run", ONE, "--keep", "0"], "--keep 0 says how many checkpoints --save keeps"),
+        (["run", ONE, "--save-every", "5"], "--save-every 5 says how often --save writes"),
+        (["run", ONE, "--probe"], "--probe times collectives and layers for the trace"),
+        (["tune", ONE, "--timeout", "30"], "--timeout 30 bounds each measured run"),
+        (["tune", ONE, "--measure", "0", "--steps", "2"], "it needs --measure"),
+        (["render", DDP, "-o", "{tmp}/g.dot", "--latency", "5us"], "the graph view does not"),
+        (
+            ["render", DDP, "-o", "{tmp}/g.dot", "--trace", "{tmp}/t.json", "--cost", "p.json"],
+            "a measured one without --compare does not draw: add --compare",
+        ),
+    ],
+)
+def test_a_flag_that_would_do_nothing_is_refused(capsys, tmp_path, argv, want):
+    """A flag whose effect needs another flag is refused alone, not silently ignored."""
+    code, out, err = cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert code == 1 and "schedc: error: " in err and want in err, err
+    assert "step" not in out
+
+
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["run", "{s}", "--log-json", "{s}"], "--log-json {s}: that is the schedule"),
+        (["run", "{s}", "--trace", "{s}"], "--trace {s}: that is the schedule"),
+        (["tune", "{s}", "-o", "{s}"], "-o {s}: that is the schedule, which this command reads"),
+        (["render", "{s}", "-o", "{t}", "--view", "timeline", "--cost", "{t}"], "that is --cost"),
+        (["calibrate", "{t}", "-o", "{t}"], "-o {t}: that is the trace"),
+    ],
+)
+def test_an_output_never_writes_over_an_input(capsys, tmp_path, argv, want):
+    s, t = tmp_path / "s.sched", tmp_path / "t.dot"
+    s.write_text(Path(ONE).read_text())
+    t.write_text("{}")
+    argv = [a.format(s=s, t=t) for a in argv]
+    code, _, err = cli(capsys, *argv)
+    assert code == 1 and want.format(s=s, t=t) in err, err
+    assert s.read_text() == Path(ONE).read_text() and t.read_text() == "{}"
+
+
 def test_two_outputs_of_one_run_must_differ(capsys, tmp_path):
     x = str(tmp_path / "x")
     code, _, err = cli(capsys, "tune", ONE, "-o", x, "--write-top", x)

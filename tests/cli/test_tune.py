@@ -112,7 +112,8 @@ def test_a_budget_nothing_fits_names_the_smallest_predicted_peak(capsys):
         (["--precision", "fp8"], "known policies are fp32, bf16"),
         (["--strategy", "zero"], "expected ddp, fsdp"),
         (["--top", "2", "--measure", "3"], "at most --top"),
-        (["--rounds", "3"], "--rounds 3 repeats the measured runs: it needs --measure K"),
+        (["--rounds", "3"], "--rounds 3 repeats the measured runs: it needs --measure"),
+        (["--steps", "3"], "--steps 3 sets the steps of each measured run: it needs --measure"),
     ],
 )
 def test_bad_flags_are_user_errors(capsys, args, message):

@@ -399,6 +399,14 @@ FAIL = [
         "larger `micro`",
         id="value-too-many-ops-fsdp",
     ),
+    pytest.param(  # the hardening issue's 458-byte schedule: it compiled in 64 s and 2.86 GB
+        "model tiny\nworld 2\nbatch 65536 x 64\nmicro 2\nfsdp { unit all = embed .. head }",
+        "value-range",
+        "16,384 micro-steps make 196,608 forward and backward ops per step",
+        "micro 2",
+        "larger `micro`",
+        id="value-too-many-ops-tiny-fsdp",
+    ),
     pytest.param(
         NANO + "ddp { bucket b1 = head, h.99  bucket b2 = h.0, embed }",
         "layer-range",
