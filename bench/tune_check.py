@@ -39,7 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from schedc.compiler import compile_file
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from schedc.compiler import compile_file  # noqa: E402
 from schedc.tune.measure import Run, command, refit, step_time
 from schedc.viz.cost import CostModel
 from schedc.viz.simulate import simulate
@@ -114,6 +117,10 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, help="where runs go (default: a temporary folder)")
     ap.add_argument("--write", type=Path, help=f"replace the {BEGIN} section of this file")
     a = ap.parse_args()
+    for name in ("calibrate", "ddp", "tune", "dir", "write"):  # as given: from here
+        if getattr(a, name) is not None and str(ap.get_default(name)) != str(getattr(a, name)):
+            setattr(a, name, getattr(a, name).resolve())
+    os.chdir(REPO)  # the defaults, and the commands it prints, are the repository's
     d = a.dir or Path(tempfile.mkdtemp(prefix="tune_check."))
     d.mkdir(parents=True, exist_ok=True)
     cmds: list[str] = []
