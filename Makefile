@@ -9,18 +9,18 @@ demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU r
 	$(RUN) -m schedc run --trace out/trace.json
 
 test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, then side by side the rest in a venv without torch and the GPU check rehearsed in a venv like the GPU machine's (each test once)
-	scripts/install.sh test
+	scripts/tier.sh install scripts/install.sh test
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
-	$(PY) -m pytest -q -m torch
+	scripts/tier.sh torch $(PY) -m pytest -q -m torch
 	$(MAKE) --no-print-directory --output-sync=target -j2 test-without-torch gpu-rehearsal
 
 test-without-torch:  ## the torch-free tier, in a fresh venv without torch
-	PYTHON=$(PY) scripts/test_without_torch.sh
+	PYTHON=$(PY) scripts/tier.sh torch-free scripts/test_without_torch.sh
 
 gpu-rehearsal:  ## scripts/gpu_check.sh rehearsed on this CPU (what a lent GPU will run)
-	PYTHON=$(PY) scripts/gpu_rehearsal.sh
+	PYTHON=$(PY) scripts/tier.sh gpu-rehearsal scripts/gpu_rehearsal.sh
 
 docs:  ## redraw README's pictures (docs/render/*.svg); MEASURED=1 also traces a 2-rank CPU run
 	PYTHON=$(PY) scripts/docs_images.sh $(if $(MEASURED),measured)
