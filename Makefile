@@ -1,5 +1,9 @@
 # The two commands of the README's quick start.
 PY ?= python3
+# pytest-xdist workers for the torch tier: its tests wait on ranks, sleeps and timeouts as
+# much as they compute, so two workers on two cores overlap the waits (tests of one rank
+# pool or one written trace share a worker: tests/conftest.py)
+WORKERS ?= 2
 RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
 .PHONY: demo test test-without-torch gpu-rehearsal docs
@@ -13,7 +17,7 @@ test:  ## install with the test tools, lint, check the layers, run the whole sui
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
-	scripts/tier.sh torch $(PY) -m pytest -q -m torch
+	scripts/tier.sh torch $(PY) -m pytest -q -m torch -n $(WORKERS) --dist loadgroup
 	$(MAKE) --no-print-directory --output-sync=target -j2 test-without-torch gpu-rehearsal
 
 test-without-torch:  ## the torch-free tier, in a fresh venv without torch

@@ -52,6 +52,13 @@ def pytest_ignore_collect(collection_path: Path, config):
     return None
 
 
+def pytest_configure(config):
+    from tests.strategies import SummaryPlugin  # the generated cases' tally, printed at the end
+
+    config.pluginmanager.register(SummaryPlugin(), "schedc-summary")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
@@ -60,8 +67,10 @@ def pytest_collection_modifyitems(config, items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if "pool" in fixtures:
             item.add_marker(pytest.mark.ranks)
+            item.add_marker(pytest.mark.xdist_group("pool"))  # one pool, on one worker
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
             item.add_marker(pytest.mark.torch)
+            item.add_marker(pytest.mark.xdist_group("real_trace"))  # written once
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 
 import networkx as nx
+import pytest
 from hypothesis import assume, settings
 from hypothesis import strategies as st
 
@@ -483,7 +484,19 @@ def summary() -> list[str]:
 
 
 class SummaryPlugin:
-    """Prints `summary()` in pytest's terminal summary (registered by the property modules)."""
+    """Prints `summary()` in pytest's terminal summary (registered by tests/conftest.py).
+    Under pytest-xdist each worker tallies its own cases and hands them to the controller
+    when it finishes, which prints their sum."""
+
+    def pytest_sessionfinish(self, session):
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: the controller prints the summary
+            workeroutput["schedc_tally"] = [[list(k), n] for k, n in TALLY.items()]
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error):
+        for key, n in getattr(node, "workeroutput", {}).get("schedc_tally", []):
+            TALLY[tuple(key)] += n
 
     def pytest_terminal_summary(self, terminalreporter):
         lines = summary()
@@ -491,8 +504,3 @@ class SummaryPlugin:
             terminalreporter.section("schedc generated cases")
             for line in lines:
                 terminalreporter.write_line(line)
-
-
-def register_summary(config) -> None:
-    if not config.pluginmanager.has_plugin("schedc-summary"):
-        config.pluginmanager.register(SummaryPlugin(), "schedc-summary")

@@ -43,7 +43,6 @@ from tests.strategies import (
     examples,
     program_lines,
     programs_of,
-    register_summary,
     run_graph,
     tally,
 )
@@ -54,11 +53,6 @@ from tests.strategies import (
 # this file, run side by side with the one before the axis: 214 s vs 223 s, 172 CPU-s each
 N_DDP, N_FSDP, N_FLOAT64, N_PAIRS, N_REWRITTEN = 180, 180, 40, 40, 85
 JOB_S = 30  # a generated job takes under 5 s; a hang fails in 30 s, not the pool's 60
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    register_summary(request.config)
 
 
 def equivalent(pool, reference, case, dtype: str = "float32", fault: str | None = None):
@@ -354,6 +348,7 @@ PROPERTY_TESTS = (
 )
 
 
+@pytest.mark.xdist_group("pool")  # the tally is per process: the properties' worker's
 def test_the_ci_profile_ran_enough_generated_cases(request):
     """At least 100 fp32 equivalence cases (10x under long), spanning DDP and FSDP at
     worlds 1, 2 and 4, and every precision policy of each; runs last in this module, and

@@ -50,15 +50,9 @@ from tests.strategies import (
     examples,
     program_lines,
     programs_of,
-    register_summary,
     run_graph,
     tally,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _summary(request):
-    register_summary(request.config)
 
 
 def find(progs: Programs, op: str) -> tuple[str, int]:
