@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:  # `pytest` works from anywhere without installing
     sys.path.insert(0, str(REPO))
 
 # Hypothesis profiles (README, "Testing"). `ci` is derandomized (the same examples on
-# every run) and sized so the whole suite fits 15 minutes on 2 cores; `long` runs ten
+# every run) and sized so the whole of .ci/run fits 10 minutes on 2 cores; `long` runs ten
 # times the examples, freshly random each run (a failure prints its reproduction blob).
 # Selected by SCHEDC_PROFILE (ci when CI is set, and by default), or --hypothesis-profile.
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
