@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from schedc.compiler import compile_text  # noqa: E402
 from schedc.exec.executor import Comm, Executor, RunOptions  # noqa: E402
 from schedc.exec.heap import HeapPeak, heap_bytes  # noqa: E402
+from schedc.ir.effects import Alloc, Free, Measure, Part, lifetimes  # noqa: E402
 from schedc.ir.op import Kind  # noqa: E402
-from schedc.passes.memory import Activations  # noqa: E402
 
 TEXT = """model {model}
 world 1
@@ -61,14 +61,24 @@ def variants(n_layer: int, chunk: int) -> dict[str, str]:
 
 
 def predicted(compiled) -> tuple[int, int]:
-    """(activations live after the last forward, their peak), from the ledger's walk."""
-    acts, after_fwd, peak = Activations(compiled.spec), 0, 0
-    for op in compiled.plan().ops:
-        live, transient = acts.step(op)
-        peak = max(peak, live + transient)
-        if op.kind is Kind.FWD and op.target == "head":
+    """(activations live after the last forward, their peak), from the plan's lifetimes
+    (ir/effects.py), the token batches left out."""
+    plan = compiled.plan()
+    life = lifetimes(compiled.spec, plan)
+    sizes: dict[str, int] = {}
+    live = after_fwd = peak = 0
+    for ins, steps in zip(plan.instrs, life.steps):
+        for s in steps:
+            if isinstance(s, Alloc) and s.part is Part.ACTS:
+                sizes[s.buffer] = s.nbytes
+                live += s.nbytes
+            elif isinstance(s, Free) and s.buffer in sizes:
+                live -= sizes.pop(s.buffer)
+            elif isinstance(s, Measure):
+                peak = max(peak, live + s.acts)
+        if ins.op is not None and ins.op.kind is Kind.FWD and ins.op.target == "head":
             after_fwd = live
-    return after_fwd - acts.batches, peak - acts.batches
+    return after_fwd, peak
 
 
 class Variant:

@@ -1,38 +1,54 @@
-"""What a plan's instructions do to the buffers that one stream hands to another.
+"""What each instruction of a plan does to memory: one semantics, read by the memory ledger,
+the checker and the executor.
 
 A buffer is named like an op, by what it holds:
 
+    gathered[u1]      unit u1's full flat parameter, in the gather dtype (all-gather .. free)
     grad[u1]@mb0      unit u1's unsharded gradient that micro-step 0's backward adds into
                       (@mb0 for every micro-step under no_sync: one buffer for the step)
     acc[u1]           no_sync's accumulator in the reduce dtype (FSDP2's upcast), which each
                       micro-step's gradient is folded into by the unit's last writer
-    rs_out[u1]@mb0    the output shard of u1's reduce-scatter for micro-step 0
-    shard_grad[u1]    u1's gradient shard, which the update reads (fp32)
+    rs_in[u1]@mb0     what u1's reduce-scatter of micro-step 0 sends, held until it retires
+                      (gloo's copy of the gradient or of its cast; NCCL makes none, so on
+                      CUDA the count is an upper bound)
+    rs_out[u1]@mb0    the output shard of that reduce-scatter
+    shard_grad[u1]    u1's gradient shard, which the update reads (fp32, a model state from
+                      the step's first reduce-scatter of u1 to the update)
+    act[h.3]@mb1      what autograd saves for layer h.3 in micro-step 1 (or keeps, if it
+                      recomputes)
 
-Each instruction that runs an op writes some buffers and reads others, on its stream. The
-first write of a buffer in the step allocates it, on that stream. On a GPU the caching
-allocator hands a block back to the stream that allocated it as soon as the host drops its
-last reference, in that stream's order: a buffer that another stream still reads must be
-kept alive on the reading stream (`record_stream`; FSDP2 documents the same aliasing, the
-reduce-scatter output that the all-reduce of HSDP reads, in `_fsdp_collectives.py`). So
-every read of a buffer on a stream other than its allocating one needs a keep:
+`lifetimes(spec, plan)` walks a rank's plan in issue order and says, per instruction, in
+order: which buffers come into being (`Alloc`) and go (`Free`), which a collective holds
+until it is retired (`Hold`), where the plan retires a stream's collectives (`Retire`: a
+wait for one of them retires its stream up to it, first in first out, and the update
+retires all), and the moments at which memory is measured (`Measure`), with what the op
+holds only while it runs on top (its casts, its activation scratch). Every lifetime rule is
+here, once: `passes/memory.py` adds the bytes up, and the executor allocates and frees the
+same buffers at the same instructions (tests/exec/test_effects_executor.py replays both).
 
-    `required_keeps` derives them from these effects; the lowering writes them into each
-    instruction (`Instr.keeps`); the checker proves that a plan carries every one
-    (passes/check.py, `[keep-alive]`); the executor keeps exactly those alive.
-
-Gathered units are not here: they are released through the plan's `free` and its mark,
-which the allocating stream waits for before the storage goes back (exec/executor.py
-`_reclaim`), and use-after-free is a rule of the graph. DDP's buckets and one process's
-gradients live for the whole run.
+Streams: on a GPU the caching allocator hands a block back to the stream that allocated it
+as soon as the host drops its last reference, in that stream's order, so a buffer that
+another stream still reads must be kept alive on the reading stream (`record_stream`;
+FSDP2 documents the same aliasing, the reduce-scatter output that the all-reduce of HSDP
+reads, in `_fsdp_collectives.py`). `effect(spec, op)` names the cross-stream buffers an op
+writes (the first write allocates, on its stream) and reads; `required_keeps` derives the
+keeps every read on another stream needs; the lowering writes them into each instruction
+(`Instr.keeps`); the checker proves that a plan carries every one (passes/check.py,
+`[keep-alive]`); the executor keeps exactly those alive. Gathered units are released
+through the plan's `free` and its mark, which the allocating stream waits for before the
+storage goes back (exec/executor.py `_reclaim`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-from schedc.ir.op import Kind, Op
+from schedc.ir.op import COMPUTE, Kind, Op
+from schedc.ir.plan import Action, Plan
+from schedc.ir.sizes import batches_bytes, bucket_numel, layer_acts, padded, unit_numel
 from schedc.ir.spec import Dtype, Spec, Strategy
+from schedc.model.arch import FP32
 
 
 @dataclass(frozen=True)
@@ -152,3 +168,229 @@ def missing_keeps(spec: Spec, instrs) -> list[Missing]:
         for k, ins, b, src in _cross_reads(spec, instrs)
         if b not in ins.keeps
     ]
+
+
+# -- lifetimes: what lives when, in bytes -------------------------------------------------------
+
+
+class Part(str, Enum):
+    """What a buffer is counted as, in the memory report's parts."""
+
+    STATES = "model states"
+    GATHERED = "gathered units"
+    GRADS = "unsharded gradients"
+    COMM = "communication buffers"
+    ACTS = "activations"
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """`buffer` comes into being, `nbytes` of `part`."""
+
+    buffer: str
+    part: Part
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Free:
+    """`buffer` goes."""
+
+    buffer: str
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The instruction's collective holds `buffer` (communication) until it is retired."""
+
+    buffer: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Retire:
+    """The collectives of `stream` issued up to and including `upto` are retired, and what
+    they hold goes; with no stream, every stream's (the update)."""
+
+    stream: str | None = None
+    upto: Op | None = None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Memory is measured here: everything live, plus what the op holds only while it runs
+    (`comm`: its casts and temporary outputs; `acts`: its activation scratch)."""
+
+    comm: int = 0
+    acts: int = 0
+
+
+Step = Alloc | Free | Hold | Retire | Measure
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """A plan's memory semantics: what lives before the first instruction (`before`), and
+    each instruction's steps, in the plan's issue order."""
+
+    before: tuple[Step, ...]
+    steps: tuple[tuple[Step, ...], ...]
+    states: int  # the model states between steps and at the update (fp32): the report's
+
+
+def lifetimes(spec: Spec, plan: Plan) -> Lifetimes:
+    """Every buffer's lifetime along `plan` (the module docstring)."""
+    return _Walk(spec, plan).run()
+
+
+class _Walk:
+    """The walk along the issue order that `lifetimes` makes."""
+
+    def __init__(self, spec: Spec, plan: Plan):
+        self.spec, self.plan = spec, plan
+        self.fsdp = spec.kind is Strategy.FSDP
+        num = spec.numerics
+        self.g, self.r = num.gather.nbytes, num.reduce.nbytes
+        self.acts = {layer: layer_acts(spec, layer) for layer in spec.model.layers}
+        self.saved: dict[tuple[str, int], int] = {}  # (layer, mb) -> bytes it holds now
+        if self.fsdp:
+            fs, D = spec.strategy, spec.mesh.shard  # units shard over the shard dimension
+            self.D = D
+            self.numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P
+            self.writers = {u.name: spec.writers(u.params) for u in fs.units}
+            self.last_writer = {
+                u: min(ws, key=spec.model.layer_index) for u, ws in self.writers.items()
+            }
+            self.upcast = upcast(spec)
+            self.grads: set[str] = set()  # unsharded gradients (and accumulators) live
+            self.scattered: set[str] = set()  # units reduce-scattered so far in the step
+
+    def run(self) -> Lifetimes:
+        spec, plan = self.spec, self.plan
+        if self.fsdp:
+            shards = {u: n // self.D for u, n in self.numel.items()}
+            states = sum(4 * FP32 * s for s in shards.values())
+            # between steps a rank holds its parameter shard and Adam m, v; each gradient
+            # shard exists from the unit's first reduce-scatter of the step to the update
+            held = sum(3 * FP32 * s for s in shards.values())
+        else:
+            states = held = 4 * FP32 * spec.model.numel  # DDP's bucket is the gradient
+        before = (
+            Alloc("states", Part.STATES, held),
+            Alloc("batches", Part.ACTS, batches_bytes(spec)),
+            Measure(),
+        )
+        stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
+        steps = []
+        for ins in plan.instrs:
+            if ins.kind is Action.WAIT and ins.event != plan.step_start:
+                # a wait retires its stream's queue up to the op it waits for (FIFO); the step
+                # start has no producer op (comm streams wait for compute: nothing to retire)
+                producer = plan.producers[ins.event]
+                steps.append((Retire(stream_of[producer], producer),))
+            elif ins.kind is Action.RUN:
+                steps.append(tuple(self.op(ins.op, ins.stream)))
+            else:
+                steps.append(())
+        return Lifetimes(before, tuple(steps), states)
+
+    def op(self, op: Op, stream: str) -> list[Step]:
+        if op.kind is Kind.STEP:
+            # the update drains every stream first; it allocates nothing of size (fused
+            # AdamW, foreach norms, clipping in place)
+            return [Retire(), Measure(), *self.updated()]
+        if not self.fsdp:
+            comm = 0
+            if op.kind is Kind.ALLREDUCE and self.spec.kind is Strategy.DDP and self.r != FP32:
+                comm = bucket_numel(self.spec, op.target) * self.r  # bf16_compress_hook's cast
+            return self.compute(op, comm)
+        if op.kind is Kind.ALLGATHER:
+            n, g = self.numel[op.target], self.g
+            steps: list[Step] = [Alloc(f"gathered[{op.target}]", Part.GATHERED, n * g)]
+            # the shard cast for the gather (one rank casts straight into the gathered buffer)
+            comm = n // self.D * g if g != FP32 and self.D > 1 else 0
+            return steps + self.compute(op, comm)
+        if op.kind is Kind.FREE:
+            return [Free(f"gathered[{op.target}]"), *self.compute(op)]
+        if op.kind is Kind.REDUCESCATTER:
+            return self.reduce_scatter(op, stream)
+        steps = []
+        if op.kind is Kind.BWD:  # the unsharded gradients its parameters write into
+            for u, ws in self.writers.items():
+                name = f"grad[{u}]@mb{grad_key(self.spec, op.mb)}"
+                if op.target in ws and name not in self.grads:
+                    self.grads.add(name)
+                    steps.append(Alloc(name, Part.GRADS, self.numel[u] * self.g))
+        steps += self.compute(op)
+        if op.kind is Kind.BWD and self.upcast:
+            steps += self.fold(op)
+        return steps
+
+    def compute(self, op: Op, comm: int = 0) -> list[Step]:
+        """The op's activations around its measure: a forward saves (or, recomputing,
+        keeps its input), a recompute saves the rest, a backward frees once it ends."""
+        if op.kind not in (Kind.FWD, Kind.RECOMPUTE, Kind.BWD):
+            return [Measure(comm)]
+        a, key, name = self.acts[op.target], (op.target, op.mb), f"act[{op.target}]@mb{op.mb}"
+        if op.kind is Kind.BWD:
+            # its saved tensors go when it ends: until then they are part of what it holds
+            # while it runs, and not of what lives after it
+            held = self.saved.pop(key, 0)
+            return [Free(name), Measure(comm, a.bwd + held)] if held else [Measure(comm, a.bwd)]
+        steps: list[Step] = [Free(name)] if key in self.saved else []
+        now = a.kept if op.kind is Kind.FWD and op.target in self.spec.recompute else a.saved
+        self.saved[key] = now
+        return [*steps, Alloc(name, Part.ACTS, now), Measure(comm, a.fwd)]
+
+    def fold(self, op: Op) -> list[Step]:
+        """No_sync's upcast: a unit whose last writer this backward is folds the micro-step's
+        gradient into the accumulator (the first fold casts: both live for a moment)."""
+        steps: list[Step] = []
+        for u in (u for u, w in self.last_writer.items() if w == op.target):
+            if f"acc[{u}]" not in self.grads:
+                self.grads.add(f"acc[{u}]")
+                steps += [Alloc(f"acc[{u}]", Part.GRADS, self.numel[u] * FP32), Measure()]
+            self.grads.discard(f"grad[{u}]@mb{op.mb}")
+            steps.append(Free(f"grad[{u}]@mb{op.mb}"))
+        return steps
+
+    def reduce_scatter(self, op: Op, stream: str) -> list[Step]:
+        """What a reduce-scatter sends and writes (passes/memory.py's docstring has the
+        byte counts): it takes the unsharded gradient over, holds what it sends until it is
+        retired, and its output shard when that is not the new gradient shard itself."""
+        u, n, D, r = op.target, self.numel[op.target], self.D, self.r
+        first = u not in self.scattered
+        steps: list[Step] = []
+        comm = 0
+        if D > 1:  # what it sends, in the reduce dtype: gloo's copy of the gradient or cast
+            steps.append(Hold(f"rs_in[{u}]@mb{op.mb}", n * r))
+        if r != self.g and not self.upcast:
+            comm += n * r  # the cast to the reduce dtype, a temporary of the op
+        if not (first and r == FP32):
+            # the output shard, added (or cast back) into the fp32 one when retired; HSDP's,
+            # once its replicate all-reduce has summed it in place
+            if self.spec.hsdp:
+                comm += n // D * r
+            else:
+                steps.append(Hold(scatter_output(u, op.mb), n // D * r))
+        if first:  # the gradient shard comes into being
+            steps.append(Alloc(shard_grad(u), Part.STATES, n // D * FP32))
+        steps += self.compute(op, comm)
+        # the executor hands the unsharded gradient over (FlatUnit.take_grad): from here only
+        # what the collective holds lives on, until it is retired
+        self.scattered.add(u)
+        taken = grad_buffer(self.spec, u, op.mb)
+        if taken in self.grads:
+            self.grads.discard(taken)
+            steps.append(Free(taken))
+        if stream == COMPUTE:
+            steps.append(Retire(COMPUTE, op))  # on compute a collective blocks, like a kernel
+        return steps
+
+    def updated(self) -> list[Step]:
+        """After the update: the gradient shards go (they come back at the next step's first
+        reduce-scatter)."""
+        if not self.fsdp:
+            return []
+        gone, self.scattered = sorted(self.scattered), set()
+        return [Free(shard_grad(u)) for u in gone]

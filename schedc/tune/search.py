@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 
 from schedc.compiler import Compiled, compile_text
 from schedc.ir.op import Kind
+from schedc.ir.sizes import batches_bytes, layer_acts, padded
 from schedc.ir.spec import POLICIES, TIED, Numerics, Spec, Strategy
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
-from schedc.passes.memory import Activations, layer_acts, padded
 from schedc.tune.space import Base, Knobs, candidates
 from schedc.viz.cost import CostModel, compute_time, optimizer_time, ring_factor
 from schedc.viz.overlap import overlap
@@ -163,7 +163,7 @@ class Probe:
         # activations: at the end of any micro-step's forward every layer's saved tensors
         # and the step's token batches are live beside the states (tune searches no
         # recomputation), so they bound the peak from below
-        acts = Activations(s).batches + sum(layer_acts(s, x).saved for x in cfg.layers)
+        acts = batches_bytes(s) + sum(layer_acts(s, x).saved for x in cfg.layers)
         compute, c = self.compute(k), self.cost
         if k.strategy != "fsdp":
             opt = optimizer_time(Strategy.DDP, s.optim.clip, cfg.numel, c)
