@@ -40,6 +40,7 @@ class Job:
     id: int = 0
     heap: bool = False  # measure the peak live heap (no full tensors recorded, to not add any)
     tf32: str | None = None  # steps inside tests/tf32.py's emulate_tf32(mode): TF32 on a CPU
+    log_buffers: bool = False  # every rank's buffer log (Executor.buffer_log)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class JobResult:
     memory: list[dict] = field(default_factory=list)  # per rank
     comm_bytes: list[dict] = field(default_factory=list)  # per rank, last step
     trace: list[dict] = field(default_factory=list)  # chrome events of every rank
+    buffer_log: list[list] = field(default_factory=list)  # per rank, with log_buffers
 
 
 class JobFailed(AssertionError):
@@ -110,6 +112,7 @@ def _run_job(job: Job, rank: int, groups):
         trace=job.trace,
         log=False,
         heap=job.heap,
+        log_buffers=job.log_buffers,
     )
     ex = Executor(compiled, comm, opts)
     if job.fault:
@@ -135,6 +138,7 @@ def _run_job(job: Job, rank: int, groups):
         "memory": ex.memory(),
         "comm_bytes": stats[-1].comm_bytes,
         "trace": ex.trace_events() if job.trace else [],
+        "buffer_log": ex.buffer_log,
     }
 
 
@@ -223,13 +227,14 @@ class Pool:
         timeout: float = JOB_TIMEOUT_S,
         heap: bool = False,
         tf32: str | None = None,
+        log_buffers: bool = False,
     ) -> JobResult:
         """Run the schedule on ranks 0..world-1; JobFailed (with text and plan) if it cannot."""
         assert 1 <= world <= self.size, world
         if not self.alive:  # a worker died between jobs, or the last restart failed
             self.restart()
         self.jobs += 1
-        job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap, tf32)
+        job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap, tf32, log_buffers)
         deadline = time.monotonic() + timeout
         for r, c in enumerate(self.conns[:world]):
             try:
@@ -272,6 +277,7 @@ class Pool:
             [o["memory"] for o in outs],
             [o["comm_bytes"] for o in outs],
             [e for o in outs for e in o["trace"]],
+            [o["buffer_log"] for o in outs],
         )
 
     def _dead(self, world: int) -> str:

@@ -33,6 +33,7 @@ reads what its reduce-scatter wrote on the other group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -108,6 +109,10 @@ class CPUBackend:
         self._watchers: dict[str, queue.SimpleQueue] = {}
 
     # compute -------------------------------------------------------------------------------
+
+    def on(self, stream: str) -> contextlib.AbstractContextManager:
+        """Where an op's buffers are allocated when it is issued: host memory has no streams."""
+        return contextlib.nullcontext()
 
     def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
         t0 = now()
@@ -324,6 +329,11 @@ class CUDABackend:
             fn()
             b.record(s)
             self._timing.append((op, stream, a, b))
+
+    def on(self, stream: str) -> contextlib.AbstractContextManager:
+        """Allocations made inside belong to `stream`: the caching allocator hands their
+        blocks back in that stream's order (an op's buffers, allocated when it is issued)."""
+        return torch.cuda.stream(self.streams[stream])
 
     def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
         self._timed(stream, op, fn)

@@ -114,6 +114,10 @@ class RunOptions:
     # gather and backward (`memory()`); off, a step spends no host time on it
     measure: bool = True
     probe: bool = False  # with trace: time each collective kind first (exec/probe.py)
+    # record every buffer the executor allocates, frees, hands to a collective and gets
+    # back, by step and instruction (`Executor.buffer_log`; tests hold it against the plan's
+    # lifetimes, ir/effects.py)
+    log_buffers: bool = False
 
 
 @dataclass
@@ -229,6 +233,9 @@ class Executor:
                 u.name: FlatUnit(u, spec.model, self.params, index, S, gather, accumulate)
                 for u in spec.strategy.units
             }
+            if options.log_buffers:
+                for u in self.units.values():
+                    u.log = self._log
             decay, plain = [], []
             for u in self.units.values():
                 d, p = u.optimizer_params()
@@ -262,6 +269,9 @@ class Executor:
         self.at: int | None = None  # the instruction being executed, for failure reports
         self.mem = {"gathered_peak": 0, "grads_peak": 0}
         self.trace_spans: list[tuple[int, Timed]] = []
+        # (step, instruction, action, buffer) with RunOptions.log_buffers; the instruction is
+        # the first of its item (a fused run of compute ops is one item)
+        self.buffer_log: list[tuple[int, int | None, str, str]] = []
         self.trace_steps: list[tuple[int, int, int]] = []  # (step, start, end), ns, as spans
 
     # -- one step ----------------------------------------------------------------------------
@@ -502,9 +512,12 @@ class Executor:
 
             self._reclaim(stream, unit.name)  # freed storage this gather may reuse
             self.gathered_on[unit.name] = stream
+            # the op's buffer, allocated on its stream when it is issued (ir/effects.py: a gloo
+            # stream may launch the collective later, behind another group's work)
+            with b.on(stream):
+                full = unit.alloc_full()
 
-            def launch(pg, unit=unit):
-                full = unit.alloc_full()  # storage comes back (on the comm stream, on a GPU)
+            def launch(pg, unit=unit, full=full):
                 shard = unit.shard
                 if shard.dtype != full.dtype and S > 1:
                     shard = shard.to(full.dtype)  # FSDP2's param_dtype cast, on this stream
@@ -523,9 +536,19 @@ class Executor:
             first = unit.name not in self.scattered
             self.scattered.add(unit.name)
             direct = first and rd == unit.shard.dtype
-            held: dict[str, torch.Tensor] = {}
+            # what the op allocates, on its stream when it is issued (ir/effects.py): the new
+            # gradient shard at the step's first, and its output unless that is the shard
+            with b.on(stream):
+                if first:
+                    unit.new_shard_grad()
+                out = (
+                    unit.shard_grad
+                    if direct
+                    else torch.empty(unit.shard_len, dtype=rd, device=grad.device)
+                )
+            held: dict[str, torch.Tensor] = {"out": out}
 
-            def launch(pg, unit=unit, grad=grad, held=held, direct=direct, keep=keep):
+            def launch(pg, grad=grad, held=held, keep=keep):
                 if keep:  # written on compute, read on this stream
                     b.keep_alive(grad, stream)
                 # the 1/D is applied in the wider of the two dtypes, then the cast (FSDP2's
@@ -537,26 +560,22 @@ class Executor:
                     send = grad.to(rd)
                     if D > 1:
                         send.div_(D)
-                out = (
-                    unit.new_shard_grad()
-                    if direct
-                    else torch.empty(unit.shard_len, dtype=rd, device=grad.device)
-                )
-                held["out"] = out  # allocated on this stream
-                return b.reduce_scatter(out, send)(pg)
+                return b.reduce_scatter(held["out"], send)(pg)
 
             def done(unit=unit, held=held, first=first):
                 out = held.pop("out")
                 if first:  # the first shard of the step, cast back into the fp32 gradient
-                    unit.new_shard_grad().copy_(out)
+                    unit.shard_grad.copy_(out)
                 else:
                     unit.shard_grad.add_(out)  # accumulate this micro-step's shard (upcast)
 
+            holds = self._holds(unit.name, op.mb, direct)
             if self.spec.hsdp:  # the replicate all-reduce sums `out` first, then lands it
                 self.scatter_out[(unit.name, op.mb)] = (held, direct, done)
-                b.collective(stream, op, launch, None, dim)
+                b.collective(stream, op, launch, self._released(holds), dim)
             else:
-                b.collective(stream, op, launch, None if direct else done, dim)
+                land = None if direct else done
+                b.collective(stream, op, launch, self._released(holds, land), dim)
 
     def _replicate(self, stream: str, op: Op, dim: str, keeps: tuple[str, ...]) -> None:
         """HSDP: sum a unit's reduce-scattered gradient shard over the replicate group.
@@ -579,7 +598,38 @@ class Executor:
                 b.keep_alive(held["out"], stream)
             return b.all_reduce(held["out"])(pg)  # direct: the new gradient shard itself
 
-        b.collective(stream, op, launch, None if direct else done, dim)
+        # the reduce-scatter's output, a temporary unless direct, goes when this retires
+        out = [] if direct or not self.opts.log_buffers else [scatter_output(op.target, op.mb)]
+        b.collective(stream, op, launch, self._released(out, None if direct else done), dim)
+
+    def _log(self, action: str, buffer: str) -> None:
+        self.buffer_log.append((self.step_index, self.at, action, buffer))
+
+    def _holds(self, unit: str, mb: int, direct: bool) -> list[str]:
+        """What a reduce-scatter being issued holds until it is retired (ir/effects.py):
+        what it sends, over more than one rank, and its output when that is a temporary."""
+        if not self.opts.log_buffers:
+            return []
+        holds = [f"rs_in[{unit}]@mb{mb}"] if self.spec.mesh.shard > 1 else []
+        if not direct:
+            holds.append(scatter_output(unit, mb))
+        for h in holds:
+            self._log("hold", h)
+        # HSDP: the output lives on until the replicate all-reduce that reads it retires
+        return [h for h in holds if not (self.spec.hsdp and h.startswith("rs_out"))]
+
+    def _released(self, holds: list[str], done=None):
+        """`done`, telling the buffer log that the collective's holds went (when logging)."""
+        if not holds:
+            return done
+
+        def released():
+            for h in holds:
+                self._log("release", h)
+            if done is not None:
+                done()
+
+        return released
 
     def _count(self, op: Op, numel: int, dtype: torch.dtype) -> None:
         """Bytes a collective moves per rank: its buffer's elements in the dtype it moves."""

@@ -27,6 +27,8 @@ accumulator in the reduce dtype once the unit's backward for it is done, as FSDP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -108,6 +110,9 @@ class FlatUnit:
         self.accumulate = accumulate
         self.acc: torch.Tensor | None = None
         self._opt_params: tuple[list[nn.Parameter], list[nn.Parameter]] | None = None
+        # told of every buffer this unit allocates or frees, by its name in ir/effects.py
+        # (the executor's buffer log, which tests hold against the plan's lifetimes)
+        self.log: Callable[[str, str], None] = _ignore
         self.release()
 
     def flatten(self) -> torch.Tensor:
@@ -130,6 +135,7 @@ class FlatUnit:
     def alloc_full(self) -> torch.Tensor:
         """Give the full buffer its storage back; the all-gather then writes into it."""
         self.full.untyped_storage().resize_(self.full_bytes)
+        self.log("alloc", f"gathered[{self.name}]")
         return self.full
 
     def drop_grad_views(self) -> None:
@@ -140,7 +146,9 @@ class FlatUnit:
     def release(self) -> None:
         """Free the gathered parameters: the storage every view shares goes to zero bytes."""
         self.drop_grad_views()
-        self.full.untyped_storage().resize_(0)
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.log("free", f"gathered[{self.name}]")
 
     # gradients ---------------------------------------------------------------------------
 
@@ -152,6 +160,7 @@ class FlatUnit:
         if key not in self.grads:
             # the parameters' dtype: autograd accumulates into a .grad of its parameter's
             self.grads[key] = torch.zeros(self.padded, dtype=self.param_dtype, device=self.device)
+            self.log("alloc", f"grad[{self.name}]@mb{key}")
         grad = self.grads[key]
         for p, off, n, shape in self.layout:
             p.grad = grad[off : off + n].view(shape)
@@ -166,7 +175,9 @@ class FlatUnit:
             if key in self.grads:
                 self.fold(key)
             acc, self.acc = self.acc, None
+            self.log("free", f"acc[{self.name}]")
             return acc
+        self.log("free", f"grad[{self.name}]@mb{key}")
         return self.grads.pop(key)
 
     def fold(self, key: int, measure=None) -> None:
@@ -176,6 +187,7 @@ class FlatUnit:
         grad = self.grads[key]
         if self.acc is None:
             self.acc = grad.to(self.accumulate)
+            self.log("alloc", f"acc[{self.name}]")
         else:
             self.acc.add_(grad)  # upcast inside the add
         if measure is not None:
@@ -183,6 +195,7 @@ class FlatUnit:
         for p, _, _, _ in self.layout:
             p.grad = None
         del self.grads[key]
+        self.log("free", f"grad[{self.name}]@mb{key}")
 
     # the optimizer's view of the shard -----------------------------------------------------
 
@@ -209,11 +222,14 @@ class FlatUnit:
         it) and point the optimizer's parameters' .grad at it."""
         self.shard_grad = torch.empty_like(self.shard)
         self._bind_shard_grad()
+        self.log("alloc", f"shard_grad[{self.name}]")
         return self.shard_grad
 
     def drop_shard_grad(self) -> None:
         for p in (p for group in self.optimizer_params() for p in group):
             p.grad = None
+        if self.shard_grad is not None:
+            self.log("free", f"shard_grad[{self.name}]")
         self.shard_grad = None
 
     def _bind_shard_grad(self) -> None:
@@ -229,3 +245,7 @@ class FlatUnit:
     def state_bytes(self) -> int:
         """Shard, gradient shard, Adam m and v: 16 bytes/param / D in fp32."""
         return 4 * self.shard_len * self.shard.element_size()
+
+
+def _ignore(action: str, buffer: str) -> None:
+    pass

@@ -18,11 +18,11 @@ A buffer is named like an op, by what it holds:
                       recomputes)
 
 `lifetimes(spec, plan)` walks a rank's plan in issue order and says, per instruction, in
-order: which buffers come into being (`Alloc`) and go (`Free`), which a collective holds
-until it is retired (`Hold`), where the plan retires a stream's collectives (`Retire`: a
-wait for one of them retires its stream up to it, first in first out, and the update
-retires all), and the moments at which memory is measured (`Measure`), with what the op
-holds only while it runs on top (its casts, its activation scratch). Every lifetime rule is
+order: which buffers come into being (`Alloc`) and go (`Free`), and the moments at which
+memory is measured (`Measure`), with what the op holds only while it runs on top (its
+casts, its activation scratch). What a collective holds (what it sends, a temporary
+output) goes when the plan retires it: a wait for a collective retires its stream up to it,
+first in first out, and the update retires every stream. Every lifetime rule is
 here, once: `passes/memory.py` adds the bytes up, and the executor allocates and frees the
 same buffers at the same instructions (tests/exec/test_effects_executor.py replays both).
 
@@ -200,23 +200,6 @@ class Free:
 
 
 @dataclass(frozen=True)
-class Hold:
-    """The instruction's collective holds `buffer` (communication) until it is retired."""
-
-    buffer: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Retire:
-    """The collectives of `stream` issued up to and including `upto` are retired, and what
-    they hold goes; with no stream, every stream's (the update)."""
-
-    stream: str | None = None
-    upto: Op | None = None
-
-
-@dataclass(frozen=True)
 class Measure:
     """Memory is measured here: everything live, plus what the op holds only while it runs
     (`comm`: its casts and temporary outputs; `acts`: its activation scratch)."""
@@ -225,7 +208,7 @@ class Measure:
     acts: int = 0
 
 
-Step = Alloc | Free | Hold | Retire | Measure
+Step = Alloc | Free | Measure
 
 
 @dataclass(frozen=True)
@@ -264,6 +247,10 @@ class _Walk:
             self.upcast = upcast(spec)
             self.grads: set[str] = set()  # unsharded gradients (and accumulators) live
             self.scattered: set[str] = set()  # units reduce-scattered so far in the step
+        # what the collectives issued and not yet retired hold: stream -> [(op, buffer)]
+        self.held: dict[str, list[tuple[Op, str]]] = {}
+        self.outs: set[str] = set()  # HSDP: reduce-scatter outputs its all-reduce will hold
+        self.issued: dict[Op, int] = {}
 
     def run(self) -> Lifetimes:
         spec, plan = self.spec, self.plan
@@ -287,18 +274,38 @@ class _Walk:
                 # a wait retires its stream's queue up to the op it waits for (FIFO); the step
                 # start has no producer op (comm streams wait for compute: nothing to retire)
                 producer = plan.producers[ins.event]
-                steps.append((Retire(stream_of[producer], producer),))
+                steps.append(tuple(self.retire(stream_of[producer], producer)))
             elif ins.kind is Action.RUN:
+                self.issued[ins.op] = len(self.issued)
                 steps.append(tuple(self.op(ins.op, ins.stream)))
             else:
                 steps.append(())
         return Lifetimes(before, tuple(steps), states)
 
+    def retire(self, stream: str | None = None, upto: Op | None = None) -> list[Step]:
+        """The collectives of `stream` issued up to and including `upto` (every stream's,
+        with none) are retired: what they hold goes."""
+        gone: list[Step] = []
+        for s in [stream] if stream is not None else list(self.held):
+            keep = []
+            for op, buffer in self.held.get(s, []):
+                if upto is None or self.issued[op] <= self.issued[upto]:
+                    gone.append(Free(buffer))
+                else:
+                    keep.append((op, buffer))
+            self.held[s] = keep
+        return gone
+
+    def hold(self, op: Op, stream: str, buffer: str, nbytes: int) -> Alloc:
+        """`op`'s collective holds `buffer` until it is retired."""
+        self.held.setdefault(stream, []).append((op, buffer))
+        return Alloc(buffer, Part.COMM, nbytes)
+
     def op(self, op: Op, stream: str) -> list[Step]:
         if op.kind is Kind.STEP:
             # the update drains every stream first; it allocates nothing of size (fused
             # AdamW, foreach norms, clipping in place)
-            return [Retire(), Measure(), *self.updated()]
+            return [*self.retire(), Measure(), *self.updated()]
         if not self.fsdp:
             comm = 0
             if op.kind is Kind.ALLREDUCE and self.spec.kind is Strategy.DDP and self.r != FP32:
@@ -314,6 +321,12 @@ class _Walk:
             return [Free(f"gathered[{op.target}]"), *self.compute(op)]
         if op.kind is Kind.REDUCESCATTER:
             return self.reduce_scatter(op, stream)
+        if op.kind is Kind.ALLREDUCE:  # HSDP's: it reads the reduce-scatter's output, if any
+            out = scatter_output(op.target, op.mb)
+            if out in self.outs:  # it holds it until it is retired itself
+                self.outs.discard(out)
+                self.held.setdefault(stream, []).append((op, out))
+            return self.compute(op)
         steps = []
         if op.kind is Kind.BWD:  # the unsharded gradients its parameters write into
             for u, ws in self.writers.items():
@@ -363,16 +376,18 @@ class _Walk:
         steps: list[Step] = []
         comm = 0
         if D > 1:  # what it sends, in the reduce dtype: gloo's copy of the gradient or cast
-            steps.append(Hold(f"rs_in[{u}]@mb{op.mb}", n * r))
+            steps.append(self.hold(op, stream, f"rs_in[{u}]@mb{op.mb}", n * r))
         if r != self.g and not self.upcast:
             comm += n * r  # the cast to the reduce dtype, a temporary of the op
         if not (first and r == FP32):
             # the output shard, added (or cast back) into the fp32 one when retired; HSDP's,
-            # once its replicate all-reduce has summed it in place
+            # once its replicate all-reduce has summed it in place and is retired itself
+            out = scatter_output(u, op.mb)
             if self.spec.hsdp:
-                comm += n // D * r
+                self.outs.add(out)
+                steps.append(Alloc(out, Part.COMM, n // D * r))
             else:
-                steps.append(Hold(scatter_output(u, op.mb), n // D * r))
+                steps.append(self.hold(op, stream, out, n // D * r))
         if first:  # the gradient shard comes into being
             steps.append(Alloc(shard_grad(u), Part.STATES, n // D * FP32))
         steps += self.compute(op, comm)
@@ -383,8 +398,8 @@ class _Walk:
         if taken in self.grads:
             self.grads.discard(taken)
             steps.append(Free(taken))
-        if stream == COMPUTE:
-            steps.append(Retire(COMPUTE, op))  # on compute a collective blocks, like a kernel
+        if stream == COMPUTE:  # on compute a collective blocks, like a kernel
+            steps += self.retire(COMPUTE, op)
         return steps
 
     def updated(self) -> list[Step]:

@@ -82,9 +82,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedc.ir.effects import Alloc, Free, Hold, Lifetimes, Part, Retire, Step, lifetimes
-from schedc.ir.op import COMPUTE, Op
-from schedc.ir.plan import Action, Plan
+from schedc.ir.effects import Alloc, Free, Lifetimes, Part, Step, lifetimes
+from schedc.ir.plan import Plan
 from schedc.ir.sizes import (  # noqa: F401 - where the ledger's importers found them
     batches_bytes,
     bucket_numel,
@@ -134,10 +133,6 @@ class _Ledger:
     def __init__(self):
         self.live: dict[str, tuple[Part, int]] = {}
         self.by_part = dict.fromkeys(Part, 0)
-        # collectives issued and not yet retired: stream -> [(issue index, buffer, bytes)]
-        self.holds: dict[str, list[tuple[int, str, int]]] = {}
-        self.pending = 0
-        self.issued: dict[Op, int] = {}
         self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations
         self.peak: tuple[int, str, tuple] = (0, "", ())
         self.buffers = 0
@@ -145,46 +140,33 @@ class _Ledger:
 
     def run(self, life: Lifetimes, plan: Plan) -> None:
         for step in life.before:
-            self.apply(step, "", COMPUTE)
+            self.apply(step, "")
         for ins, steps in zip(plan.instrs, life.steps):
-            if ins.kind is Action.RUN:
-                self.issued[ins.op] = len(self.issued)
             for step in steps:
-                self.apply(step, str(ins.op) if ins.op else "", ins.stream, ins.op)
+                self.apply(step, str(ins.op) if ins.op else "")
 
-    def apply(self, step: Step, at: str, stream: str, op: Op | None = None) -> None:
+    def apply(self, step: Step, at: str) -> None:
         if isinstance(step, Alloc):
             self.live[step.buffer] = (step.part, step.nbytes)
             self.by_part[step.part] += step.nbytes
         elif isinstance(step, Free):
             part, n = self.live.pop(step.buffer)
             self.by_part[part] -= n
-        elif isinstance(step, Hold):
-            self.holds.setdefault(stream, []).append((self.issued[op], step.buffer, step.nbytes))
-            self.pending += step.nbytes
-        elif isinstance(step, Retire):
-            upto = None if step.upto is None else self.issued[step.upto]
-            for s in [step.stream] if step.stream is not None else list(self.holds):
-                keep = []
-                for held in self.holds.get(s, []):
-                    if upto is None or held[0] <= upto:
-                        self.pending -= held[2]
-                    else:
-                        keep.append(held)
-                self.holds[s] = keep
         else:
             self.measure(at, step.comm, step.acts)
 
     def measure(self, at: str, comm: int, transient: int) -> None:
+        """`comm` and `transient`: what the op holds only while it runs (casts, outputs;
+        activation scratch), on top of what lives."""
         part = self.by_part
-        live = part[Part.ACTS]
+        live, held = part[Part.ACTS], comm + part[Part.COMM]
         self.peaks = [
             max(self.peaks[0], part[Part.GATHERED]),
             max(self.peaks[1], part[Part.GRADS]),
-            max(self.peaks[2], comm + self.pending),
+            max(self.peaks[2], held),
             max(self.peaks[3], live + transient),
         ]
-        buffers = part[Part.STATES] + part[Part.GATHERED] + part[Part.GRADS] + comm + self.pending
+        buffers = part[Part.STATES] + part[Part.GATHERED] + part[Part.GRADS] + held
         self.buffers = max(self.buffers, buffers)
         self.settled = max(self.settled, buffers - comm + live)
         total = buffers + live + transient
@@ -193,7 +175,7 @@ class _Ledger:
                 (Part.STATES.value, part[Part.STATES]),
                 (Part.GATHERED.value, part[Part.GATHERED]),
                 (Part.GRADS.value, part[Part.GRADS]),
-                (Part.COMM.value, comm + self.pending),
+                (Part.COMM.value, held),
                 (Part.ACTS.value, live + transient),
             )
             self.peak = (total, at, parts)

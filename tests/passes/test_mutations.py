@@ -54,6 +54,9 @@ from tests.strategies import (
     tally,
 )
 
+# the count test reads this process's tally: under pytest-xdist every test here shares a worker
+pytestmark = pytest.mark.xdist_group("mutations")
+
 
 def find(progs: Programs, op: str) -> tuple[str, int]:
     for s, lines in progs.items():
