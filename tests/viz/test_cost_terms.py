@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from schedc.analysis.calibrate import _nnls, calibrate
+from schedc.analysis.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import chrome_trace, load, validate
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
-from schedc.viz.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import _nnls, calibrate, chrome_trace, load, validate
 
 
 def traced(timeline):
@@ -214,7 +215,8 @@ def test_the_probe_prices_the_kind_the_schedule_never_runs():
 
 
 def test_a_malformed_probe_event_is_named():
-    from schedc.viz.trace import TraceError, probes
+    from schedc.analysis.calibrate import probes
+    from schedc.analysis.trace import TraceError
 
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
@@ -223,8 +225,8 @@ def test_a_malformed_probe_event_is_named():
 
 def compute_probe_events(c, true: CostModel, ranks: int = 2) -> list[dict]:
     """exec/probe.py's layer timings as `true` prices them, at micro 1 and the schedule's."""
+    from schedc.analysis.cost import compute_time, op_flops
     from schedc.exec.probe import COMPUTE_LAYERS, REPS, probe_micros
-    from schedc.viz.cost import compute_time, op_flops
 
     spec, events, t = c.spec, [], 1.0
     rate = true.rate(spec.numerics)
@@ -272,7 +274,8 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
 
 @pytest.mark.torch  # the probe's layout comes from exec/probe.py
 def test_a_compute_probe_of_another_model_or_malformed_is_named():
-    from schedc.viz.trace import TraceError, compute_probes
+    from schedc.analysis.calibrate import compute_probes
+    from schedc.analysis.trace import TraceError
 
     c = sched("tiny_ddp_overlap")
     trace = chrome_trace(simulate(c, TRUE))

@@ -15,17 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from schedc.analysis.calibrate import calibrate
+from schedc.analysis.cost import CostModel, duration
+from schedc.analysis.overlap import overlap
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import chrome_trace, load, measured, validate
+from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.main import main
 from schedc.compiler import compile_file, compile_text
 from schedc.ir.op import Kind, Op
 from schedc.lang.resources import bundled_schedules
-from schedc.viz.cost import CostModel, duration
 from schedc.viz.graph import graph_dot
-from schedc.viz.overlap import overlap
-from schedc.viz.simulate import simulate
 from schedc.viz.timeline import Panel, panels_for, timeline_dot
-from schedc.viz.trace import calibrate, chrome_trace, load, measured, validate
-from schedc.viz.units import parse_rate, parse_time
 from tests.goldens import GOLDEN, assert_golden
 
 REPO = Path(__file__).resolve().parents[2]
