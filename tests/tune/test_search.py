@@ -17,7 +17,7 @@ from schedc.compiler import compile_text
 from schedc.lang.diagnostics import CompileError
 from schedc.tune.search import Candidate, Options, Probe, family, search
 from schedc.tune.space import Base, Knobs, candidates, micros, partitions
-from tests.viz.test_cost_terms import TRUE as CPU  # every term of the cost model set
+from tests.analysis.test_cost_terms import TRUE as CPU  # every term of the cost model set
 
 REPO = Path(__file__).resolve().parents[2]
 

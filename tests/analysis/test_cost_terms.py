@@ -1,6 +1,7 @@
-"""The cost model's CPU terms (issue 18): a per-op overhead, a backward's gradient bytes,
-per-kind collective rates and the optimizer's bytes; `schedc calibrate` fits them back from
-a trace made from known values, and a params.json from before them still loads."""
+"""The cost model's terms and their fit: `schedc calibrate` recovers the compute rate,
+bandwidth, latency and memory bandwidth from a trace made from known values, and the CPU
+terms (issue 18) too: a per-op overhead, a backward's gradient bytes, per-kind collective
+rates and the optimizer's bytes; a params.json from before them still loads."""
 
 from __future__ import annotations
 
@@ -44,6 +45,27 @@ TRUE = CostModel(
 
 def sched(name: str):
     return compile_file(REPO / "schedules" / f"{name}.sched")
+
+
+@pytest.mark.parametrize("name", ["ddp_overlap", "fsdp_prefetch", "gpt2_8gpu"])
+def test_calibrate_recovers_a_synthetic_trace(name):
+    c = sched(name)
+    # the optimizer step's norm and AdamW at one memory speed, as calibrate fits them
+    true = CostModel(
+        flops=42e12,
+        bandwidth=17e9,
+        latency=33e-6,
+        mem_bandwidth=0.9e12,
+        norm_bandwidth=0.9e12,
+        free=3e-6,
+    )
+    fit = calibrate(c, validate(chrome_trace(simulate(c, true)), "t"))
+    assert fit.cost.flops is None  # the fitted rate is the schedule's compute dtype's
+    assert fit.compute_key == CostModel().rate_key(c.spec.numerics)
+    assert getattr(fit.cost, fit.compute_key) == pytest.approx(42e12, rel=1e-6)
+    for field in ("bandwidth", "latency", "mem_bandwidth", "norm_bandwidth"):
+        assert getattr(fit.cost, field) == pytest.approx(getattr(true, field), rel=1e-6), field
+    assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
 
 
 @pytest.mark.parametrize("name", ["tiny_fsdp_prefetch", "gpt2_8gpu", "tiny_ddp_overlap"])
