@@ -1,14 +1,19 @@
-"""The trace file of `schedc run --trace`: its schema (docs/trace.md), read and checked, and a
-trace as a Timeline.
+"""The trace file of `schedc run --trace`: its schema (docs/trace.md), in one place, both ways.
 
+Written:
+    chrome_events(rank, streams, spans, steps) -> [event]   one rank's events (the executor's)
+    trace_file(events, schedule)               -> dict      the file's JSON, every rank's events
+    chrome_trace(timeline)                     -> dict      a Timeline written the same way
+Read:
     load(path)                             -> Trace      the file, checked, its op spans kept
     validate(data, path)                   -> Trace      the same, from parsed JSON
     measured(compiled, trace, step, ranks) -> Timeline   one step's spans, per rank and stream
-    chrome_trace(timeline)                 -> dict       a timeline as a trace file's JSON
 
 A trace holds Chrome "X" events named by IR text (`bwd[h.3]@mb1`) with pid = rank and
-args.step / args.stream; `schedc.exec.executor.chrome_events` writes them. Nothing here
-imports torch.
+args.step / args.stream, "M" events naming each rank's process and threads (one thread per
+stream, a `steps` track, a `probe` thread), and otherData.schedule. The event constructors
+below are the only place an event's shape is spelled out; the executor, the probe
+(exec/probe.py) and `chrome_trace` write through them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -60,6 +65,171 @@ MAX_BYTES = 256 << 20  # the largest trace file schedc reads (~1.7M events of ~1
 MAX_US = 1e18  # ts and dur bound, microseconds (31,700 years; epoch-based clocks fit)
 MAX_RANK = 2**31 - 1
 CHUNK = 4 << 20  # bytes read at a time by the streaming reader
+PROBE = "probe"  # the category of probe events, the only "X" events kept whatever their name
+
+
+# -- writing: what `schedc run --trace` writes (docs/trace.md, "What a run writes") ----------------
+
+
+@dataclass
+class Timed:
+    """One op's time on its stream, for the trace (ns, CLOCK_MONOTONIC)."""
+
+    op: Op
+    stream: str
+    start: int
+    end: int
+    issue: int = 0  # host time the op was issued (collectives)
+
+
+def chrome_events(
+    rank: int, streams, spans: list[tuple[int, Timed]], steps: list[tuple[int, int, int]] = ()
+) -> list[dict]:
+    """Chrome/Perfetto trace events: one process per rank, one thread per stream, each op a
+    slice named by its IR text (the same text on every rank); with `steps`, a "steps" thread
+    drawn above them whose slices `step N` run from the step's start (before its batch is
+    loaded) to the end of its synchronize."""
+    tid = {s: i for i, s in enumerate(streams)}
+    events = process_events(rank, sort=rank)
+    threads = [*tid.items(), *([("steps", len(tid))] if steps else [])]
+    for s, i in threads:
+        sort = -1 if i == len(tid) else i  # the steps track first
+        events += thread_events(rank, i, s, sort)
+    for step, start, end in steps:
+        events.append(step_event(step, rank, len(tid), start / 1e3, max(0.0, (end - start) / 1e3)))
+    for step, sp in spans:
+        ts, dur = sp.start / 1e3, max(0.0, (sp.end - sp.start) / 1e3)
+        events.append(
+            op_event(
+                sp.op,
+                sp.stream,
+                step,
+                rank,
+                tid[sp.stream],
+                ts,
+                dur,
+                launch=sp.issue / 1e3,
+                complete=sp.end / 1e3,
+            )
+        )
+    return events
+
+
+def trace_file(events: list[dict], schedule: str | None) -> dict:
+    """The trace file's JSON: every rank's events and, when given, the schedule that ran."""
+    trace: dict = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if schedule is not None:
+        trace["otherData"] = {"schedule": schedule}
+    return trace
+
+
+def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
+    """A timeline written the way `schedc run --trace` writes one (us, pid = rank), without
+    the sort-index events."""
+    events = []
+    for r in tl.ranks:
+        events += process_events(r)
+        for t, s in enumerate(tl.streams):
+            events += thread_events(r, t, s)
+    tid = {s: t for t, s in enumerate(tl.streams)}
+    for r in tl.ranks:  # the step's slice on the steps track, as the executor writes it
+        mine = [i for i in tl.intervals if i.rank == r]
+        start = min((i.start for i in mine), default=0.0)
+        end = max((i.end for i in mine), default=0.0)
+        events += thread_events(r, len(tid), "steps")
+        events.append(step_event(step, r, len(tid), start * 1e6, (end - start) * 1e6))
+    for i in tl.intervals:
+        ts, dur = i.start * 1e6, i.length * 1e6
+        events.append(
+            op_event(
+                i.op,
+                i.stream,
+                step,
+                i.rank,
+                tid[i.stream],
+                ts,
+                dur,
+                launch=ts,
+                complete=i.end * 1e6,
+            )
+        )
+    return trace_file(events, path or None)
+
+
+# The events, one constructor per kind. Times are microseconds on the run's clock.
+
+
+def process_events(rank: int, sort: int | None = None) -> list[dict]:
+    """A rank's process: named `rank N`, placed `sort`-th among processes when given."""
+    events = [_meta("process_name", rank, None, {"name": f"rank {rank}"})]
+    if sort is not None:
+        events.append(_meta("process_sort_index", rank, None, {"sort_index": sort}))
+    return events
+
+
+def thread_events(rank: int, tid: int, name: str, sort: int | None = None) -> list[dict]:
+    """A thread of a rank: named after its stream (or `steps`, `probe`), placed `sort`-th
+    among the rank's threads when given."""
+    events = [_meta("thread_name", rank, tid, {"name": name})]
+    if sort is not None:
+        events.append(_meta("thread_sort_index", rank, tid, {"sort_index": sort}))
+    return events
+
+
+def op_event(
+    op: Op,
+    stream: str,
+    step: int,
+    rank: int,
+    tid: int,
+    ts: float,
+    dur: float,
+    *,
+    launch: float,
+    complete: float,
+) -> dict:
+    """An op span, named by its IR text; a collective's args also say when the host issued
+    it (`launch`) and when it completed."""
+    args: dict = {"step": step, "stream": stream}
+    if op.is_collective:
+        args |= {"launch_us": launch, "complete_us": complete}
+    cat = "collective" if op.is_collective else "compute"
+    return _slice(str(op), rank, tid, ts, dur, cat, args)
+
+
+def step_event(step: int, rank: int, tid: int, ts: float, dur: float) -> dict:
+    """A training step's slice `step N` on the steps track."""
+    return _slice(f"step {step}", rank, tid, ts, dur, "step", {"step": step})
+
+
+def probe_event(name: str, rank: int, tid: int, ts: float, dur: float, args: dict) -> dict:
+    """One timing of `--probe` (exec/probe.py) on the probe thread; read back by
+    analysis/calibrate.py's `probes` and `compute_probes`."""
+    return _slice(name, rank, tid, ts, dur, PROBE, args)
+
+
+def _meta(name: str, rank: int, tid: int | None, args: dict) -> dict:
+    event: dict = {"name": name, "ph": "M", "pid": rank}
+    if tid is not None:
+        event["tid"] = tid
+    event["args"] = args
+    return event
+
+
+def _slice(name: str, rank: int, tid: int, ts: float, dur: float, cat: str, args: dict) -> dict:
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": rank,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "cat": cat,
+        "args": args,
+    }
+
+
+# -- reading ---------------------------------------------------------------------------------------
 
 
 def load(path: str | Path) -> Trace:
@@ -250,7 +420,7 @@ class _Reader:
         _event(e, f"{self.name}: {where}[{i}]", self._op)
         ph = e["ph"]
         if ph == "X":
-            if e.get("cat") == "probe":
+            if e.get("cat") == PROBE:
                 self.probes.append((i, e))
             op = self._op(e)
             if op is None:
@@ -512,56 +682,3 @@ def measured(
         "measured",
         note=f"{Path(name).name}, step {step}",
     )
-
-
-def chrome_trace(tl: Timeline, step: int = 0, path: str = "") -> dict:
-    """A timeline written the way `schedc run --trace` writes one (us, pid = rank)."""
-    events = []
-    for r in tl.ranks:
-        events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
-        for t, s in enumerate(tl.streams):
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": r, "tid": t, "args": {"name": s}}
-            )
-    tid = {s: t for t, s in enumerate(tl.streams)}
-    for r in tl.ranks:  # the step's slice on the steps track, as the executor writes it
-        mine = [i for i in tl.intervals if i.rank == r]
-        start = min((i.start for i in mine), default=0.0)
-        events += [
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": r,
-                "tid": len(tid),
-                "args": {"name": "steps"},
-            },
-            {
-                "name": f"step {step}",
-                "ph": "X",
-                "pid": r,
-                "tid": len(tid),
-                "ts": start * 1e6,
-                "dur": (max((i.end for i in mine), default=0.0) - start) * 1e6,
-                "cat": "step",
-                "args": {"step": step},
-            },
-        ]
-    for i in tl.intervals:
-        ev = {
-            "name": str(i.op),
-            "ph": "X",
-            "pid": i.rank,
-            "tid": tid[i.stream],
-            "ts": i.start * 1e6,
-            "dur": i.length * 1e6,
-            "cat": "collective" if i.op.is_collective else "compute",
-            "args": {"step": step, "stream": i.stream},
-        }
-        if i.op.is_collective:
-            ev["args"]["launch_us"] = i.start * 1e6
-            ev["args"]["complete_us"] = i.end * 1e6
-        events.append(ev)
-    trace: dict = {"traceEvents": events, "displayTimeUnit": "ms"}
-    if path:
-        trace["otherData"] = {"schedule": path}
-    return trace
