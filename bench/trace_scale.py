@@ -25,10 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import chrome_trace
 from schedc.compiler import compile_file
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import chrome_trace
 
 
 def write_trace(schedule: Path, out: Path, mib: float) -> tuple[int, int]:

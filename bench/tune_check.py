@@ -42,10 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
 from schedc.compiler import compile_file  # noqa: E402
 from schedc.tune.measure import Run, command, refit, step_time
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
 
 BEGIN = "<!-- tune_check: begin -->"
 END = "<!-- tune_check: end -->"

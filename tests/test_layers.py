@@ -14,7 +14,19 @@ import pytest
 
 from tests.goldens import REPO
 
-LAYERS = ["cli", "tune", "exec", "viz", "compiler", "passes", "lang", "ir", "model", "files"]
+LAYERS = [
+    "cli",
+    "tune",
+    "exec",
+    "viz",
+    "analysis",
+    "compiler",
+    "passes",
+    "lang",
+    "ir",
+    "model",
+    "files",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +78,8 @@ assert main(["render", "schedules/ddp_overlap.sched", "-o", out + "/g.dot"]) == 
 assert main(["render", "schedules/fsdp_prefetch.sched", "--view", "timeline",
              "-o", out + "/t.dot"]) == 0
 assert main(["tune", "schedules/tiny_fsdp_prefetch.sched", "-o", out + "/best.sched"]) == 0
-import schedc.passes.check, schedc.viz.timeline, schedc.model.arch, schedc.exec.fuse
+import schedc.passes.check, schedc.viz.timeline, schedc.analysis.calibrate, schedc.model.arch
+import schedc.exec.fuse
 assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules
                if sys.modules[m] is not None)
 print("ok without torch")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from schedc.analysis.calibrate import calibrate
+from schedc.analysis.cost import CostModel
+from schedc.analysis.trace import TraceError, load
 from schedc.cli.common import check_distinct, check_output, overrides
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
-from schedc.viz.cost import CostModel
-from schedc.viz.trace import TraceError, calibrate, load
 
 HELP = "fit the render cost model to a `schedc run --trace` file"
 

@@ -15,15 +15,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from schedc.analysis.calibrate import calibrate
+from schedc.analysis.cost import CostModel, check_parameter
+from schedc.analysis.trace import Trace, TraceError, load
+from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
 from schedc.lang.diagnostics import UserError
-from schedc.viz.cost import CostModel, check_parameter
 from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import panels_for, timeline_dot
-from schedc.viz.trace import Trace, TraceError, calibrate, load
-from schedc.viz.units import parse_rate, parse_time
 
 HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
 
@@ -78,7 +79,7 @@ COST_FLAGS = ("--cost", "--flops", "--bandwidth", "--inter-bandwidth", "--node-s
 
 
 def cost_flags(args: argparse.Namespace) -> dict[str, float]:
-    """The cost flags given, each read and held to its parameter's range (viz/cost.py): a
+    """The cost flags given, each read and held to its parameter's range (analysis/cost.py): a
     UserError naming the flag when one is out of it."""
     given = {}
     for name, read in (

@@ -15,6 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
 from schedc.cli.render import add_cost_args, cost_from_args
 from schedc.ir.spec import POLICIES
@@ -24,7 +25,6 @@ from schedc.passes.memory import fmt_bytes
 from schedc.tune.measure import error, measure, refit, repredict
 from schedc.tune.search import Candidate, Options, Result, search
 from schedc.tune.space import Base, fmt_size
-from schedc.viz.units import fmt_rate, fmt_time
 
 HELP = "search the legal schedules of a file for the fastest that fits, and write it"
 

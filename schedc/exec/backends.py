@@ -45,23 +45,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.trace import Timed
 from schedc.ir.op import COMPUTE, Op
 
 # A collective is given its process group and returns the async work (or None when the
 # backend ran it synchronously); `done` runs once its result is complete.
 Launch = Callable[[object], object]
 Done = Callable[[], None]
-
-
-@dataclass
-class Timed:
-    """One op's time on its stream, for the trace (ns, CLOCK_MONOTONIC)."""
-
-    op: Op
-    stream: str
-    start: int
-    end: int
-    issue: int = 0  # host time the op was issued (collectives)
 
 
 @dataclass

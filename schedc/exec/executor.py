@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.trace import Timed, chrome_events
 from schedc.compiler import Compiled
-from schedc.exec.backends import CPUBackend, CUDABackend, Timed, nccl_launch_order
+from schedc.exec.backends import CPUBackend, CUDABackend, nccl_launch_order
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
@@ -862,62 +863,3 @@ class PlanError(RunError):
             f"rank {rank}, step {step}: instruction {index} "
             f"({plan.instrs[index]}) failed: {cause_text}\n" + "\n".join(window)
         )
-
-
-# -- traces ---------------------------------------------------------------------------------------
-
-
-def chrome_events(
-    rank: int, streams, spans: list[tuple[int, Timed]], steps: list[tuple[int, int, int]] = ()
-) -> list[dict]:
-    """Chrome/Perfetto trace events: one process per rank, one thread per stream, each op a
-    slice named by its IR text (the same text on every rank); with `steps`, a "steps" thread
-    drawn above them whose slices `step N` run from the step's start (before its batch is
-    loaded) to the end of its synchronize."""
-    tid = {s: i for i, s in enumerate(streams)}
-    events = [
-        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
-        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
-    ]
-    threads = [*tid.items(), *([("steps", len(tid))] if steps else [])]
-    for s, i in threads:
-        sort = -1 if i == len(tid) else i  # the steps track first
-        events += [
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": s}},
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "pid": rank,
-                "tid": i,
-                "args": {"sort_index": sort},
-            },
-        ]
-    for step, start, end in steps:
-        events.append(
-            {
-                "name": f"step {step}",
-                "ph": "X",
-                "pid": rank,
-                "tid": len(tid),
-                "ts": start / 1e3,
-                "dur": max(0.0, (end - start) / 1e3),
-                "cat": "step",
-                "args": {"step": step},
-            }
-        )
-    for step, sp in spans:
-        ev = {
-            "name": str(sp.op),
-            "ph": "X",
-            "pid": rank,
-            "tid": tid[sp.stream],
-            "ts": sp.start / 1e3,
-            "dur": max(0.0, (sp.end - sp.start) / 1e3),
-            "cat": "collective" if sp.op.is_collective else "compute",
-            "args": {"step": step, "stream": sp.stream},
-        }
-        if sp.op.is_collective:
-            ev["args"]["launch_us"] = sp.issue / 1e3
-            ev["args"]["complete_us"] = sp.end / 1e3
-        events.append(ev)
-    return events

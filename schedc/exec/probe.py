@@ -24,7 +24,7 @@ ops cannot say two things:
   micro, tokens and rep.
 Every timing is one Chrome "X" event on a `probe` thread, category `probe`, taken before
 step 0 with every rank doing the same work at once (as in a step, the ranks share the
-cores). schedc/viz/trace.py `probes` and `compute_probes` read them back; calibrate fits a
+cores). schedc/analysis/calibrate.py `probes` and `compute_probes` read them back; calibrate fits a
 collective kind the schedule's ops lack from the first, and adds the second to its compute
 points.
 """
@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.trace import probe_event, thread_events
 from schedc.model.gpt2 import GPT
 
 SIZES = (1 << 20, 4 << 20, 16 << 20)  # bytes of the full buffer
@@ -46,11 +47,7 @@ REPS = 2
 
 def track(rank: int, tid: int) -> list[dict]:
     """The `probe` thread's metadata events."""
-    meta = {"ph": "M", "pid": rank, "tid": tid}
-    return [
-        {"name": "thread_name", **meta, "args": {"name": "probe"}},
-        {"name": "thread_sort_index", **meta, "args": {"sort_index": tid}},
-    ]
+    return thread_events(rank, tid, "probe", sort=tid)
 
 
 def probe_collectives(group, rank: int, world: int, device: torch.device, tid: int) -> list[dict]:
@@ -73,18 +70,9 @@ def probe_collectives(group, rank: int, world: int, device: torch.device, tid: i
                     dist.reduce_scatter_tensor(shard, full, group=group)
                 _sync(device)
                 t1 = time.perf_counter_ns()
-                events.append(
-                    {
-                        "name": f"probe {kind} {numel * 4}",
-                        "ph": "X",
-                        "pid": rank,
-                        "tid": tid,
-                        "ts": t0 / 1e3,
-                        "dur": (t1 - t0) / 1e3,
-                        "cat": "probe",
-                        "args": {"kind": kind, "bytes": numel * 4, "ranks": world, "rep": rep},
-                    }
-                )
+                args = {"kind": kind, "bytes": numel * 4, "ranks": world, "rep": rep}
+                name = f"probe {kind} {numel * 4}"
+                events.append(probe_event(name, rank, tid, t0 / 1e3, (t1 - t0) / 1e3, args))
     dist.barrier(group=group)
     return events
 
@@ -146,24 +134,15 @@ def probe_compute(
                 if rep == 0:
                     continue
                 for kind, a, b in (("fwd", t0, t1), ("bwd", t1, t2)):
-                    events.append(
-                        {
-                            "name": f"probe {kind}[{layer}] micro {m}",
-                            "ph": "X",
-                            "pid": rank,
-                            "tid": tid,
-                            "ts": a / 1e3,
-                            "dur": (b - a) / 1e3,
-                            "cat": "probe",
-                            "args": {
-                                "kind": kind,
-                                "layer": layer,
-                                "micro": m,
-                                "tokens": m * seq_len,
-                                "rep": rep - 1,
-                            },
-                        }
-                    )
+                    args = {
+                        "kind": kind,
+                        "layer": layer,
+                        "micro": m,
+                        "tokens": m * seq_len,
+                        "rep": rep - 1,
+                    }
+                    name = f"probe {kind}[{layer}] micro {m}"
+                    events.append(probe_event(name, rank, tid, a / 1e3, (b - a) / 1e3, args))
     if group is not False:
         dist.barrier(group=group)
     return events

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.trace import trace_file
 from schedc.compiler import Compiled
 from schedc.exec.backends import nccl_launch_order
 from schedc.exec.executor import (
@@ -660,14 +661,7 @@ def write_trace(path: str, ex: Executor, comm: Comm) -> None:
         events = mine
     if comm.rank == 0:
         with open(path, "w") as f:
-            json.dump(
-                {
-                    "traceEvents": events,
-                    "displayTimeUnit": "ms",
-                    "otherData": {"schedule": ex.compiled.source.path},
-                },
-                f,
-            )
+            json.dump(trace_file(events, ex.compiled.source.path), f)
         print(f"schedc: trace written to {path} ({len(events)} events)", flush=True)
 
 

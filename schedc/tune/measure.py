@@ -25,12 +25,13 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from schedc.analysis.calibrate import calibrate
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import TraceError, load
 from schedc.compiler import compile_file
 from schedc.lang.diagnostics import UserError
 from schedc.tune.search import Candidate
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import TraceError, calibrate, load
 
 
 @dataclass(frozen=True)

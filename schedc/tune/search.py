@@ -13,9 +13,9 @@
    N-th best family's predicted step, no later candidate can enter the top N: stop.
 4. Compile each visited candidate through schedc.compiler (the checker's refusals are
    counted by diagnostic code), drop those whose predicted peak (activations included) exceeds the
-   budget, drop a plan already simulated, and simulate the rest (viz/simulate.py).
+   budget, drop a plan already simulated, and simulate the rest (analysis/simulate.py).
 
-The time bound holds for the simulator by construction (viz/simulate.py, viz/cost.py): one
+The time bound holds for the simulator by construction (analysis/simulate.py, analysis/cost.py): one
 compute stream runs every fwd and bwd op of every micro-step and then the optimizer, so
     step >= compute + head + tail + optimizer
 where head is what must be communicated before the first forward can start (FSDP: the
@@ -34,6 +34,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from schedc.analysis.cost import CostModel, compute_time, optimizer_time, ring_factor
+from schedc.analysis.overlap import overlap
+from schedc.analysis.simulate import simulate
 from schedc.compiler import Compiled, compile_text
 from schedc.ir.op import Kind
 from schedc.ir.sizes import batches_bytes, layer_acts, padded
@@ -42,9 +45,6 @@ from schedc.lang.diagnostics import CompileError
 from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
 from schedc.tune.space import Base, Knobs, candidates
-from schedc.viz.cost import CostModel, compute_time, optimizer_time, ring_factor
-from schedc.viz.overlap import overlap
-from schedc.viz.simulate import simulate
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,18 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from schedc.analysis.cost import CostModel
+from schedc.analysis.overlap import Overlap, overlap
+from schedc.analysis.simulate import Interval, Timeline, simulate
+from schedc.analysis.trace import Trace, TraceError, measured
+from schedc.analysis.units import fmt_time
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.plan import Action
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import UserError
-from schedc.viz.cost import CostModel
 from schedc.viz.dot import COLORS, FONT, REPLICATE_COLORS, attrs, colors_of, q
 from schedc.viz.graph import describe
-from schedc.viz.overlap import Overlap, overlap
-from schedc.viz.simulate import Interval, Timeline, simulate
-from schedc.viz.trace import Trace, TraceError, measured
-from schedc.viz.units import fmt_time
 
 WIDTH = 1400.0  # points of time axis
 LEFT = 92.0  # lane labels
@@ -349,7 +349,7 @@ def window_of(tl: Timeline, spec: str | None) -> tuple[float, float]:
                     f"no micro-step {text} in this step (it has mb0..mb{tl.spec.accum - 1})"
                 )
             return max(i.end for i in mine) if end else min(i.start for i in mine)
-        from schedc.viz.units import parse_time
+        from schedc.analysis.units import parse_time
 
         return parse_time(text)
 

@@ -226,9 +226,9 @@ class Fixtures:
 
 def simulated_trace(schedule: str) -> dict:
     """A trace as `schedc run --trace` writes one, of the schedule's simulated step (no torch)."""
+    from schedc.analysis.simulate import simulate
+    from schedc.analysis.trace import chrome_trace
     from schedc.compiler import compile_file
-    from schedc.viz.simulate import simulate
-    from schedc.viz.trace import chrome_trace
 
     return chrome_trace(simulate(compile_file(schedule)), path=schedule)
 

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
 from schedc.cli.main import EXIT_USER, main
 from schedc.compiler import compile_file
 from schedc.tune.search import Options, search
 from schedc.tune.space import Base
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
 from tests.goldens import REPO
 
 FSDP = "schedules/tiny_fsdp_prefetch.sched"

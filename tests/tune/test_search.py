@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
 from schedc.compiler import compile_text
 from schedc.lang.diagnostics import CompileError
 from schedc.tune.search import Candidate, Options, Probe, family, search
 from schedc.tune.space import Base, Knobs, candidates, micros, partitions
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
-from tests.viz.test_cost_terms import TRUE as CPU  # every term of the cost model set
+from tests.analysis.test_cost_terms import TRUE as CPU  # every term of the cost model set
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -190,8 +190,8 @@ def test_a_micro_steps_own_cost_ranks_the_larger_micro_size_first():
     so micro 4 (k = 1) ranks first and micro 1 (k = 4) last."""
     from dataclasses import replace
 
+    from schedc.analysis.cost import grad_bytes
     from schedc.ir.op import Op
-    from schedc.viz.cost import grad_bytes
 
     base = Base.read(REPO / "docs" / "tune" / "mini.sched")
     best = {}

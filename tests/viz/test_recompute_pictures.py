@@ -3,10 +3,10 @@ their layer's forward, and counted as compute that hides communication."""
 
 from __future__ import annotations
 
+from schedc.analysis.cost import CostModel, duration
 from schedc.cli.main import main
 from schedc.compiler import compile_text
 from schedc.ir.op import Kind, recompute
-from schedc.viz.cost import CostModel, duration
 from schedc.viz.dot import COLORS
 from schedc.viz.graph import graph_dot
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from schedc.analysis.calibrate import calibrate
+from schedc.analysis.cost import CostModel, duration, spans_nodes
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import chrome_trace, validate
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind
-from schedc.viz.cost import CostModel, duration, spans_nodes
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import calibrate, chrome_trace, validate
 from tests.conftest import REPO
 
 TWO_NODES = CostModel(bandwidth=100e9, inter_bandwidth=12.5e9, node_size=8)

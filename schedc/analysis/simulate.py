@@ -2,7 +2,7 @@
 
 Every stream runs its ops in program order, one at a time; an op starts when its stream is
 free and every event it waits for has fired; a collective starts when every rank has
-reached it. Durations come from the cost model (viz/cost.py).
+reached it. Durations come from the cost model (analysis/cost.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from schedc.analysis.cost import CostModel, duration
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.plan import Action
 from schedc.ir.spec import Spec
-from schedc.viz.cost import CostModel, duration
 
 
 @dataclass(frozen=True)

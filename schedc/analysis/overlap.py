@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schedc.analysis.simulate import Interval, Timeline
+from schedc.analysis.units import fmt_time
 from schedc.ir.op import Kind, Op
-from schedc.viz.simulate import Interval, Timeline
-from schedc.viz.units import fmt_time
 
 COMPUTING = frozenset({Kind.FWD, Kind.BWD, Kind.RECOMPUTE, Kind.STEP})  # hides communication
 

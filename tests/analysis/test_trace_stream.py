@@ -1,4 +1,4 @@
-"""The streaming trace reader (`viz/trace.py` `_Stream`) reads exactly what `validate` reads
+"""The streaming trace reader (`analysis/trace.py` `_Stream`) reads exactly what `validate` reads
 from the parsed JSON: the same Trace for every file it takes, and for every file it cannot
 take in its stride it gives way (`_Unstreamable`), so `load` judges it whole and says what
 `validate` says. Checked on simulated traces and 600 mutations of them, read in chunks of a
@@ -12,11 +12,19 @@ import random
 
 import pytest
 
-import schedc.viz.trace as trace_mod
+import schedc.analysis.trace as trace_mod
+from schedc.analysis.cost import CostModel
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import (
+    Trace,
+    TraceError,
+    _Stream,
+    _Unstreamable,
+    chrome_trace,
+    load,
+    validate,
+)
 from schedc.compiler import compile_file
-from schedc.viz.cost import CostModel
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import Trace, TraceError, _Stream, _Unstreamable, chrome_trace, load, validate
 from tests.conftest import REPO
 from tests.viz.test_trace_fuzz import mutate
 

@@ -1,4 +1,4 @@
-"""The cost model: how long each op of a plan takes (viz/simulate.py says when it runs).
+"""The cost model: how long each op of a plan takes (analysis/simulate.py says when it runs).
 
     duration   fwd         overhead + FLOPs of the layer for one micro-batch / the compute rate
                bwd         overhead + 2 x fwd's FLOPs / the rate
@@ -36,12 +36,12 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.files import read_limited
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Dtype, Numerics, Spec, Strategy
 from schedc.model.arch import FP32
 from schedc.passes.memory import op_bytes, padded, unit_numel
-from schedc.viz.units import fmt_rate, fmt_time
 
 FP32_POLICY = Numerics()
 ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v

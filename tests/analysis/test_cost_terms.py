@@ -1,6 +1,7 @@
-"""The cost model's CPU terms (issue 18): a per-op overhead, a backward's gradient bytes,
-per-kind collective rates and the optimizer's bytes; `schedc calibrate` fits them back from
-a trace made from known values, and a params.json from before them still loads."""
+"""The cost model's terms and their fit: `schedc calibrate` recovers the compute rate,
+bandwidth, latency and memory bandwidth from a trace made from known values, and the CPU
+terms (issue 18) too: a per-op overhead, a backward's gradient bytes, per-kind collective
+rates and the optimizer's bytes; a params.json from before them still loads."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from schedc.analysis.calibrate import _nnls, calibrate
+from schedc.analysis.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
+from schedc.analysis.simulate import simulate
+from schedc.analysis.trace import chrome_trace, load, validate
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
-from schedc.viz.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
-from schedc.viz.simulate import simulate
-from schedc.viz.trace import _nnls, calibrate, chrome_trace, load, validate
 
 
 def traced(timeline):
@@ -43,6 +45,27 @@ TRUE = CostModel(
 
 def sched(name: str):
     return compile_file(REPO / "schedules" / f"{name}.sched")
+
+
+@pytest.mark.parametrize("name", ["ddp_overlap", "fsdp_prefetch", "gpt2_8gpu"])
+def test_calibrate_recovers_a_synthetic_trace(name):
+    c = sched(name)
+    # the optimizer step's norm and AdamW at one memory speed, as calibrate fits them
+    true = CostModel(
+        flops=42e12,
+        bandwidth=17e9,
+        latency=33e-6,
+        mem_bandwidth=0.9e12,
+        norm_bandwidth=0.9e12,
+        free=3e-6,
+    )
+    fit = calibrate(c, validate(chrome_trace(simulate(c, true)), "t"))
+    assert fit.cost.flops is None  # the fitted rate is the schedule's compute dtype's
+    assert fit.compute_key == CostModel().rate_key(c.spec.numerics)
+    assert getattr(fit.cost, fit.compute_key) == pytest.approx(42e12, rel=1e-6)
+    for field in ("bandwidth", "latency", "mem_bandwidth", "norm_bandwidth"):
+        assert getattr(fit.cost, field) == pytest.approx(getattr(true, field), rel=1e-6), field
+    assert fit.compute_rms < 1e-9 and fit.comm_rms < 1e-9
 
 
 @pytest.mark.parametrize("name", ["tiny_fsdp_prefetch", "gpt2_8gpu", "tiny_ddp_overlap"])
@@ -214,7 +237,8 @@ def test_the_probe_prices_the_kind_the_schedule_never_runs():
 
 
 def test_a_malformed_probe_event_is_named():
-    from schedc.viz.trace import TraceError, probes
+    from schedc.analysis.calibrate import probes
+    from schedc.analysis.trace import TraceError
 
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
@@ -223,8 +247,8 @@ def test_a_malformed_probe_event_is_named():
 
 def compute_probe_events(c, true: CostModel, ranks: int = 2) -> list[dict]:
     """exec/probe.py's layer timings as `true` prices them, at micro 1 and the schedule's."""
+    from schedc.analysis.cost import compute_time, op_flops
     from schedc.exec.probe import COMPUTE_LAYERS, REPS, probe_micros
-    from schedc.viz.cost import compute_time, op_flops
 
     spec, events, t = c.spec, [], 1.0
     rate = true.rate(spec.numerics)
@@ -272,7 +296,8 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
 
 @pytest.mark.torch  # the probe's layout comes from exec/probe.py
 def test_a_compute_probe_of_another_model_or_malformed_is_named():
-    from schedc.viz.trace import TraceError, compute_probes
+    from schedc.analysis.calibrate import compute_probes
+    from schedc.analysis.trace import TraceError
 
     c = sched("tiny_ddp_overlap")
     trace = chrome_trace(simulate(c, TRUE))
