@@ -6,7 +6,7 @@
                            include the tied vocab x d table, the embedding's rows are added
                            in place: `grad_bytes`) / grad_bandwidth (no term when unset)
                collective  latency + ring(kind, D) x bytes / bandwidth, bytes in the
-                           collective's dtype (gather or reduce; passes/memory.op_bytes)
+                           collective's dtype (gather or reduce; ir/sizes.op_bytes)
                            ring: all-reduce 2(D-1)/D, all-gather and reduce-scatter (D-1)/D,
                            D the ranks of the op's mesh dimension (the world, when flat);
                            all-gathers and reduce-scatters take gather_* / scatter_*
@@ -39,9 +39,9 @@ from pathlib import Path
 from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.files import read_limited
 from schedc.ir.op import Kind, Op
+from schedc.ir.sizes import op_bytes, padded, unit_numel
 from schedc.ir.spec import Dtype, Numerics, Spec, Strategy
 from schedc.model.arch import FP32
-from schedc.passes.memory import op_bytes, padded, unit_numel
 
 FP32_POLICY = Numerics()
 ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v

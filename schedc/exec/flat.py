@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from schedc.ir.sizes import padded
 from schedc.ir.spec import BucketSpec, UnitSpec
 from schedc.model.arch import GPTConfig
-from schedc.passes.memory import padded
 
 
 class FlatBucket:

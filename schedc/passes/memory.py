@@ -84,14 +84,7 @@ from dataclasses import dataclass
 
 from schedc.ir.effects import Alloc, Free, Lifetimes, Part, Step, lifetimes
 from schedc.ir.plan import Plan
-from schedc.ir.sizes import (  # noqa: F401 - where the ledger's importers found them
-    batches_bytes,
-    bucket_numel,
-    layer_acts,
-    op_bytes,
-    padded,
-    unit_numel,
-)
+from schedc.ir.sizes import op_bytes
 from schedc.ir.spec import Spec
 
 

@@ -87,8 +87,8 @@ def test_flat_fsdp_and_its_hsdp_twin_agree_and_make_the_same_update(pool6):
 
 
 def test_each_rank_moves_the_traffic_of_its_dimensions(pool6):
-    """The executor's bytes per collective match the ledger's (passes/memory.op_bytes)."""
-    from schedc.passes.memory import op_bytes
+    """The executor's bytes per collective match the ledger's (ir/sizes.op_bytes)."""
+    from schedc.ir.sizes import op_bytes
 
     text = twin("2 x 2")
     c = compile_text(text, "hsdp.sched")

@@ -241,8 +241,8 @@ def test_ddp_communicates_each_bucket_once_per_step_with_no_sync(pool):
     "text", [DDP_CASES["w2-two-buckets-k2"], FSDP_CASES["w2-three-units-p1-k2"]]
 )
 def test_measured_traffic_is_the_checkers_prediction(pool, text):
-    """passes/memory.op_bytes, summed over a rank's plan, is what the executor counts."""
-    from schedc.passes.memory import op_bytes
+    """ir/sizes.op_bytes, summed over a rank's plan, is what the executor counts."""
+    from schedc.ir.sizes import op_bytes
 
     c = compile_text(text)
     res = pool.run(text, c.spec.world, steps=1)

@@ -6,11 +6,12 @@ import pytest
 
 from schedc.cli.check import summary
 from schedc.compiler import compile_text
+from schedc.ir.sizes import layer_acts
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.resolve import Overrides
 from schedc.passes.agree import compare
 from schedc.passes.dump import dump_ast
-from schedc.passes.memory import activation_peak, layer_acts
+from schedc.passes.memory import activation_peak
 
 BASE = "model nano\nworld 1\nbatch 8 x 32\nmicro 2\n"
 

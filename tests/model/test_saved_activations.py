@@ -1,4 +1,4 @@
-"""The ledger's activations are what autograd saves (schedc/passes/memory.py `layer_acts`).
+"""The ledger's activations are what autograd saves (schedc/ir/sizes.py `layer_acts`).
 
 Each layer of GPT-2 runs forward under saved_tensors_hooks; the bytes of the distinct
 storages it saves (parameters and their views excluded, the batch's token ids too: the
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from schedc.compiler import compile_text
+from schedc.ir.sizes import layer_acts
 from schedc.model.gpt2 import GPT
-from schedc.passes.memory import layer_acts
 
 
 def saved_bytes(model, layer, x, y, exclude) -> int:

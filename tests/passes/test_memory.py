@@ -14,7 +14,8 @@ import pytest
 
 from schedc.compiler import compile_text
 from schedc.ir.op import Kind
-from schedc.passes.memory import op_bytes, padded, predict, unit_numel
+from schedc.ir.sizes import op_bytes, padded, unit_numel
+from schedc.passes.memory import predict
 
 FSDP = """model nano
 world 2
@@ -198,7 +199,7 @@ def test_over_budget_because_of_activations_and_recompute_fits():
 def test_a_recompute_holds_one_layer_at_a_time():
     """With every block recomputed, the activations live at once are the kept inputs, the
     head's and one block's saved tensors (plus transients), not every block's."""
-    from schedc.passes.memory import layer_acts
+    from schedc.ir.sizes import layer_acts
 
     plain = compile_text(BUDGET.format(recompute="").replace("memory 150 MiB", ""))
     again = compile_text(
