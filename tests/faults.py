@@ -30,6 +30,8 @@ import time
 
 
 def inject(ex, fault: str) -> None:
+    from schedc.exec.options import NonFinite
+
     if fault == "skip-accum-scale":
         ex.loss_scale = 1.0
     elif fault == "skip-replicate-allreduce":
@@ -89,7 +91,7 @@ def inject(ex, fault: str) -> None:
         words = fault.split()
         at, compute = int(words[1].removeprefix("step")), ex.compute
         if "skip" in words:
-            ex.opts.nonfinite = "skip"
+            ex.opts.nonfinite = NonFinite.SKIP
 
         def poisoned(seg):
             compute(seg)
@@ -104,7 +106,7 @@ def inject(ex, fault: str) -> None:
     elif fault == "reduce-in-bf16":
         import torch
 
-        ex.reduce_dtype = torch.bfloat16
+        ex.strategy.reduce_dtype = torch.bfloat16
     elif fault == "no-cast-back":
         from schedc.ir.op import Kind
 

@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,52 @@ from schedc.ir.op import COMPUTE, Op
 # backend ran it synchronously); `done` runs once its result is complete.
 Launch = Callable[[object], object]
 Done = Callable[[], None]
+
+
+class Backend(Protocol):
+    """What executes a plan's streams and events: `CPUBackend` (gloo) and `CUDABackend`
+    (CUDA streams, NCCL) both, so the executor and the strategies never ask which."""
+
+    spans: list[Timed]  # the ops timed since the last synchronize (tracing)
+
+    def on(self, stream: str) -> contextlib.AbstractContextManager:
+        """Where an op's buffers are allocated when it is issued."""
+
+    def compute(self, stream: str, op: Op, fn: Callable[[], None]) -> None:
+        """Run `fn`, the op's work, on `stream`."""
+
+    def collective(
+        self, stream: str, op: Op, launch: Launch, done: Done | None, dim: str | None = None
+    ) -> None:
+        """Issue a collective on `stream`, over the group of mesh dimension `dim`; `done`
+        runs once its result is complete."""
+
+    def record(self, stream: str, event: int) -> None: ...
+
+    def wait(self, stream: str, event: int) -> None: ...
+
+    def mark(self, stream: str) -> object:
+        """A point on `stream` that `wait_mark` makes another stream wait for."""
+
+    def wait_mark(self, stream: str, mark: object) -> None: ...
+
+    def drain(self) -> None:
+        """Every collective retired: what the update reads is final."""
+
+    def synchronize(self) -> None: ...
+
+    def all_reduce(self, t: torch.Tensor) -> Launch: ...
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Launch: ...
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Launch: ...
+
+    def keep_alive(self, t: torch.Tensor, stream: str) -> None:
+        """`t` is read on `stream` too: its memory must outlive that use."""
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict: ...
 
 
 @dataclass

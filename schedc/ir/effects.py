@@ -246,6 +246,7 @@ class _Walk:
             }
             self.upcast = upcast(spec)
             self.grads: set[str] = set()  # unsharded gradients (and accumulators) live
+            self.gathered: set[str] = set()  # units gathered now
             self.scattered: set[str] = set()  # units reduce-scattered so far in the step
         # what the collectives issued and not yet retired hold: stream -> [(op, buffer)]
         self.held: dict[str, list[tuple[Op, str]]] = {}
@@ -311,14 +312,22 @@ class _Walk:
             if op.kind is Kind.ALLREDUCE and self.spec.kind is Strategy.DDP and self.r != FP32:
                 comm = bucket_numel(self.spec, op.target) * self.r  # bf16_compress_hook's cast
             return self.compute(op, comm)
+        # a plan the checker refuses (a free before its gather, a gather of a unit gathered)
+        # still gets a walk, for the memory budget's diagnostic: what is not there is not freed
+        gathered = f"gathered[{op.target}]"
         if op.kind is Kind.ALLGATHER:
             n, g = self.numel[op.target], self.g
-            steps: list[Step] = [Alloc(f"gathered[{op.target}]", Part.GATHERED, n * g)]
+            steps: list[Step] = []
+            if gathered not in self.gathered:
+                self.gathered.add(gathered)
+                steps.append(Alloc(gathered, Part.GATHERED, n * g))
             # the shard cast for the gather (one rank casts straight into the gathered buffer)
             comm = n // self.D * g if g != FP32 and self.D > 1 else 0
             return steps + self.compute(op, comm)
         if op.kind is Kind.FREE:
-            return [Free(f"gathered[{op.target}]"), *self.compute(op)]
+            freed = [Free(gathered)] if gathered in self.gathered else []
+            self.gathered.discard(gathered)
+            return [*freed, *self.compute(op)]
         if op.kind is Kind.REDUCESCATTER:
             return self.reduce_scatter(op, stream)
         if op.kind is Kind.ALLREDUCE:  # HSDP's: it reads the reduce-scatter's output, if any

@@ -98,7 +98,15 @@ class GPT(nn.Module):
     Built under ``torch.device('meta')`` it allocates nothing and skips initialisation.
     """
 
-    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        seed: int = 0,
+        *,
+        loss_chunk: int | None = None,
+        embed_into_grad: bool = False,
+        loss_scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.config = config
         # Registration order is arch.py's parameter order; wte first so that the tied
@@ -109,11 +117,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
-        self.loss_chunk: int | None = None  # tokens per chunk of the head's loss; None: all
-        self.embed_into_grad = False  # wte's backward adds into wte.weight.grad in place
+        self.loss_chunk = loss_chunk  # tokens per chunk of the head's loss; None: all
+        self.embed_into_grad = embed_into_grad  # wte's backward adds into .grad in place
         # the grad the head's loss receives in backward (the executor's 1/k); the chunked
         # head folds it into the gradients it makes in forward
-        self.loss_scale = 1.0
+        self.loss_scale = loss_scale
         if not self.wte.weight.is_meta:
             self.init_weights(seed)
 

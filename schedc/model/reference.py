@@ -54,9 +54,12 @@ class StepResult:
     """Parameters after the update."""
 
 
-def init_model(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
-    """A freshly initialised model; the same seed gives the same weights in any dtype."""
-    return GPT(config, seed=seed).to(dtype)
+def init_model(
+    config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32, **options
+) -> GPT:
+    """A freshly initialised model; the same seed gives the same weights in any dtype.
+    `options`: GPT's own (loss_chunk, embed_into_grad, loss_scale)."""
+    return GPT(config, seed=seed, **options).to(dtype)
 
 
 def make_adamw(
