@@ -198,6 +198,49 @@ def size_bytes(number: float, unit: str, what: str = "a size", text: str | None 
     return int(v)
 
 
+def int_of(diag: Diagnostics, num: Num, what: str, lo: int, hi: int) -> int | None:
+    """A whole number in [lo, hi] as written, or None after reporting why not."""
+    shown = num.text if len(num.text) <= 40 else f"{num.text[:20]}..."
+    if not num.is_int:
+        diag.error(
+            "value-range",
+            f"{what} must be a whole number written in digits, not {shown}",
+            num.span,
+        )
+        return None
+    huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
+    v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
+    if (bad := range_error(what, v, lo, hi, shown if huge else None)) is not None:
+        diag.error("value-range", bad, num.span, hint=_range_hint(what, lo, hi))
+        return None
+    return v
+
+
+def size_of(diag: Diagnostics, size: Size, what: str) -> int | None:
+    """A size in bytes as written (`25 MiB`), or None after reporting why not."""
+    if size.unit not in UNITS:
+        diag.error(
+            "value-range",
+            f"unknown unit '{size.unit}'",
+            size.span,
+            hint="use B, KB, MB, GB, KiB, MiB or GiB",
+        )
+        return None
+    try:
+        return size_bytes(size.number.value, size.unit, what, size.number.text)
+    except ValueError as e:
+        diag.error("value-range", str(e), size.span)
+        return None
+
+
+def one_number(diag: Diagnostics, f: Field) -> Num | None:
+    """The one number of `key = N`, or None after reporting that it takes one."""
+    if len(f.values) != 1 or not isinstance(f.values[0], Num):
+        diag.error("value-range", f"'{f.key.text}' takes one number", f.span)
+        return None
+    return f.values[0]
+
+
 def ops_per_step(
     model: GPTConfig, accum: int, strategy, recompute: frozenset[str], hsdp: bool
 ) -> int:
@@ -245,37 +288,6 @@ class _Resolver:
         self.seen[key] = span
         return True
 
-    def int_of(self, num: Num, what: str, lo: int, hi: int) -> int | None:
-        shown = num.text if len(num.text) <= 40 else f"{num.text[:20]}..."
-        if not num.is_int:
-            self.err(
-                "value-range",
-                f"{what} must be a whole number written in digits, not {shown}",
-                num.span,
-            )
-            return None
-        huge = len(num.text) > 64  # int() refuses thousands of digits; out of every range
-        v = int(num.text) if not huge else (lo - 1 if num.text.startswith("-") else hi + 1)
-        if (bad := range_error(what, v, lo, hi, shown if huge else None)) is not None:
-            self.err("value-range", bad, num.span, hint=_range_hint(what, lo, hi))
-            return None
-        return v
-
-    def size_of(self, size: Size, what: str) -> int | None:
-        if size.unit not in UNITS:
-            self.err(
-                "value-range",
-                f"unknown unit '{size.unit}'",
-                size.span,
-                hint="use B, KB, MB, GB, KiB, MiB or GiB",
-            )
-            return None
-        try:
-            return size_bytes(size.number.value, size.unit, what, size.number.text)
-        except ValueError as e:
-            self.err("value-range", str(e), size.span)
-            return None
-
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> Spec:
@@ -295,15 +307,15 @@ class _Resolver:
         for s in by_type.get(Setting, []):
             if self.once(s.key, s.span, f"'{s.key}'"):
                 lo, hi = LIMITS[s.key]
-                settings[s.key] = self.int_of(s.value, s.key, lo, hi)
+                settings[s.key] = int_of(self.diag, s.value, s.key, lo, hi)
         batch = single(Batch, "batch", "the batch")
         seqs = seq_len = None
         if batch:
-            seqs = self.int_of(batch.sequences, "global batch sequences", 1, 1 << 31)
-            seq_len = self.int_of(batch.tokens, "tokens per sequence", 1, 1 << 20)
+            seqs = int_of(self.diag, batch.sequences, "global batch sequences", 1, 1 << 31)
+            seq_len = int_of(self.diag, batch.tokens, "tokens per sequence", 1, 1 << 20)
         memory = None
         if (m := single(Memory, "memory", "the memory budget")) is not None:
-            memory = self.size_of(m.size, "memory")
+            memory = size_of(self.diag, m.size, "memory")
         data = self.data(single(Data, "data", "the data source"))
         optim = self.optimizer(single(Optimizer, "optimizer", "the optimizer"))
         toggles = {}
@@ -371,7 +383,9 @@ class _Resolver:
         numerics = self.numerics(single(Precision, "precision", "the precision"), strategy, toggles)
         if (lc := single(LossChunk, "loss", "`loss chunk`")) is not None:
             # not part of a precision policy: --precision keeps it
-            numerics = replace(numerics, loss_chunk=self.int_of(lc.tokens, "loss chunk", *CHUNK))
+            numerics = replace(
+                numerics, loss_chunk=int_of(self.diag, lc.tokens, "loss chunk", *CHUNK)
+            )
         recompute = self.recompute(
             single(Recompute, "recompute", "`recompute`"),
             next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None,
@@ -450,8 +464,11 @@ class _Resolver:
             if not self.once(f"model.{key}", f.key.span, f"'{key}'"):
                 continue
             attr = MODEL_KEYS[key]
-            v = self.one_number(f)
-            if v is not None and (n := self.int_of(v, key, 1, MODEL_LIMITS[attr])) is not None:
+            v = one_number(self.diag, f)
+            if (
+                v is not None
+                and (n := int_of(self.diag, v, key, 1, MODEL_LIMITS[attr])) is not None
+            ):
                 values[attr] = n
         if base is None:
             need = [k for k in ("n_layer", "n_head", "n_embd") if k not in values]
@@ -478,12 +495,6 @@ class _Resolver:
             return "custom", None
         name = m.name.text if m.name else "custom"
         return (f"{name}*" if values and m.name else name), cfg
-
-    def one_number(self, f: Field) -> Num | None:
-        if len(f.values) != 1 or not isinstance(f.values[0], Num):
-            self.err("value-range", f"'{f.key.text}' takes one number", f.span)
-            return None
-        return f.values[0]
 
     def batch_arithmetic(self, seqs, world, settings) -> tuple[int | None, int | None]:
         micro, accum = settings.get("micro"), settings.get("accumulate")
@@ -535,8 +546,8 @@ class _Resolver:
         if m is None:
             return None
         hi = LIMITS["world"][1]
-        r = self.int_of(m.replicate, "mesh replicate size", 1, hi)
-        s = self.int_of(m.shard, "mesh shard size", 1, hi)
+        r = int_of(self.diag, m.replicate, "mesh replicate size", 1, hi)
+        s = int_of(self.diag, m.shard, "mesh shard size", 1, hi)
         if r is None or s is None or world is None:
             return None
         if r * s != world:
@@ -606,11 +617,11 @@ class _Resolver:
                 if not all(0 <= b < 1 for b in (values["beta1"], values["beta2"])):
                     self.err("value-range", "betas must lie in [0, 1)", f.span)
                 continue
-            num = self.one_number(f)
+            num = one_number(self.diag, f)
             if num is None:
                 continue
             if key in ("warmup", "decay_steps"):
-                v = self.int_of(num, key, 0, 1 << 30)
+                v = int_of(self.diag, num, key, 0, 1 << 30)
             else:
                 v = num.value
                 if not (0 <= v < 1e6) or (key == "lr" and v == 0):
@@ -912,9 +923,9 @@ class _Resolver:
                 hint="bucket_cap makes the buckets by itself; drop it or the buckets",
             )
         elif caps:
-            cap = self.size_of(caps[0].size, "bucket_cap")
+            cap = size_of(self.diag, caps[0].size, "bucket_cap")
             first = (
-                self.size_of(caps[0].first, "first bucket")
+                size_of(self.diag, caps[0].first, "first bucket")
                 if caps[0].first
                 else min(cap or MiB, MiB)
             )
@@ -1017,7 +1028,7 @@ class _Resolver:
         depth = {"forward": 1, "backward": 1}
         for p in (s for s in stmts if isinstance(s, Prefetch)):
             if self.once(f"prefetch.{p.direction}", p.span, f"prefetch {p.direction}"):
-                v = self.int_of(p.depth, f"prefetch {p.direction}", 0, 64)
+                v = int_of(self.diag, p.depth, f"prefetch {p.direction}", 0, 64)
                 if v is not None:
                     depth[p.direction] = v
         if not units and len(stmts) == len(block.stmts):  # else a misspelling said it
@@ -1134,7 +1145,7 @@ class _Resolver:
                 continue
             rank = None
             if p.rank is not None:
-                rank = self.int_of(p.rank, "rank", 0, max(0, (world or 1) - 1))
+                rank = int_of(self.diag, p.rank, "rank", 0, max(0, (world or 1) - 1))
                 if rank is None:
                     continue
             key = f"program.{stream}.{rank}"
