@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
 from schedc.ir.source import Span
@@ -74,21 +76,6 @@ LIMITS = {
     "seed": (0, (1 << 63) - 1),
 }
 CHUNK = (1, 1 << 24)  # tokens per chunk of the head's loss (`loss chunk N`)
-MODEL_KEYS = {
-    "n_layer": "n_layer",
-    "n_head": "n_head",
-    "n_embd": "n_embd",
-    "block": "block_size",
-    "vocab": "vocab_size",
-}
-MODEL_LIMITS = {
-    "n_layer": 4096,
-    "n_head": 4096,
-    "n_embd": 1 << 17,
-    "block_size": 1 << 20,
-    "vocab_size": 1 << 22,
-}
-OPTIM_KEYS = {"lr", "min_lr", "warmup", "decay_steps", "weight_decay", "betas", "eps", "clip"}
 UNITS = {
     "": 1,
     "B": 1,
@@ -450,26 +437,8 @@ class _Resolver:
                     hint=did_you_mean(m.name.text, SIZES) or f"known sizes: {', '.join(SIZES)}",
                 )
                 return m.name.text, None
-        values: dict[str, int] = {}
-        for f in m.fields:
-            key = f.key.text
-            if key not in MODEL_KEYS:
-                self.err(
-                    "unknown-setting",
-                    f"a model has no '{key}'",
-                    f.key.span,
-                    hint=did_you_mean(key, MODEL_KEYS) or f"keys: {', '.join(MODEL_KEYS)}",
-                )
-                continue
-            if not self.once(f"model.{key}", f.key.span, f"'{key}'"):
-                continue
-            attr = MODEL_KEYS[key]
-            v = one_number(self.diag, f)
-            if (
-                v is not None
-                and (n := int_of(self.diag, v, key, 1, MODEL_LIMITS[attr])) is not None
-            ):
-                values[attr] = n
+        read = _read_keyed(self, m.fields, MODEL)
+        values = read.values
         if base is None:
             need = [k for k in ("n_layer", "n_head", "n_embd") if k not in values]
             if need:
@@ -481,7 +450,7 @@ class _Resolver:
                 )
                 return "custom", None
             base = GPTConfig()
-        if len(values) != len([f for f in m.fields if f.key.text in MODEL_KEYS]):
+        if not read.complete:
             return (m.name.text if m.name else "custom"), None  # an error was reported
         try:
             cfg = base.with_overrides(**values)
@@ -595,55 +564,7 @@ class _Resolver:
                 o.name.span,
                 hint="schedc runs `adamw` (decoupled weight decay, as in GPT-2 training)",
             )
-        values: dict[str, float | int] = {}
-        for f in o.fields:
-            key = f.key.text
-            if key not in OPTIM_KEYS:
-                self.err(
-                    "unknown-setting",
-                    f"adamw has no '{key}'",
-                    f.key.span,
-                    hint=did_you_mean(key, OPTIM_KEYS) or f"keys: {', '.join(sorted(OPTIM_KEYS))}",
-                )
-                continue
-            if not self.once(f"optimizer.{key}", f.key.span, f"'{key}'"):
-                continue
-            if key == "betas":
-                nums = [v for v in f.values if isinstance(v, Num)]
-                if len(nums) != 2 or len(f.values) != 2:
-                    self.err("value-range", "betas takes two numbers: `betas = 0.9, 0.95`", f.span)
-                    continue
-                values["beta1"], values["beta2"] = nums[0].value, nums[1].value
-                if not all(0 <= b < 1 for b in (values["beta1"], values["beta2"])):
-                    self.err("value-range", "betas must lie in [0, 1)", f.span)
-                continue
-            num = one_number(self.diag, f)
-            if num is None:
-                continue
-            if key in ("warmup", "decay_steps"):
-                v = int_of(self.diag, num, key, 0, 1 << 30)
-            else:
-                v = num.value
-                if not (0 <= v < 1e6) or (key == "lr" and v == 0):
-                    self.err(
-                        "value-range",
-                        f"{key} = {num.text} is out of range",
-                        num.span,
-                        hint="lr must be > 0; rates, eps, clip and decay must be >= 0",
-                    )
-                    v = None
-                elif (why := _fp32_breaks(key, v)) is not None:
-                    got = "0" if _fp32(v) == 0 else f"{_fp32(v):.3g}, a subnormal (0 on a GPU)"
-                    self.err(
-                        "value-range",
-                        f"{key} = {num.text} is {got} in fp32, {why}",
-                        num.span,
-                        hint=f"write {key} >= {FP32_TINY:.3g} (fp32's smallest "
-                        "normal number)" + (", or 0 to turn clipping off" if key == "clip" else ""),
-                    )
-                    v = None
-            if v is not None:
-                values[key] = v
+        values = _read_keyed(self, o.fields, OPTIMIZER).values
         try:
             return OptimConfig(**values)
         except ValueError as e:
@@ -680,26 +601,8 @@ class _Resolver:
                     or f"policies: {', '.join(POLICIES)}; or write the dtypes: "
                     "`precision { compute = bf16  gather = bf16  reduce = fp32 }`",
                 )
-        chosen: dict[str, Dtype] = {}
-        where: dict[str, Span] = {}
-        for f in p.fields:
-            key = f.key.text
-            if key not in PRECISION_KEYS:
-                self.err(
-                    "unknown-setting",
-                    f"precision has no '{key}'",
-                    f.key.span,
-                    hint=did_you_mean(key, PRECISION_KEYS) or f"keys: {', '.join(PRECISION_KEYS)}",
-                )
-                continue
-            if not self.once(f"precision.{key}", f.key.span, f"'{key}'"):
-                continue
-            value = f.values[0] if len(f.values) == 1 else None
-            text = value.text if isinstance(value, Name) else None
-            if text not in DTYPES:
-                self.err("value-range", f"{key} takes one dtype: fp32 or bf16", f.span)
-                continue
-            chosen[key], where[key] = Dtype(text), f.span
+        read = _read_keyed(self, p.fields, PRECISION)
+        chosen, where = read.values, read.spans
         for key, dt in chosen.items():
             if dt is Dtype.FP16:
                 self.err(
@@ -1235,27 +1138,170 @@ def _fp32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
-def _fp32_breaks(key: str, v: float) -> str | None:
-    """Why an optimizer value that is fine as a decimal breaks AdamW once rounded to fp32
-    (the precision it runs in), or None. Zero or subnormal (flushed to zero on GPUs):
-    - eps: AdamW divides m by sqrt(v) + eps; a parameter that never gets a gradient (an
-      embedding row of a token the data lacks) has m = v = 0, so 0 / 0 = NaN. eps is a
-      divisor, so 0 is refused too.
-    - lr: the update is lr x (...): zero means training that changes nothing.
-    - clip: the gradient is scaled by clip / norm: zero scales every gradient to nothing
-      (clip 0 itself means no clipping and is fine).
-    weight_decay, min_lr and betas that round to 0 are plain zeros, which AdamW allows."""
-    tiny = _fp32(v) < FP32_TINY
-    if key == "eps" and tiny:
-        return (
-            "and AdamW divides by sqrt(v) + eps: a parameter that never gets a gradient "
-            "(an unused embedding row) would become 0/0 = NaN"
-        )
-    if key == "lr" and tiny:
-        return "so no update would change the model"
-    if key == "clip" and v > 0 and tiny:
-        return "so clipping would scale every gradient to zero"
-    return None
+# -- keyed settings: `model { n_layer = 4 }`, `optimizer adamw { lr = 3e-4 }`, `precision` ---
+
+Reader = Callable[[Diagnostics, Field], "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys one `{ key = value ... }` block takes, each with the reader that checks its
+    value and says what it sets (a key may set two: betas), or None after saying why not."""
+
+    owner: str  # the block as its messages name it: "a model has no 'x'"
+    scope: str  # where its keys are recorded in Spec.where: "model.n_layer"
+    read: dict[str, Reader]  # in the order a hint lists them
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """What a block's fields set, and where each key was given."""
+
+    values: dict[str, Any]
+    spans: dict[str, Span]  # the field of each key read
+    complete: bool  # every field with a known key was read: none repeated or refused
+
+
+def _read_keyed(r: _Resolver, fields: tuple[Field, ...], keys: Keys) -> Keyed:
+    """A block's fields read by its table: an unknown key is [unknown-setting] with the
+    nearest key (or the list of them), a repeated one [duplicate], a value its reader's."""
+    values: dict[str, Any] = {}
+    spans: dict[str, Span] = {}
+    complete = True
+    for f in fields:
+        key = f.key.text
+        if key not in keys.read:
+            r.err(
+                "unknown-setting",
+                f"{keys.owner} has no '{key}'",
+                f.key.span,
+                hint=did_you_mean(key, keys.read) or f"keys: {', '.join(keys.read)}",
+            )
+            continue
+        got = None
+        if r.once(f"{keys.scope}.{key}", f.key.span, f"'{key}'"):
+            got = keys.read[key](r.diag, f)
+        if got is None:
+            complete = False
+            continue
+        values.update(got)
+        spans[key] = f.span
+    return Keyed(values, spans, complete)
+
+
+def _dimension(attr: str, hi: int) -> Reader:
+    """A model dimension: a whole number in [1, hi], GPTConfig's `attr`."""
+
+    def read(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
+        num = one_number(diag, f)
+        n = None if num is None else int_of(diag, num, f.key.text, 1, hi)
+        return None if n is None else {attr: n}
+
+    return read
+
+
+MODEL = Keys(
+    "a model",
+    "model",
+    {
+        "n_layer": _dimension("n_layer", 4096),
+        "n_head": _dimension("n_head", 4096),
+        "n_embd": _dimension("n_embd", 1 << 17),
+        "block": _dimension("block_size", 1 << 20),
+        "vocab": _dimension("vocab_size", 1 << 22),
+    },
+)
+
+
+def _rate(*, positive: bool = False, flushed: str | None = None, zero: str = "") -> Reader:
+    """A decimal in [0, 1e6) (> 0 if `positive`). Where a value that fp32, the precision AdamW
+    runs in, holds as 0 or a subnormal (0 on a GPU) breaks training, `flushed` says how, and
+    such a value is refused; `zero` says what 0 itself means where it is allowed."""
+
+    def read(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
+        key, num = f.key.text, one_number(diag, f)
+        if num is None:
+            return None
+        v = num.value
+        if not (0 <= v < 1e6) or (positive and v == 0):
+            diag.error(
+                "value-range",
+                f"{key} = {num.text} is out of range",
+                num.span,
+                hint="lr must be > 0; rates, eps, clip and decay must be >= 0",
+            )
+            return None
+        if flushed is not None and _fp32(v) < FP32_TINY and not (zero and v == 0):
+            got = "0" if _fp32(v) == 0 else f"{_fp32(v):.3g}, a subnormal (0 on a GPU)"
+            diag.error(
+                "value-range",
+                f"{key} = {num.text} is {got} in fp32, {flushed}",
+                num.span,
+                hint=f"write {key} >= {FP32_TINY:.3g} (fp32's smallest normal number)"
+                + (f", or 0 {zero}" if zero else ""),
+            )
+            return None
+        return {key: v}
+
+    return read
+
+
+def _steps(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
+    """A number of optimizer steps: a whole number in [0, 2^30]."""
+    num = one_number(diag, f)
+    v = None if num is None else int_of(diag, num, f.key.text, 0, 1 << 30)
+    return None if v is None else {f.key.text: v}
+
+
+def _betas(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
+    """`betas = 0.9, 0.95`: two numbers in [0, 1), kept when out of it (so OptimConfig says
+    so too)."""
+    nums = [v for v in f.values if isinstance(v, Num)]
+    if len(nums) != 2 or len(f.values) != 2:
+        diag.error("value-range", "betas takes two numbers: `betas = 0.9, 0.95`", f.span)
+        return None
+    betas = {"beta1": nums[0].value, "beta2": nums[1].value}
+    if not all(0 <= b < 1 for b in betas.values()):
+        diag.error("value-range", "betas must lie in [0, 1)", f.span)
+    return betas
+
+
+OPTIMIZER = Keys(
+    "adamw",
+    "optimizer",
+    {
+        "betas": _betas,
+        # the gradient is scaled by clip / norm (0 itself means no clipping)
+        "clip": _rate(
+            flushed="so clipping would scale every gradient to zero",
+            zero="to turn clipping off",
+        ),
+        "decay_steps": _steps,
+        # AdamW divides m by sqrt(v) + eps, so eps is a divisor and 0 is refused too
+        "eps": _rate(
+            flushed="and AdamW divides by sqrt(v) + eps: a parameter that never gets a gradient "
+            "(an unused embedding row) would become 0/0 = NaN",
+        ),
+        "lr": _rate(positive=True, flushed="so no update would change the model"),
+        # weight_decay and min_lr that fp32 holds as 0 are plain zeros, which AdamW allows
+        "min_lr": _rate(),
+        "warmup": _steps,
+        "weight_decay": _rate(),
+    },
+)
+
+
+def _dtype(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
+    """One dtype by name (fp16 is read, then refused for what it needs: loss scaling)."""
+    value = f.values[0] if len(f.values) == 1 else None
+    text = value.text if isinstance(value, Name) else None
+    if text not in {d.value for d in Dtype}:
+        diag.error("value-range", f"{f.key.text} takes one dtype: fp32 or bf16", f.span)
+        return None
+    return {f.key.text: Dtype(text)}
+
+
+PRECISION = Keys("precision", "precision", {"compute": _dtype, "gather": _dtype, "reduce": _dtype})
 
 
 def _keyword(stmt) -> str:
@@ -1276,8 +1322,6 @@ def _first(*values):
 
 
 _UNSET = object()
-PRECISION_KEYS = ("compute", "gather", "reduce")
-DTYPES = {d.value for d in Dtype}
 
 
 def _range_hint(what: str, lo: int, hi: int) -> str | None:
