@@ -199,15 +199,22 @@ def test_no_fence_is_misspelled():
 STAGES = {
     "lang/read.py": "read",
     "lang/parse.py": "parse",
-    "lang/resolve.py": "resolve",
+    "lang/resolve": "resolve",  # a package: its modules together
     "passes/check.py": "check",
     "passes/agree.py": "compare",
 }
 BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
 
 
+def stage_text(path: Path) -> str:
+    """A stage's source: a module, or every module of a package."""
+    if path.is_file():
+        return path.read_text()
+    return "\n".join(p.read_text() for p in sorted(path.glob("*.py")))
+
+
 def codes_table() -> str:
-    sources = {stage: (REPO / "schedc" / f).read_text() for f, stage in STAGES.items()}
+    sources = {stage: stage_text(REPO / "schedc" / f) for f, stage in STAGES.items()}
     warnings = {
         c for text in sources.values() for c in re.findall(r'\.warning\(\s*"([\w-]+)"', text)
     }

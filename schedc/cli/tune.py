@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_budget(text: str) -> tuple[int, str]:
-    """A budget the way the language reads `memory` (lang/resolve.py `size_bytes`): a
+    """A budget the way the language reads `memory` (lang/resolve/values.py `size_bytes`): a
     whole number of bytes below 1 EiB, so every candidate can say it."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2) not in UNITS:

@@ -21,7 +21,7 @@ in schedc, reported as an internal error with its code): every buffer an op read
 another stream allocated is kept alive on the reading stream (ir/effects.py)   [keep-alive]
 
 Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
-streams of compute ops) are judged earlier, in lang/resolve.py.
+streams of compute ops) are judged earlier, in lang/resolve/.
 """
 
 from __future__ import annotations
