@@ -13,7 +13,7 @@ from schedc.analysis.cost import CostModel
 from schedc.analysis.trace import TraceError, load
 from schedc.cli.common import check_distinct, check_output, overrides
 from schedc.compiler import compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 
 HELP = "fit the render cost model to a `schedc run --trace` file"
 

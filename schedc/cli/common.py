@@ -9,7 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from schedc.lang.diagnostics import CompileError, UserError
+from schedc.errors import UserError
+from schedc.lang.diagnostics import CompileError
 from schedc.lang.resolve import Overrides
 from schedc.model.arch import SIZES
 

@@ -17,7 +17,8 @@ import traceback
 
 from schedc.cli import calibrate, check, render, run, tune
 from schedc.cli.common import RankError
-from schedc.lang.diagnostics import CompileError, UserError
+from schedc.errors import UserError
+from schedc.lang.diagnostics import CompileError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
 

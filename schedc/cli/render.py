@@ -21,7 +21,7 @@ from schedc.analysis.trace import Trace, TraceError, load
 from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import panels_for, timeline_dot

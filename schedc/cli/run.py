@@ -22,7 +22,7 @@ from schedc.cli.common import (
     require,
 )
 from schedc.compiler import compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 from schedc.lang.resources import default_schedule
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
@@ -141,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
             "`schedc run` trains with torch, which is not installed here; "
             "scripts/install.sh installs it (check and render need no torch)"
         ) from None
+    from schedc.errors import RunError
     from schedc.exec.checkpoint import CheckpointError, read_key
-    from schedc.exec.executor import RunError, RunOptions
+    from schedc.exec.executor import RunOptions
     from schedc.exec.train import TrainOptions, run_main
 
     try:  # read before training, so a bad key file fails at once

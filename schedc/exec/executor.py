@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from schedc.analysis.trace import Timed, chrome_events
 from schedc.compiler import Compiled
+from schedc.errors import RunError
 from schedc.exec.backends import CPUBackend, CUDABackend, nccl_launch_order
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment, fuse
@@ -55,11 +56,6 @@ from schedc.model.reference import (
     init_model,
     make_adamw,
 )
-
-
-class RunError(Exception):
-    """A run-time failure with a message for the user (printed on every rank, exit 1)."""
-
 
 # -- who we are ---------------------------------------------------------------------------------
 

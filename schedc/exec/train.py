@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from schedc.analysis.trace import trace_file
 from schedc.compiler import Compiled
+from schedc.errors import RunError
 from schedc.exec.backends import nccl_launch_order
 from schedc.exec.executor import (
     Comm,
     Executor,
     PlanError,
-    RunError,
     RunOptions,
     collective_streams,
     pick_device,

@@ -23,10 +23,10 @@ from schedc.analysis.simulate import Interval, Timeline, simulate
 from schedc.analysis.trace import Trace, TraceError, measured
 from schedc.analysis.units import fmt_time
 from schedc.compiler import Compiled
+from schedc.errors import UserError
 from schedc.ir.op import Kind, Op
 from schedc.ir.plan import Action
 from schedc.ir.spec import Strategy
-from schedc.lang.diagnostics import UserError
 from schedc.viz.dot import COLORS, FONT, REPLICATE_COLORS, attrs, colors_of, q
 from schedc.viz.graph import describe
 
