@@ -1,8 +1,8 @@
 """The root of schedc's user errors. The bottom of the package: it imports nothing of schedc.
 
 A UserError is something the user can fix: `schedc` prints it as one message and exits 1,
-never with a traceback (schedc/cli/main.py). Anything else that escapes a verb is a bug in
-schedc: "internal error", a traceback, exit 2.
+never with a traceback (schedc/cli/main.py catches the root, once, for every verb). Anything
+else that escapes a verb is a bug in schedc: "internal error", a traceback, exit 2.
 
 Each kind is defined beside the code that raises it: CompileError (a schedule's diagnostics,
 lang/diagnostics.py), TraceError (analysis/trace.py), GraphvizMissing (viz/dot.py),

@@ -15,14 +15,6 @@ from schedc.lang.resolve import Overrides
 from schedc.model.arch import SIZES
 
 
-class RankError(UserError):
-    """A run that failed on one rank, said as `schedc: error on rank R: ...` (exit 1)."""
-
-    def __init__(self, rank: str, message: str):
-        super().__init__(message)
-        self.line = f"schedc: error on rank {rank}: {message}"
-
-
 def overrides(args) -> Overrides:
     """The flags that override the file, judged by the file's rules before anything compiles
     (so a bad one is said once, not once per schedule): a CompileError, exit 1."""

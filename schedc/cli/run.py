@@ -7,13 +7,11 @@ building the parser for any verb never imports torch.
 from __future__ import annotations
 
 import argparse
-import os
 
 from schedc.cli.common import (
     COUNT,
     POSITIVE,
     TIMEOUT_S,
-    RankError,
     add_override_args,
     check_distinct,
     check_output,
@@ -141,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
             "`schedc run` trains with torch, which is not installed here; "
             "scripts/install.sh installs it (check and render need no torch)"
         ) from None
-    from schedc.errors import RunError
     from schedc.exec.checkpoint import CheckpointError, read_key
     from schedc.exec.executor import RunOptions
     from schedc.exec.train import TrainOptions, run_main
@@ -167,9 +164,4 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace,
         key=key,
     )
-    try:
-        return run_main(compiled, opts, job)
-    except RunError as e:
-        raise RankError(os.environ.get("RANK", "0"), str(e)) from None
-    except CheckpointError as e:
-        raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1
+    return run_main(compiled, opts, job)

@@ -308,9 +308,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             and not isinstance(e, checkpoint.CheckpointError)
         ):
             fail(comm, str(e), where, getattr(e, "cause", None))
-        if isinstance(e, checkpoint.CheckpointError):
-            raise  # a user error: run_command prints it as one line, exit 1
-        raise RunError(str(e)) from None
+        raise  # a user error: the CLI prints it in one line, exit 1
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
     beats.done()
