@@ -91,7 +91,8 @@ import torch._dynamo
 import torch.distributed as dist
 
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.exec.train import mfu
 from schedc.lang.resolve import Overrides
 from schedc.model.arch import SIZES

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's schedc, whatever is installed
 import torch  # noqa: E402
 
 from schedc.compiler import compile_text  # noqa: E402
-from schedc.exec.executor import Comm, Executor, RunOptions  # noqa: E402
+from schedc.exec.executor import Executor  # noqa: E402
 from schedc.exec.heap import HeapPeak, heap_bytes  # noqa: E402
+from schedc.exec.options import Comm, RunOptions
 from schedc.ir.effects import Alloc, Free, Measure, Part, lifetimes  # noqa: E402
 from schedc.ir.op import Kind  # noqa: E402
 

@@ -229,7 +229,8 @@ class Loop:
 
 class Schedc:
     def __init__(self, compiled, world, rank):
-        from schedc.exec.executor import Comm, Executor, RunOptions
+        from schedc.exec.executor import Executor
+        from schedc.exec.options import Comm, RunOptions
 
         self.compiled, self.world, self.rank = compiled, world, rank
         if not dist.is_initialized():
@@ -255,7 +256,8 @@ class Schedc:
 
     def hidden_fraction(self, steps: int) -> float | None:
         """Share of collective time overlapped by compute, from a traced run's spans."""
-        from schedc.exec.executor import Comm, Executor, RunOptions
+        from schedc.exec.executor import Executor
+        from schedc.exec.options import Comm, RunOptions
 
         if not self.compiled.spec.strategy or steps <= 0:
             return None

@@ -82,7 +82,8 @@ def _rank_main(rank, world, text, steps, store_path, opts, q) -> None:
         import torch.distributed as dist
 
         from schedc.compiler import compile_text
-        from schedc.exec.executor import Comm, Executor, RunOptions
+        from schedc.exec.executor import Executor
+        from schedc.exec.options import Comm, RunOptions
         from schedc.lang.resolve import Overrides
 
         torch.set_num_threads(1)

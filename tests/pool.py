@@ -94,7 +94,8 @@ def _run_job(job: Job, rank: int, groups):
     import torch
 
     from schedc.compiler import compile_text
-    from schedc.exec.executor import Comm, Executor, RunOptions
+    from schedc.exec.executor import Executor
+    from schedc.exec.options import Comm, RunOptions
     from schedc.lang.resolve import Overrides
 
     compiled = compile_text(job.text, f"job{job.id}.sched", Overrides(steps=job.steps))

@@ -26,6 +26,7 @@ LAYERS = [
     "ir",
     "model",
     "files",
+    "errors",
 ]
 
 

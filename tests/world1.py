@@ -10,7 +10,8 @@ _tags = itertools.count()
 def executor(text: str, steps: int = 2, name: str = "t.sched", **opts):
     """An Executor of `text` on the CPU, its stream groups named apart from every other's."""
     from schedc.compiler import compile_text
-    from schedc.exec.executor import Comm, Executor, RunOptions
+    from schedc.exec.executor import Executor
+    from schedc.exec.options import Comm, RunOptions
     from schedc.lang.resolve import Overrides
 
     c = compile_text(text, name, Overrides(steps=steps))

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from schedc.analysis.simulate import Interval, Timeline, in_stream_order
 from schedc.compiler import Compiled
+from schedc.errors import UserError
 from schedc.ir.op import Op, OpSyntaxError
 
 
-class TraceError(ValueError):
+class TraceError(UserError):
     """The trace cannot be read, or does not belong to the schedule it is drawn with."""
 
 

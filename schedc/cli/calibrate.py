@@ -10,10 +10,10 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel
-from schedc.analysis.trace import TraceError, load
+from schedc.analysis.trace import load
 from schedc.cli.common import check_distinct, check_output, overrides
 from schedc.compiler import compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 
 HELP = "fit the render cost model to a `schedc run --trace` file"
 
@@ -47,22 +47,19 @@ def run(args: argparse.Namespace) -> int:
         check_distinct(
             ("-o", args.output), inputs=(("the trace", args.trace), ("--schedule", args.schedule))
         )
-    try:
-        trace = load(args.trace)  # validated: otherData.schedule is a file name if present
-        path = args.schedule or trace.schedule
-        if not path:
-            raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
-        if not args.schedule and not _exists(path):
-            raise UserError(
-                f"{args.trace} was recorded from {path}, which is not here; pass --schedule FILE"
-            )
-        c = compile_file(path, overrides(args))
-        if args.node_size is not None and args.node_size < 1:
-            raise UserError(f"--node-size must be >= 1, got {args.node_size}")
-        base = CostModel(node_size=args.node_size) if args.node_size else CostModel()
-        fit = calibrate(c, trace, base, name=args.trace)
-    except TraceError as e:
-        raise UserError(str(e)) from None
+    trace = load(args.trace)  # validated: otherData.schedule is a file name if present
+    path = args.schedule or trace.schedule
+    if not path:
+        raise UserError(f"{args.trace} does not name its schedule; pass --schedule FILE")
+    if not args.schedule and not _exists(path):
+        raise UserError(
+            f"{args.trace} was recorded from {path}, which is not here; pass --schedule FILE"
+        )
+    c = compile_file(path, overrides(args))
+    if args.node_size is not None and args.node_size < 1:
+        raise UserError(f"--node-size must be >= 1, got {args.node_size}")
+    base = CostModel(node_size=args.node_size) if args.node_size else CostModel()
+    fit = calibrate(c, trace, base, name=args.trace)
     print(
         f"schedc: {args.trace} ({Path(path).name}, world {c.spec.world}): fitted by least squares"
     )

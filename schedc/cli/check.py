@@ -8,10 +8,11 @@ from pathlib import Path
 
 from schedc.cli.common import add_override_args, overrides, require
 from schedc.compiler import Compiled, compile_file
+from schedc.errors import UserError
 from schedc.ir.op import COMPUTE, Kind
 from schedc.ir.plan import Action, Plan
 from schedc.ir.spec import Spec, Strategy
-from schedc.lang.diagnostics import CompileError, UserError, count, render_all
+from schedc.lang.diagnostics import CompileError, count, render_all
 from schedc.lang.params import describe_params
 from schedc.lang.resources import bundled_schedules
 from schedc.passes.memory import fmt_bytes, traffic

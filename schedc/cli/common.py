@@ -9,17 +9,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from schedc.lang.diagnostics import CompileError, UserError
+from schedc.errors import UserError
+from schedc.lang.diagnostics import CompileError
 from schedc.lang.resolve import Overrides
 from schedc.model.arch import SIZES
-
-
-class RankError(UserError):
-    """A run that failed on one rank, said as `schedc: error on rank R: ...` (exit 1)."""
-
-    def __init__(self, rank: str, message: str):
-        super().__init__(message)
-        self.line = f"schedc: error on rank {rank}: {message}"
 
 
 def overrides(args) -> Overrides:

@@ -16,8 +16,8 @@ import sys
 import traceback
 
 from schedc.cli import calibrate, check, render, run, tune
-from schedc.cli.common import RankError
-from schedc.lang.diagnostics import CompileError, UserError
+from schedc.errors import RunError, UserError
+from schedc.lang.diagnostics import CompileError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
 
@@ -31,10 +31,16 @@ def _color(stream) -> bool:
     )
 
 
-def _report(e: CompileError) -> str:
-    text = e.render(color=_color(sys.stderr))
-    n = e.error_count  # with those past the kept ones, which were only counted
-    return f"{text}\n{n:,} error{'s' if n != 1 else ''}"
+def _report(e: UserError) -> str:
+    """A user error as schedc prints it: a schedule's diagnostics rendered, then their count;
+    a run's failure with the rank that met it (torchrun's RANK); any other in one line."""
+    if isinstance(e, CompileError):
+        text = e.render(color=_color(sys.stderr))
+        n = e.error_count  # with those past the kept ones, which were only counted
+        return f"{text}\n{n:,} error{'s' if n != 1 else ''}"
+    if isinstance(e, RunError):
+        return f"schedc: error on rank {os.environ.get('RANK', '0')}: {e}"
+    return f"schedc: error: {e}"
 
 
 def _under_torchrun() -> bool:
@@ -96,12 +102,8 @@ def _verb(args: argparse.Namespace) -> tuple[int, str, str | None]:
     try:
         _refuse_blank(args)
         return VERBS[args.command].run(args) or 0, "", None
-    except CompileError as e:
-        return _say(EXIT_USER, _report(e))
-    except RankError as e:
-        return _say(EXIT_USER, e.line)
     except UserError as e:
-        return _say(EXIT_USER, f"schedc: error: {e}")
+        return _say(EXIT_USER, _report(e))
     except KeyboardInterrupt:
         return 130, "schedc: interrupted", None
     except BrokenPipeError:

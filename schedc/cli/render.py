@@ -17,12 +17,12 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, check_parameter
-from schedc.analysis.trace import Trace, TraceError, load
+from schedc.analysis.trace import Trace, load
 from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
-from schedc.lang.diagnostics import UserError
-from schedc.viz.dot import ENGINE, FORMATS, GraphvizMissing, write
+from schedc.errors import UserError
+from schedc.viz.dot import ENGINE, FORMATS, write
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import panels_for, timeline_dot
 
@@ -192,10 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if priced:
         cost_from_args(args)  # a bad --cost file or flag is said before any work
     compiled = [compile_file(f, overrides(args)) for f in args.files]
-    try:
-        trace = load(args.trace) if args.trace else None
-    except TraceError as e:
-        raise UserError(str(e)) from None
+    trace = load(args.trace) if args.trace else None
     for c in compiled:
         if args.rank is not None and not 0 <= args.rank < c.spec.world:
             raise UserError(f"--rank {args.rank}: {c.source.path} has ranks 0..{c.spec.world - 1}")
@@ -227,8 +224,6 @@ def run(args: argparse.Namespace) -> int:
         report = [line for p in panels for line in p.report()]
     try:
         write(dot, out, ENGINE[view])
-    except GraphvizMissing as e:
-        raise UserError(str(e)) from None
     except OSError as e:  # checked at the start, but the disk can fill or the path change
         raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} ({view})")
@@ -242,10 +237,7 @@ def _fit_from_trace(c: Compiled, trace: Trace, args: argparse.Namespace) -> Cost
     """--compare without --cost: the prediction is priced by the model `schedc calibrate`
     fits to the very trace it is compared with (defaults would predict a GPU: a 100 us
     strip above a 275 ms CPU step). Says so, and what it fitted, in one line."""
-    try:
-        fit = calibrate(c, trace, name=args.trace)
-    except TraceError as e:
-        raise UserError(str(e)) from None
+    fit = calibrate(c, trace, name=args.trace)
     flags = [
         f"--{k.replace('_', '-')}"
         for k in ("flops", "bandwidth", "inter_bandwidth", "node_size", "latency")

@@ -7,13 +7,11 @@ building the parser for any verb never imports torch.
 from __future__ import annotations
 
 import argparse
-import os
 
 from schedc.cli.common import (
     COUNT,
     POSITIVE,
     TIMEOUT_S,
-    RankError,
     add_override_args,
     check_distinct,
     check_output,
@@ -22,7 +20,7 @@ from schedc.cli.common import (
     require,
 )
 from schedc.compiler import compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 from schedc.lang.resources import default_schedule
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
@@ -142,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             "scripts/install.sh installs it (check and render need no torch)"
         ) from None
     from schedc.exec.checkpoint import CheckpointError, read_key
-    from schedc.exec.executor import RunError, RunOptions
+    from schedc.exec.options import RunOptions
     from schedc.exec.train import TrainOptions, run_main
 
     try:  # read before training, so a bad key file fails at once
@@ -166,9 +164,4 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace,
         key=key,
     )
-    try:
-        return run_main(compiled, opts, job)
-    except RunError as e:
-        raise RankError(os.environ.get("RANK", "0"), str(e)) from None
-    except CheckpointError as e:
-        raise UserError(str(e)) from None  # `schedc: error: DIR/FILE: ...`, exit 1
+    return run_main(compiled, opts, job)

@@ -18,8 +18,8 @@ from pathlib import Path
 from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
 from schedc.cli.render import add_cost_args, cost_from_args
+from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
-from schedc.lang.diagnostics import UserError
 from schedc.lang.resolve import UNITS, size_bytes
 from schedc.passes.memory import fmt_bytes
 from schedc.tune.measure import error, measure, refit, repredict

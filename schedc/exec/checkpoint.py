@@ -67,13 +67,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from schedc.errors import UserError
 from schedc.ir.spec import Strategy
 
 FORMAT = 1
 CRASH_ENV = "SCHEDC_CRASH_AT"  # test hook: die (SIGKILL) at a named point of a save
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, altered or for another schedule."""
 
 

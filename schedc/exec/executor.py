@@ -31,16 +31,14 @@ import torch
 
 from schedc.analysis.trace import Timed, chrome_events
 from schedc.compiler import Compiled
+from schedc.errors import RunError
 from schedc.exec.backends import Backend, CPUBackend, CUDABackend, nccl_launch_order
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
-from schedc.exec.options import (  # noqa: F401 - what callers import from here
+from schedc.exec.options import (
     TORCH_DTYPES,
     Collectives,
     Comm,
-    Device,
-    NonFinite,
-    RunError,
     RunOptions,
     StepStats,
     pick_device,

@@ -1,6 +1,5 @@
 """What an executor is given and gives back: the job (`Comm`), the options (`RunOptions`,
-with enums for its modes), each step's result (`StepStats`), and the user-facing failure
-(`RunError`)."""
+with enums for its modes) and each step's result (`StepStats`)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from schedc.errors import RunError
 from schedc.ir.spec import Dtype
-
-
-class RunError(Exception):
-    """A run-time failure with a message for the user (printed on every rank, exit 1)."""
 
 
 class Device(str, Enum):

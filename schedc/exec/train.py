@@ -34,19 +34,13 @@ import torch.distributed as dist
 
 from schedc.analysis.trace import trace_file
 from schedc.compiler import Compiled
+from schedc.errors import RunError
 from schedc.exec.backends import nccl_launch_order
-from schedc.exec.executor import (
-    Comm,
-    Executor,
-    PlanError,
-    RunError,
-    RunOptions,
-    collective_streams,
-    pick_device,
-)
+from schedc.exec.executor import Executor, PlanError, collective_streams
 from schedc.exec.heap import keep_freed_memory
 from schedc.exec.heartbeat import STALE_S, Heartbeat
 from schedc.exec.launcher import tell_launcher
+from schedc.exec.options import Comm, RunOptions, pick_device
 from schedc.ir.plan import Action, Plan
 from schedc.model.data import CORPUS, DataError, fingerprint, load_batches
 from schedc.model.reference import fmt_eta, format_log, step_label
@@ -308,9 +302,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             and not isinstance(e, checkpoint.CheckpointError)
         ):
             fail(comm, str(e), where, getattr(e, "cause", None))
-        if isinstance(e, checkpoint.CheckpointError):
-            raise  # a user error: run_command prints it as one line, exit 1
-        raise RunError(str(e)) from None
+        raise  # a user error: the CLI prints it in one line, exit 1
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", where)
     beats.done()

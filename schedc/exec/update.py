@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from schedc.exec.options import Comm, NonFinite, RunError, RunOptions, StepStats
+from schedc.errors import RunError
+from schedc.exec.options import Comm, NonFinite, RunOptions, StepStats
 from schedc.ir.spec import Spec
 from schedc.model.reference import clip_coef
 

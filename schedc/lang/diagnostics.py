@@ -5,9 +5,10 @@
           |               ^~~~~~~~~~
       hint: move wte.weight to the last bucket
 
-Every user error is a Diagnostic with a code from CODES. Stages collect all they find and
-raise one CompileError; the CLI prints them sorted by position and exits 1. Anything else
-that escapes is an internal error (exit 2, with traceback).
+Every error in a schedule is a Diagnostic with a code from CODES. Stages collect all they
+find and raise one CompileError, a UserError (schedc/errors.py): the CLI prints them sorted
+by position and exits 1. Anything else that escapes is an internal error (exit 2, with
+traceback).
 
 A file under the size limit can still hold the same mistake a hundred thousand times, on
 one line a megabyte long, so every part of a report is bounded: a stage keeps the first
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from schedc.errors import UserError
 from schedc.ir.source import Source, Span
 
 MAX_KEPT = 1000  # diagnostics of each severity a stage keeps; the rest are counted
@@ -221,12 +223,9 @@ def render_all(
     return "\n".join(out)
 
 
-class UserError(Exception):
-    """A mistake in how schedc was called (not in a schedule): printed, exit 1."""
-
-
-class CompileError(Exception):
-    """One or more user errors; `diagnostics` holds them all, sorted by position.
+class CompileError(UserError):
+    """One or more errors in a schedule (or in a flag that overrides it); `diagnostics`
+    holds them all, sorted by position.
 
     `unkept_errors` and `unkept_warnings` count those a stage found past MAX_KEPT and did
     not keep. The message is rendered when asked for (str, render), not when raised.

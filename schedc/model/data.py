@@ -29,6 +29,7 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
+from schedc.errors import UserError
 from schedc.files import NotRegularFile, file_kind, read_limited
 from schedc.model.arch import GPT2_VOCAB
 from schedc.model.batching import sequence_ids
@@ -55,7 +56,7 @@ CORPUS = "corpus"
 KINDS = ("auto", "text", "tokens")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A data source that cannot be used; the message starts with the file it is about."""
 
 

@@ -54,9 +54,7 @@ class StepResult:
     """Parameters after the update."""
 
 
-def init_model(
-    config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32, **options
-) -> GPT:
+def init_model(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32, **options) -> GPT:
     """A freshly initialised model; the same seed gives the same weights in any dtype.
     `options`: GPT's own (loss_chunk, embed_into_grad, loss_scale)."""
     return GPT(config, seed=seed, **options).to(dtype)

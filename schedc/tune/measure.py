@@ -30,7 +30,7 @@ from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
 from schedc.analysis.trace import TraceError, load
 from schedc.compiler import compile_file
-from schedc.lang.diagnostics import UserError
+from schedc.errors import UserError
 from schedc.tune.search import Candidate
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from schedc.errors import UserError
 from schedc.ir.op import Kind
 
 FORMATS = ("svg", "png", "pdf", "dot")
@@ -69,8 +70,8 @@ def command(engine: str, dot_file: str, out_file: str) -> str:
     return f"{engine}{pinned} -T{fmt} {dot_file} -o {out_file}"
 
 
-class GraphvizMissing(Exception):
-    pass
+class GraphvizMissing(UserError):
+    """Graphviz, which lays out every format but DOT text, cannot be run here."""
 
 
 def write(dot: str, out: Path, engine: str) -> None:

@@ -20,13 +20,12 @@ from pathlib import Path
 from schedc.analysis.cost import CostModel
 from schedc.analysis.overlap import Overlap, overlap
 from schedc.analysis.simulate import Interval, Timeline, simulate
-from schedc.analysis.trace import Trace, TraceError, measured
+from schedc.analysis.trace import Trace, measured
 from schedc.analysis.units import fmt_time
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.plan import Action
 from schedc.ir.spec import Strategy
-from schedc.lang.diagnostics import UserError
 from schedc.viz.dot import COLORS, FONT, REPLICATE_COLORS, attrs, colors_of, q
 from schedc.viz.graph import describe
 
@@ -89,10 +88,7 @@ def panels_for(
     if trace is None:
         return [Panel.of(c, simulate(c, cost, ranks)) for c in compiled]
     c = compiled[0]
-    try:
-        tl = measured(c, trace, step, ranks, name=trace_name)
-    except TraceError as e:
-        raise UserError(str(e)) from None
+    tl = measured(c, trace, step, ranks, name=trace_name)
     panels = []
     if compare:
         predicted = simulate(c, cost, ranks)

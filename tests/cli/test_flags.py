@@ -486,7 +486,8 @@ def _agree_on_ranks(rank, world, q) -> None:
     try:
         import torch.distributed as dist
 
-        from schedc.exec.executor import Comm, RunError, RunOptions
+        from schedc.errors import RunError
+        from schedc.exec.options import Comm, RunOptions
         from schedc.exec.train import TrainOptions, agree_at_startup, run_flags
         from schedc.lang.resolve import Overrides
         from schedc.model.data import corpus_tokens, fingerprint

@@ -113,7 +113,7 @@ def test_log_json_records_have_types(ran):
 
 def test_a_skipped_step_is_a_boolean_and_its_nan_is_null():
     """--nonfinite skip: JSON has no NaN (json.dumps would write it, and readers refuse it)."""
-    from schedc.exec.executor import StepStats
+    from schedc.exec.options import StepStats
     from schedc.exec.train import log_record
 
     st = StepStats(3, float("nan"), 1e-3, float("inf"), 5.0, 100.0, skipped="step 3: nan")

@@ -40,7 +40,8 @@ STEP = "step_00000001"
 def saved(tmp_path_factory):
     """One executor (tiny_1gpu, one step) and its checkpoint, saved plain and with KEY."""
     from schedc.compiler import compile_file
-    from schedc.exec.executor import Comm, Executor, RunOptions
+    from schedc.exec.executor import Executor
+    from schedc.exec.options import Comm, RunOptions
     from schedc.lang.resolve import Overrides
 
     base = tmp_path_factory.mktemp("saved")
@@ -695,7 +696,8 @@ import json, resource, sys, time
 import torch.distributed as dist
 from schedc.compiler import compile_file
 from schedc.exec import checkpoint
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 c = compile_file("schedules/tiny_1gpu.sched", Overrides(steps=1))

@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunError, RunOptions, pick_device
+from schedc.errors import RunError
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions, pick_device
 from schedc.exec.regions import BACKEND_ENV, Regions, set_tf32
 from schedc.exec.train import check_gpus
 from schedc.lang.resolve import Overrides

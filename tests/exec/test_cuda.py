@@ -60,7 +60,8 @@ import json, sys, torch, torch.distributed as dist
 from types import SimpleNamespace
 from schedc.compiler import compile_text
 from schedc.lang.resolve import Overrides
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from tests.oracle import assert_matches, reference_steps, tf32_in_effect
 from tests.exec.test_update import HostReads
 device, cases = sys.argv[1], json.loads(sys.stdin.read())

@@ -92,7 +92,8 @@ SANITIZE = r"""
 import json, sys, torch, torch.distributed as dist
 from pathlib import Path
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resources import bundled_schedules
 from tests.cuda_ranks import world1_variant
 from tests.faults import inject
@@ -138,7 +139,8 @@ def test_the_sanitizer_finds_nothing_in_the_bundled_schedules():
 SLEEPS = r"""
 import json, sys, torch, torch.distributed as dist
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
 from tests.faults import inject
 text = sys.stdin.read()
@@ -182,7 +184,8 @@ RESUME = r"""
 import json, sys, tempfile, torch, torch.distributed as dist
 from schedc.compiler import compile_text
 from schedc.exec import checkpoint
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
 text, device = sys.stdin.read(), sys.argv[1]
 if device == "cuda":
@@ -226,7 +229,8 @@ MEMORY = r"""
 import json, re, torch, torch.distributed as dist
 from pathlib import Path
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 text = Path("schedules/fsdp_prefetch.sched").read_text()
 text = re.sub(r"(?m)^world\s+\d+", "world 1", text)
 text = re.sub(r"(?m)^steps\s+\d+", "steps 3", text)  # batch 64 x 1024, micro 8: k = 8

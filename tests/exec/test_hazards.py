@@ -27,7 +27,8 @@ from torch import nn
 
 from schedc.compiler import compile_file, compile_text
 from schedc.exec import checkpoint
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.ir.op import COMPUTE, Kind
 from schedc.lang.resolve import Overrides
 from schedc.lang.resources import bundled_schedules

@@ -102,7 +102,8 @@ def test_each_rank_moves_the_traffic_of_its_dimensions(pool6):
 
 @pytest.mark.parametrize("flag", ["save", "resume"])
 def test_checkpoints_of_hsdp_schedules_are_refused(monkeypatch, tmp_path, flag):
-    from schedc.exec.executor import RunError, RunOptions
+    from schedc.errors import RunError
+    from schedc.exec.options import RunOptions
     from schedc.exec.train import TrainOptions, run_main
 
     monkeypatch.setenv("WORLD_SIZE", "4")  # the world check passes; nothing starts

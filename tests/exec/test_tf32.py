@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunOptions
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.ir.spec import POLICIES, Dtype, Numerics
 from schedc.lang.resolve import Overrides
 from schedc.model.gpt2 import GPT, GPTConfig

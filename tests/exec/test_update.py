@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from schedc.compiler import compile_text
-from schedc.exec.executor import Comm, Executor, RunError, RunOptions
+from schedc.errors import RunError
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
 from tests.cuda_ranks import spawn_ranks
 from tests.world1 import executor as local_executor
