@@ -407,6 +407,14 @@ FAIL = [
         "larger `micro`",
         id="value-too-many-ops-tiny-fsdp",
     ),
+    pytest.param(  # the second was ignored, its unknown unit never said
+        NANO + "fsdp { unit all = embed .. head  recompute all  recompute u9 }",
+        "duplicate",
+        "`recompute` in the fsdp block is given twice",
+        "recompute u9",
+        "keep one of them",
+        id="duplicate-fsdp-recompute",
+    ),
     pytest.param(
         NANO + "ddp { bucket b1 = head, h.99  bucket b2 = h.0, embed }",
         "layer-range",

@@ -30,7 +30,10 @@ def resolve_recompute(
     inside the fsdp block (every layer that reads the unit's parameters)."""
     top = cx.single(Recompute, "recompute", "`recompute`")
     fsdps = cx.all(FSDP)
-    in_fsdp = next((s for s in fsdps[0].stmts if isinstance(s, Recompute)), None) if fsdps else None
+    said = [s for s in fsdps[0].stmts if isinstance(s, Recompute)] if fsdps else []
+    for s in said:  # once, like every setting of a block: each repeat is reported
+        cx.once("fsdp.recompute", s.span, "`recompute` in the fsdp block")
+    in_fsdp = said[0] if said else None
     if cfg is None:
         return frozenset()
     out: set[str] = set()
@@ -43,8 +46,7 @@ def resolve_recompute(
             idx = sorted(cfg.layer_index(x) for x in found)  # a range in either direction
             out.update(cfg.layers[idx[0] : idx[-1] + 1])
     if in_fsdp is not None and isinstance(strategy, FSDPSpec):
-        if cx.once("fsdp.recompute", in_fsdp.span, "`recompute` in the fsdp block"):
-            out.update(_unit_layers(cx, in_fsdp, strategy))
+        out.update(_unit_layers(cx, in_fsdp, strategy))
     return frozenset(out)
 
 
