@@ -6,25 +6,28 @@ PY ?= python3
 WORKERS ?= 2
 RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
-.PHONY: demo test test-without-torch gpu-rehearsal docs
+.PHONY: demo test test-without-torch gpu-rehearsal typecheck docs
 demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
 	scripts/install.sh
 	mkdir -p out
 	$(RUN) -m schedc run --trace out/trace.json
 
-test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, then side by side the rest in a venv without torch and the GPU check rehearsed in a venv like the GPU machine's (each test once)
+test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, then side by side the rest in a venv without torch, the GPU check rehearsed in a venv like the GPU machine's (each test once) and the type checker
 	scripts/tier.sh install scripts/install.sh test
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
 	scripts/tier.sh torch $(PY) -m pytest -q -m torch -n $(WORKERS) --dist loadgroup
-	$(MAKE) --no-print-directory --output-sync=target -j2 test-without-torch gpu-rehearsal
+	$(MAKE) --no-print-directory --output-sync=target -j3 test-without-torch gpu-rehearsal typecheck
 
 test-without-torch:  ## the torch-free tier, in a fresh venv without torch
 	PYTHON=$(PY) scripts/tier.sh torch-free scripts/test_without_torch.sh
 
 gpu-rehearsal:  ## scripts/gpu_check.sh rehearsed on this CPU (what a lent GPU will run)
 	PYTHON=$(PY) scripts/tier.sh gpu-rehearsal scripts/gpu_rehearsal.sh
+
+typecheck:  ## mypy over the whole package (configuration: pyproject.toml [tool.mypy])
+	scripts/tier.sh typecheck $(PY) -m mypy
 
 docs:  ## redraw README's pictures (docs/render/*.svg); MEASURED=1 also traces a 2-rank CPU run
 	PYTHON=$(PY) scripts/docs_images.sh $(if $(MEASURED),measured)
