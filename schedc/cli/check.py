@@ -11,9 +11,10 @@ from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
 from schedc.ir.op import COMPUTE, Kind
 from schedc.ir.plan import Action, Plan
-from schedc.ir.spec import Spec, Strategy
-from schedc.lang.diagnostics import CompileError, count, render_all
+from schedc.ir.spec import DDPSpec, FSDPSpec, Spec
+from schedc.lang.diagnostics import CompileError, Diagnostic, count, render_all
 from schedc.lang.params import describe_params
+from schedc.lang.resolve import flag_place, range_error
 from schedc.lang.resources import bundled_schedules
 from schedc.passes.memory import fmt_bytes, traffic
 
@@ -60,21 +61,8 @@ def run(args: argparse.Namespace) -> int:
             errors.append(e)
             continue
         compiled.append(c)
-        if args.rank is not None and not 0 <= args.rank < c.spec.world:
-            from schedc.lang.diagnostics import Diagnostic
-            from schedc.lang.resolve import flag_place, range_error
-
-            raise CompileError(
-                [
-                    Diagnostic(
-                        "value-range",
-                        range_error("rank", args.rank, 0, c.spec.world - 1),
-                        path=flag_place("rank", args.rank),
-                        hint=f"{c.source.path} is a world-{c.spec.world} schedule: ranks 0 .. "
-                        f"{c.spec.world - 1}",
-                    )
-                ]
-            )
+        if args.rank is not None:
+            _check_rank(args.rank, c)
         if c.warnings:  # bounded like errors: the first MAX_SHOWN, then a count
             print(render_all(list(c.warnings), c.source), file=sys.stderr)
         if args.dump:
@@ -83,43 +71,60 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(summary(c))
     if len(args.files) == 2 and len(compiled) == 2 and not args.dump:
-        from schedc.passes.agree import compare
-
-        a, b = compiled
-        result = compare(a.spec, b.spec)
-        ta, tb = result.tokens
-        print(f"\n{a.source.path}: {ta:,} tokens per update")
-        print(f"{b.source.path}: {tb:,} tokens per update")
-        if not result.agree:
-            raise CompileError(result.diagnostics, b.source)
-        w = a.spec.loss_weight()
-        same = (
-            f"same model, same {a.spec.seqs:,} sequences each read once, every token "
-            f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
-            "same optimizer"
-        )
-        if result.numerics:  # the batch agrees; the rounding does not (passes/agree.py)
-            print(
-                f"agree on the batch: {same}: the same update in exact arithmetic; "
-                f"numerics differ: {', '.join(result.numerics)} "
-                f"({a.source.path} vs {b.source.path}), so the updates differ by rounding"
-            )
-        else:
-            print(f"agree: {same}, same numerics: the same update")
+        _compare(*compiled)
     if errors:
-        for e in errors[:-1]:
-            print(e.render(), file=sys.stderr)
+        for err in errors[:-1]:
+            print(err.render(), file=sys.stderr)
         raise errors[-1]
     return 0
 
 
+def _check_rank(rank: int, c: Compiled) -> None:
+    """--rank names one of the schedule's ranks: a CompileError about the flag otherwise."""
+    world = c.spec.world
+    if (bad := range_error("rank", rank, 0, world - 1)) is not None:
+        raise CompileError(
+            [
+                Diagnostic(
+                    "value-range",
+                    bad,
+                    path=flag_place("rank", rank),
+                    hint=f"{c.source.path} is a world-{world} schedule: ranks 0 .. {world - 1}",
+                )
+            ]
+        )
+
+
+def _compare(a: Compiled, b: Compiled) -> None:
+    """Two schedules: whether they make the same update (passes/agree.py), and if not why."""
+    from schedc.passes.agree import compare
+
+    result = compare(a.spec, b.spec)
+    ta, tb = result.tokens
+    print(f"\n{a.source.path}: {ta:,} tokens per update")
+    print(f"{b.source.path}: {tb:,} tokens per update")
+    if not result.agree:
+        raise CompileError(result.diagnostics, b.source)
+    w = a.spec.loss_weight()
+    same = (
+        f"same model, same {a.spec.seqs:,} sequences each read once, every token "
+        f"weighted {w.numerator}/{w.denominator} in the loss (1/k x 1/D x micro mean), "
+        "same optimizer"
+    )
+    if result.numerics:  # the batch agrees; the rounding does not (passes/agree.py)
+        print(
+            f"agree on the batch: {same}: the same update in exact arithmetic; "
+            f"numerics differ: {', '.join(result.numerics)} "
+            f"({a.source.path} vs {b.source.path}), so the updates differ by rounding"
+        )
+    else:
+        print(f"agree: {same}, same numerics: the same update")
+
+
 def summary(c: Compiled) -> str:
+    """`schedc check`'s report of one schedule: model, batch, strategy, streams, memory."""
     s, cfg = c.spec, c.spec.model
     plan = c.plan()
-    n_ops = {st: 0 for st in plan.streams}
-    for ins in plan.instrs:
-        if ins.kind is Action.RUN:
-            n_ops[ins.stream] += 1
     lines = [
         f"{c.source.path}: ok",
         f"  model     {s.model_name}: {cfg.numel:,} params ({count(cfg.n_layer, 'layer')}, "
@@ -128,68 +133,79 @@ def summary(c: Compiled) -> str:
         f"  batch     {s.seqs:,} x {s.seq_len:,} = {count(s.tokens_per_step, 'token')} per update",
         f"  split     world {s.world} x micro {s.micro} x {count(s.accum, 'micro-step')}"
         + (" (no_sync: only the last communicates)" if s.no_sync and s.accum > 1 else ""),
+        *_strategy_lines(s, plan),
     ]
-    st = s.strategy
-    if s.kind is Strategy.DDP:
-        how = (
-            f"bucket_cap {fmt_bytes(st.cap)}, first {fmt_bytes(st.first)}"
-            if st.cap
-            else "explicit buckets"
-        )
-        lines.append(
-            f"  strategy  DDP, {count(len(st.buckets), 'bucket')} ({how}), {_overlap(s, plan)}"
-        )
-        for b in st.buckets:
-            lines.append(
-                f"    {b.name:<6} {fmt_bytes(b.nbytes):>11}  {describe_params(cfg, b.params)}"
-            )
-    elif s.kind is Strategy.FSDP:
-        lines.append(
-            f"  strategy  {'HSDP' if s.hsdp else 'FSDP'}, {count(len(st.units), 'unit')}, "
-            f"prefetch forward "
-            f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
-            f"{'on' if st.reshard_after_forward else 'off'}{_serialized(plan)}"
-        )
-        for u in st.units:
-            keep = "  (kept gathered)" if u.keep else ""
-            lines.append(
-                f"    {u.name:<6} {fmt_bytes(u.nbytes):>11}  {describe_params(cfg, u.params)}{keep}"
-            )
-    else:
-        lines.append("  strategy  one process: gradients added across micro-steps")
     if s.hsdp:
-        m = s.mesh
-        lines.append(
-            f"  mesh      {m} (replicate x shard): units sharded over {m.shard} consecutive "
-            f"ranks, gradient shards all-reduced over {m.replicate} ranks {m.shard} apart"
-        )
-        moved = traffic(s, plan)
-        lines.append(
-            "  traffic   per rank per step: "
-            + "; ".join(
-                f"{dim} {', '.join(f'{k} {fmt_bytes(v)}' for k, v in per.items())}"
-                for dim, per in moved.items()
-            )
-        )
+        lines += _mesh_lines(s, plan)
+    n_ops = {st: 0 for st in plan.streams}
+    for ins in plan.instrs:
+        if ins.kind is Action.RUN:
+            n_ops[ins.stream] += 1
     comm = ", ".join(f"{stn} {n}" for stn, n in n_ops.items())
     lines.append(f"  streams   ops: {comm}; {count(len(plan.producers), 'event')}")
     lines.append(f"  numerics  {s.numerics.describe(s.kind)}")
     if s.recompute:
         again = [layer for layer in cfg.layers if layer in s.recompute]
         lines.append(f"  recompute {', '.join(again)} (input kept; forward again before backward)")
-    m = c.memory
-    mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.rows() if v)
+    mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in c.memory.rows() if v)
     budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""
     lines.append(f"  memory    per rank{budget}: {mem}")
     return "\n".join(lines)
 
 
-def _overlap(s: Spec, plan: Plan) -> str:
+def _strategy_lines(s: Spec, plan: Plan) -> list[str]:
+    """The strategy in a line, then a line per bucket or unit."""
+    st, cfg = s.strategy, s.model
+    if isinstance(st, DDPSpec):
+        how = "explicit buckets"
+        if st.cap:
+            assert st.first is not None  # bucket_cap sets both
+            how = f"bucket_cap {fmt_bytes(st.cap)}, first {fmt_bytes(st.first)}"
+        head = (
+            f"  strategy  DDP, {count(len(st.buckets), 'bucket')} ({how}), {_overlap(st, s, plan)}"
+        )
+        return [head] + [
+            f"    {b.name:<6} {fmt_bytes(b.nbytes):>11}  {describe_params(cfg, b.params)}"
+            for b in st.buckets
+        ]
+    if isinstance(st, FSDPSpec):
+        head = (
+            f"  strategy  {'HSDP' if s.hsdp else 'FSDP'}, {count(len(st.units), 'unit')}, "
+            f"prefetch forward "
+            f"{st.prefetch_forward} backward {st.prefetch_backward}, reshard_after_forward "
+            f"{'on' if st.reshard_after_forward else 'off'}{_serialized(plan)}"
+        )
+        return [head] + [
+            f"    {u.name:<6} {fmt_bytes(u.nbytes):>11}  {describe_params(cfg, u.params)}"
+            + ("  (kept gathered)" if u.keep else "")
+            for u in st.units
+        ]
+    return ["  strategy  one process: gradients added across micro-steps"]
+
+
+def _mesh_lines(s: Spec, plan: Plan) -> list[str]:
+    """HSDP's mesh, and the bytes each rank moves over each of its dimensions."""
+    m = s.mesh
+    moved = traffic(s, plan)
+    return [
+        f"  mesh      {m} (replicate x shard): units sharded over {m.shard} consecutive "
+        f"ranks, gradient shards all-reduced over {m.replicate} ranks {m.shard} apart",
+        "  traffic   per rank per step: "
+        + "; ".join(
+            f"{dim} {', '.join(f'{k} {fmt_bytes(v)}' for k, v in per.items())}"
+            for dim, per in moved.items()
+        ),
+    ]
+
+
+def _overlap(st: DDPSpec, s: Spec, plan: Plan) -> str:
     """Whether all-reduce overlaps backward, as the plan places it, not as `overlap` reads:
     `stream allreduce = compute` (or a program) puts it on the compute stream, after the
     backward that precedes it there, whatever `overlap` says."""
     streams = [
-        i.stream for i in plan.instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE
+        i.stream
+        for i in plan.instrs
+        if i.kind is Action.RUN and i.op is not None and i.op.kind is Kind.ALLREDUCE
     ]
     serial = streams.count(COMPUTE)
     if not serial:
@@ -199,7 +215,7 @@ def _overlap(s: Spec, plan: Plan) -> str:
             f"overlap for {len(streams) - serial} of {count(len(streams), 'all-reduce')} "
             f"({serial} on the compute stream)"
         )
-    if not s.strategy.overlap:
+    if not st.overlap:
         return "overlap off"
     if s.streams[Kind.ALLREDUCE] == COMPUTE:
         return "no overlap: `stream allreduce = compute` puts every all-reduce on compute"

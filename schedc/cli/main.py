@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _refuse_blank(args: argparse.Namespace) -> None:
-    """An empty or blank value is never a value: `--resume ""` used to mean no --resume, and
-    `--cost " "` was read as no cost file. Refused before any work, for every verb's flags
-    and file arguments alike."""
+    """An empty or blank value is never a value: `--resume ""` would read as no --resume, and
+    `--cost " "` as no cost file. Refused before any work, for every verb's flags and file
+    arguments alike."""
     (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for action in sub.choices[args.command]._actions:
         value = getattr(args, action.dest, None)

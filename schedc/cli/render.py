@@ -151,6 +151,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = _output(args)
+    view = _view(args)
+    compiled = [compile_file(f, overrides(args)) for f in args.files]
+    trace = load(args.trace) if args.trace else None
+    for c in compiled:
+        if args.rank is not None and not 0 <= args.rank < c.spec.world:
+            raise UserError(f"--rank {args.rank}: {c.source.path} has ranks 0..{c.spec.world - 1}")
+    report: list[str] = []  # said under `wrote`
+    if view == "graph":
+        dot = graph_dot(compiled, args.rank, args.unfold)
+    else:
+        dot, report = _timeline(compiled, trace, args)
+    try:
+        write(dot, out, ENGINE[view])
+    except OSError as e:  # checked at the start, but the disk can fill or the path change
+        raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
+    print(f"schedc: wrote {out} ({view})")
+    for line in report:
+        print(f"  {line}")
+    sys.stdout.flush()
+    return 0
+
+
+def _output(args: argparse.Namespace) -> Path:
+    """-o, its format told by its extension, writable and none of the inputs."""
     out = Path(args.output)
     fmt = out.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
@@ -167,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
             ("--cost", args.cost),
         ),
     )
+    return out
+
+
+def _view(args: argparse.Namespace) -> str:
+    """The view drawn, "graph" or "timeline", once every flag given is one it draws with (a
+    bad cost flag or --cost file is said here, before any work)."""
     view = args.view or ("timeline" if args.trace else "graph")
     if args.trace and view == "graph":
         raise UserError("--trace draws a measured timeline; drop --view graph")
@@ -190,47 +221,36 @@ def run(args: argparse.Namespace) -> int:
             + ("--compare" if args.trace else "--view timeline")
         )
     if priced:
-        cost_from_args(args)  # a bad --cost file or flag is said before any work
-    compiled = [compile_file(f, overrides(args)) for f in args.files]
-    trace = load(args.trace) if args.trace else None
-    for c in compiled:
-        if args.rank is not None and not 0 <= args.rank < c.spec.world:
-            raise UserError(f"--rank {args.rank}: {c.source.path} has ranks 0..{c.spec.world - 1}")
-    if view == "graph":
-        dot = graph_dot(compiled, args.rank, args.unfold)
-        report = []
-    else:
-        fitted = (
-            _fit_from_trace(compiled[0], trace, args)
-            if trace and args.compare and not args.cost
-            else None
-        )
-        panels = panels_for(
-            compiled,
-            cost_from_args(args, fitted),
-            rank=args.rank,
-            trace=trace,
-            trace_name=args.trace or "",
-            step=args.step,
-            compare=args.compare,
-            cost_note=f"fitted to {Path(args.trace).name}" if fitted else "",
-        )
-        try:
-            dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
-        except ValueError as e:
-            if not args.window:  # not the user's window: a bug, not a message blaming a flag
-                raise
-            raise UserError(f"--window {args.window!r}: {e}") from None
-        report = [line for p in panels for line in p.report()]
+        cost_from_args(args)
+    return view
+
+
+def _timeline(
+    compiled: list[Compiled], trace: Trace | None, args: argparse.Namespace
+) -> tuple[str, list[str]]:
+    """The timeline's DOT text, and the lines said under `wrote` (what each panel shows)."""
+    fitted = (
+        _fit_from_trace(compiled[0], trace, args)
+        if trace and args.compare and not args.cost
+        else None
+    )
+    panels = panels_for(
+        compiled,
+        cost_from_args(args, fitted),
+        rank=args.rank,
+        trace=trace,
+        trace_name=args.trace or "",
+        step=args.step,
+        compare=args.compare,
+        cost_note=f"fitted to {Path(args.trace).name}" if fitted else "",
+    )
     try:
-        write(dot, out, ENGINE[view])
-    except OSError as e:  # checked at the start, but the disk can fill or the path change
-        raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
-    print(f"schedc: wrote {out} ({view})")
-    for line in report:
-        print(f"  {line}")
-    sys.stdout.flush()
-    return 0
+        dot = timeline_dot(panels, unfold=args.unfold, window=args.window)
+    except ValueError as e:
+        if not args.window:  # not the user's window: a bug, not a message blaming a flag
+            raise
+        raise UserError(f"--window {args.window!r}: {e}") from None
+    return dot, [line for p in panels for line in p.report()]
 
 
 def _fit_from_trace(c: Compiled, trace: Trace, args: argparse.Namespace) -> CostModel:

@@ -42,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "in it is read relative to the working directory",
     )
     add_override_args(p)
+    _add_process_args(p)
+    _add_checkpoint_args(p)
+    _add_step_args(p)
+
+
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+    """Where the ranks run, what they trace, how long they wait for each other."""
     p.add_argument(
         "--device",
         default="auto",
@@ -73,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds a rank waits for the others before failing (default 300)",
     )
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """Checkpoints: where they are written, how often, how many kept, what resumes."""
     p.add_argument("--save", metavar="DIR", help="write checkpoints into DIR")
     p.add_argument(
         "--save-every",
@@ -95,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "signs meta.json with its HMAC-SHA256, --resume refuses a checkpoint whose "
         "HMAC is missing or wrong (README, Robustness)",
     )
+
+
+def _add_step_args(p: argparse.ArgumentParser) -> None:
+    """What a step with a non-finite loss does, and where every step is logged."""
     p.add_argument(
         "--nonfinite",
         choices=["stop", "skip"],
@@ -112,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # flag values first (the number types above checked the numbers), before any work: a bad
-    # --trace or --log-json path used to fail only after training
+    # --trace or --log-json path fails before training, not after it
     ov = overrides(args)
     for flag, value in (("--resume", args.resume), ("--checkpoint-key", args.checkpoint_key)):
         if value is not None and not value.strip():

@@ -22,7 +22,7 @@ from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
 from schedc.lang.resolve import UNITS, size_bytes
 from schedc.passes.memory import fmt_bytes
-from schedc.tune.measure import error, measure, refit, repredict
+from schedc.tune.measure import Timing, error, measure, refit, repredict
 from schedc.tune.search import Candidate, Options, Result, search
 from schedc.tune.space import Base, fmt_size
 
@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def nothing_fits(path: str, opts: Options, res: Result) -> str:
+    # without a budget every candidate the checker accepts ranks: nothing ranked is its refusal
+    assert opts.budget is not None, "only a budget leaves nothing to rank"
     least = res.smallest_peak
     what = ""
     if least is not None:
@@ -229,17 +231,20 @@ def write(args, base: Base, res: Result, opts: Options) -> list[Path]:
 
 
 def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> None:
-    runs = measure(cands, files[: len(cands)], args.steps, args.timeout, rounds=args.rounds)
+    runs, timings = measure(
+        cands, files[: len(cands)], args.steps, args.timeout, rounds=args.rounds
+    )
     fitted, notes = refit(runs, opts.cost)
     again = repredict(cands, fitted)
+    took = [t.step for t in timings]
     extra = [
         [
-            fmt_time(c.measured),
-            f"{100 * error(c.step, c.measured):+.1f}%",
+            fmt_time(m),
+            f"{100 * error(c.step, m):+.1f}%",
             fmt_time(p),
-            f"{100 * error(p, c.measured):+.1f}%",
+            f"{100 * error(p, m):+.1f}%",
         ]
-        for c, p in zip(cands, again)
+        for c, m, p in zip(cands, took, again)
     ]
     rounds = f", the median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     print(
@@ -247,28 +252,15 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
         f"{args.steps} steps each{rounds}), in predicted order:"
     )
     print(table(cands, extra, ("measured", "error", "refit", "error")))
-    errs = [abs(error(c.step, c.measured)) for c in cands]
-    refit_errs = [abs(error(p, c.measured)) for c, p in zip(cands, again)]
-    fastest = min(cands, key=lambda c: c.measured)
-    pick = cands[0]
+    errs = [abs(error(c.step, m)) for c, m in zip(cands, took)]
+    refit_errs = [abs(error(p, m)) for p, m in zip(again, took)]
     print(
         f"\nmedian |error| {100 * statistics.median(errs):.1f}% over {len(cands)} measured "
         f"({100 * statistics.median(refit_errs):.1f}% with the cost model refitted to their "
         "traces)"
     )
-    print(
-        f"the pick by prediction (#1) measured {fmt_time(pick.measured)}; the fastest measured "
-        f"(#{cands.index(fastest) + 1}) {fmt_time(fastest.measured)}: the pick is "
-        f"{100 * (pick.measured / fastest.measured - 1):.1f}% slower"
-    )
-    if len(pick.rounds) > 1 and fastest is not pick:
-        # the same round ran both, minutes apart at most: the ratio cancels the machine's drift
-        paired = sorted(a / b for a, b in zip(pick.rounds, fastest.rounds))
-        print(
-            f"paired by round, the pick took {paired[0]:.2f}-{paired[-1]:.2f}x the fastest's "
-            f"time (median {statistics.median(paired):.2f}x over {len(paired)} rounds)"
-        )
-    order = sorted(range(len(cands)), key=lambda i: cands[i].measured)
+    _pick_vs_fastest(timings)
+    order = sorted(range(len(cands)), key=lambda i: took[i])
     print("re-ranked by measurement: " + ", ".join(f"#{i + 1}" for i in order))
     for n in notes:
         print(f"note: {n}")
@@ -276,3 +268,21 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
     if args.fit:
         Path(args.fit).write_text(fitted.to_json())
         print(f"schedc: wrote {args.fit} (use: schedc tune ... --cost {args.fit})")
+
+
+def _pick_vs_fastest(timings: list[Timing]) -> None:
+    """How much slower the predicted best (#1) ran than the fastest measured."""
+    fastest = min(range(len(timings)), key=lambda i: timings[i].step)
+    pick, best = timings[0], timings[fastest]
+    print(
+        f"the pick by prediction (#1) measured {fmt_time(pick.step)}; the fastest measured "
+        f"(#{fastest + 1}) {fmt_time(best.step)}: the pick is "
+        f"{100 * (pick.step / best.step - 1):.1f}% slower"
+    )
+    if len(pick.rounds) > 1 and fastest != 0:
+        # the same round ran both, minutes apart at most: the ratio cancels the machine's drift
+        paired = sorted(a / b for a, b in zip(pick.rounds, best.rounds))
+        print(
+            f"paired by round, the pick took {paired[0]:.2f}-{paired[-1]:.2f}x the fastest's "
+            f"time (median {statistics.median(paired):.2f}x over {len(paired)} rounds)"
+        )

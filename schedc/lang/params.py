@@ -30,7 +30,7 @@ def auto_buckets(cfg: GPTConfig, cap: int, first: int) -> list[BucketSpec]:
     The first bucket uses `first` (DDP's small first bucket, so communication starts early).
     """
     ready = ready_position(cfg)
-    params = sorted((p.name for p in cfg.params), key=ready.get)
+    params = sorted((p.name for p in cfg.params), key=lambda name: ready[name])
     buckets: list[list[str]] = [[]]
     size, limit = 0, first
     for p in params:

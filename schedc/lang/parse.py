@@ -20,7 +20,7 @@ from schedc.lang.resources import grammar_path
 # A schedule is a page of text: the bundled ones hold under 200 tokens, and a program written
 # out for a hundred micro-steps a few thousand. The limit bounds the parse tree a file under
 # MAX_SOURCE_BYTES can make: a megabyte of `x, ` is 350,000 names, whose tree, AST and
-# diagnostics took 8 s and 600 MB before anything could say they were all the same mistake.
+# diagnostics take 8 s and 600 MB unbounded, before anything can say they are one mistake.
 MAX_TOKENS = 50_000
 
 
@@ -162,7 +162,9 @@ def _diagnose(e: UnexpectedInput, source: Source) -> Diagnostic:
         what = "end of file" if tok.type == "$END" else f"'{_clip(tok.value)}'"
         return Diagnostic("syntax", f"unexpected {what}", span=span, hint=hint)
     if isinstance(e, UnexpectedCharacters):
-        pos = e.pos_in_stream
+        # lark declares pos_in_stream None on UnexpectedInput; UnexpectedCharacters sets it
+        # to the int offset where lexing stopped
+        pos: int = e.pos_in_stream  # type: ignore[assignment]
         ch = source.text[pos] if pos < len(source.text) else ""
         word = _word_at(source.text, pos)
         allowed = _accepted(e)

@@ -7,9 +7,11 @@ The AST records what was written and where; it judges nothing. Numbers stay as w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lark import Token, Transformer, Tree, v_args
+from lark.tree import Meta
 
 from schedc.ir.source import Source, Span
 
@@ -284,6 +286,24 @@ def _is_int_text(text: str) -> bool:
     return t.isdigit()
 
 
+def _setting(key: str) -> Callable[[_ToAST, Meta, list], Setting]:
+    """The rule of a `key N` statement (`world 8`): one builder for the five of them."""
+
+    def build(self: _ToAST, meta: Meta, c: list) -> Setting:
+        return Setting(key, c[0], self._span(meta))
+
+    return build
+
+
+def _toggle(key: str) -> Callable[[_ToAST, Meta, list], Toggle]:
+    """The rule of a `key on|off` statement (`overlap on`)."""
+
+    def build(self: _ToAST, meta: Meta, c: list) -> Toggle:
+        return Toggle(key, c[0], self._span(meta))
+
+    return build
+
+
 @v_args(meta=True)
 class _ToAST(Transformer):
     """Each method builds one AST class from the rule of the same (alias) name."""
@@ -298,6 +318,8 @@ class _ToAST(Transformer):
         return self.src.span(meta.start_pos, meta.end_pos)
 
     def _tok(self, tok: Token) -> Span:
+        # a token of the tree comes from the lexer, which places both its ends
+        assert tok.start_pos is not None and tok.end_pos is not None
         return self.src.span(tok.start_pos, tok.end_pos)
 
     def __default_token__(self, tok: Token):
@@ -344,18 +366,11 @@ class _ToAST(Transformer):
         fields = next((x for x in c if isinstance(x, tuple)), ())
         return Model(name, fields, self._span(meta))
 
-    def _setting(key):
-        def build(self, meta, c):
-            return Setting(key, c[0], self._span(meta))
-
-        return build
-
     world = _setting("world")
     micro = _setting("micro")
     accumulate = _setting("accumulate")
     steps = _setting("steps")
     seed = _setting("seed")
-    del _setting
 
     def batch(self, meta, c):
         return Batch(c[0], c[1], self._span(meta))
@@ -400,18 +415,11 @@ class _ToAST(Transformer):
     def bucket_cap(self, meta, c):
         return BucketCap(c[0], c[1] if len(c) > 1 else None, self._span(meta))
 
-    def _toggle(key):
-        def build(self, meta, c):
-            return Toggle(key, c[0], self._span(meta))
-
-        return build
-
     tf32 = _toggle("tf32")
     compile = _toggle("compile")
     overlap = _toggle("overlap")
     no_sync = _toggle("no_sync")
     reshard = _toggle("reshard_after_forward")
-    del _toggle
 
     def ddp(self, meta, c):
         return DDP(tuple(c), self._span(meta))

@@ -146,6 +146,7 @@ class ParamSpec:
 
 def _layer_params(cfg: GPTConfig, layer: str) -> tuple[ParamSpec, ...]:
     C = cfg.n_embd
+    shapes: list[tuple[str, tuple[int, ...]]]
     if layer == "embed":
         shapes = [("wte.weight", (cfg.vocab_size, C)), ("wpe.weight", (cfg.block_size, C))]
     elif layer == "head":

@@ -339,12 +339,13 @@ class ChunkedLinearCE(torch.autograd.Function):
                 d = _cast(d, low)
                 if grad_h is not None:
                     torch.mm(d, wc, out=grad_h[s : s + chunk])
-                if want_w and grad_w is None:
-                    grad_w = _wide(d.t() @ rows)
-                elif want_w and d.dtype == grad_w.dtype:
-                    grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
-                elif want_w:
-                    grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
+                if want_w:
+                    if grad_w is None:
+                        grad_w = _wide(d.t() @ rows)
+                    elif d.dtype == grad_w.dtype:
+                        grad_w.addmm_(d.t(), rows)  # in place: no (V, C) temporary a chunk
+                    else:
+                        grad_w += d.t() @ rows  # a 16-bit chunk's part, added in fp32
                 del d, lsm
         ctx.grad_h = None if grad_h is None else grad_h.to(h.dtype)
         ctx.grad_w = None if grad_w is None else grad_w.to(weight.dtype)

@@ -68,7 +68,8 @@ def make_adamw(
     The order fixes the layout of the optimizer state, so callers that pass parameters in
     the same order (arch.py's) get comparable optimizers.
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in named_params:
         (decay if p.dim() >= 2 else no_decay).append(p)
     return adamw_groups(decay, no_decay, opt)
@@ -183,9 +184,10 @@ class Reference:
             (loss / k).backward()  # summed over the k micro-batches: the mean loss's gradient
             loss_sum += loss.detach()
 
-        grads = [p.grad for _, p in self.named_params]
+        grads = [_grad(p) for _, p in self.named_params]
         norm = global_grad_norm(grads)
-        recorded = {n: p.grad.detach().clone() for n, p in self.named_params} if record else {}
+        names = [n for n, _ in self.named_params]
+        recorded = {n: g.detach().clone() for n, g in zip(names, grads)} if record else {}
         if self.opt.clip > 0:
             torch._foreach_mul_(grads, clip_coef(norm, self.opt.clip))
 
@@ -197,6 +199,13 @@ class Reference:
 
         params = {n: p.detach().clone() for n, p in self.named_params} if record else {}
         return StepResult(step, (loss_sum / k).item(), lr, norm.item(), recorded, params)
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's accumulated gradient: after a step's backward every parameter has one
+    (each takes part in the loss)."""
+    assert p.grad is not None, "a parameter the loss does not reach"
+    return p.grad
 
 
 def format_log(

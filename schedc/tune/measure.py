@@ -1,9 +1,10 @@
 """`schedc tune --measure K`: run the finalists for real, and fit the cost model to their traces.
 
     measure(candidates, files, steps, rounds=R)
-                                       -> each candidate's measured step (median dt of the
-                                          steps after the first, which warms up; with R
-                                          rounds, the median of its R runs, interleaved)
+                                       -> the runs, and each candidate's measured step
+                                          (median dt of the steps after the first, which
+                                          warms up; with R rounds, the median of its R
+                                          runs, interleaved)
     refit(runs, cost)                  -> the cost model fitted to every trace at once
 
 Each candidate is its written schedule run as its own job, one after another (they would
@@ -41,6 +42,18 @@ class Run:
     log: Path
 
 
+@dataclass(frozen=True)
+class Timing:
+    """A candidate's measured step, seconds: each round's run (its median step), in round
+    order, and the median over them."""
+
+    rounds: tuple[float, ...]
+
+    @property
+    def step(self) -> float:
+        return statistics.median(self.rounds)
+
+
 def command(
     file: Path, world: int, steps: int, trace: Path, log: Path, probe: bool = False
 ) -> list[str]:
@@ -63,15 +76,15 @@ def measure(
     timeout: float,
     echo=print,
     rounds: int = 1,
-) -> list[Run]:
+) -> tuple[list[Run], list[Timing]]:
     """Run each candidate's file, `rounds` times, interleaved (round 1 runs every candidate
     once, then round 2 ..., each round starting one candidate later, so that none is always
     the first after a pause), so that a machine that speeds up or slows down over the
-    minutes this takes moves every candidate's figure alike; sets `measured` (seconds) on
-    each: the median over its rounds of each run's median step. A failed run is a user error
-    naming the file and the end of its output."""
+    minutes this takes moves every candidate's figure alike: every run, and each candidate's
+    Timing. A failed run is a user error naming the file and the end of its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    runs, times = [], [[] for _ in cands]
+    runs: list[Run] = []
+    times: list[list[float]] = [[] for _ in cands]
     K = len(cands)
     for r in range(rounds):
         for i in [(r + j) % K for j in range(K)]:  # each round starts one candidate later
@@ -91,9 +104,7 @@ def measure(
                 raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
             times[i].append(step_time(run.log))
             runs.append(run)
-    for cand, ts in zip(cands, times):
-        cand.measured, cand.rounds = statistics.median(ts), tuple(ts)
-    return runs
+    return runs, [Timing(tuple(ts)) for ts in times]
 
 
 def step_time(log: Path) -> float:
@@ -141,7 +152,7 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
 
 
 def repredict(cands: list[Candidate], cost: CostModel) -> list[float]:
-    return [simulate(c.compiled, cost).end for c in cands]
+    return [simulate(c.checked, cost).end for c in cands]
 
 
 def error(predicted: float, measured: float) -> float:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from schedc.analysis.cost import CostModel, compute_time, optimizer_time, ring_factor
@@ -63,18 +64,23 @@ class Candidate:
     text: str  # the schedule, positions of the file's lines kept (see Base.text)
     lb_time: float
     lb_memory: int
-    compiled: Compiled | None = None
+    compiled: Compiled | None = None  # set by `evaluate`
     step: float = 0.0  # predicted seconds
     peak: int = 0  # predicted peak per rank (schedc check's total) ...
     activations: int = 0  # the activations' share of the peak (shown, not added)
     comm: float = 0.0
     exposed: float = 0.0
-    measured: float | None = None  # seconds, from --measure
-    rounds: tuple[float, ...] = ()  # seconds, each round's run (--rounds), in round order
+
+    @property
+    def checked(self) -> Compiled:
+        """The candidate compiled and checked: read only once `evaluate` has compiled it."""
+        if self.compiled is None:
+            raise RuntimeError(f"{self.knobs.describe()} is read before it was compiled")
+        return self.compiled
 
     @property
     def spec(self) -> Spec:
-        return self.compiled.spec
+        return self.checked.spec
 
     @property
     def tokens_per_s(self) -> float:
@@ -205,6 +211,7 @@ class Probe:
     def buckets(self, k: Knobs) -> list[tuple[int, frozenset[str]]]:
         """(numel, params) per bucket, as the compiler will make them."""
         cfg = self.spec.model
+        groups: list[Sequence[str]]
         if k.layout == "cap":
             made = auto_buckets(cfg, k.cap, min(k.cap, 1 << 20))
             groups = [b.params for b in made]

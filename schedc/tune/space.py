@@ -15,6 +15,7 @@ so nothing here decides legality.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,41 +140,55 @@ class Base:
 
 
 def knob_text(k: Knobs, cfg: GPTConfig | None, budget: str | None) -> str:
+    """The statements a candidate writes after the file's own (cfg: the model, for a bucket
+    per layer)."""
     lines = [f"micro {k.micro}"]
     if budget:
         lines.append(f"memory {budget}")
     if k.precision:
         lines.append(f"precision {k.precision}")
-    sw = lambda b: "on" if b else "off"
     if k.strategy == "ddp":
-        lines.append("ddp {")
-        if k.layout == "cap":
-            lines.append(f"  bucket_cap {fmt_size(k.cap)}")
-        elif k.layout == "one":
-            lines.append("  bucket b1 = head .. embed")
-        else:
-            order = list(reversed(cfg.layers))  # gradient-ready order: head first, embed last
-            for i, layer in enumerate(order):
-                lines.append(f"  bucket b{i + 1} = {layer}")
-        lines += ["  overlap on", f"  no_sync {sw(k.no_sync)}", "}"]
+        lines += _ddp_block(k, cfg)
     elif k.strategy == "fsdp":
-        lines += ["fsdp {", "  unit tied = wte.weight keep"]
-        last = len(k.groups) - 1
-        for i, (a, b) in enumerate(k.groups):
-            refs = [f"h.{a}" if a == b else f"h.{a} .. h.{b}"]
-            if i == 0:
-                refs.insert(0, "wpe.weight")
-            if i == last:
-                refs.append("head")
-            lines.append(f"  unit u{i + 1} = {', '.join(refs)}{' keep' if k.keep_all else ''}")
-        lines += [
-            f"  prefetch forward {k.prefetch}",
-            f"  prefetch backward {k.prefetch}",
-            f"  reshard_after_forward {sw(k.reshard)}",
-            f"  no_sync {sw(k.no_sync)}",
-            "}",
-        ]
+        lines += _fsdp_block(k)
     return "\n".join(lines) + "\n"
+
+
+def _switch(on: bool) -> str:
+    return "on" if on else "off"
+
+
+def _ddp_block(k: Knobs, cfg: GPTConfig | None) -> list[str]:
+    lines = ["ddp {"]
+    if k.layout == "cap":
+        lines.append(f"  bucket_cap {fmt_size(k.cap)}")
+    elif k.layout == "one":
+        lines.append("  bucket b1 = head .. embed")
+    else:
+        assert cfg is not None, "a bucket per layer names the model's layers"
+        order = list(reversed(cfg.layers))  # gradient-ready order: head first, embed last
+        for i, layer in enumerate(order):
+            lines.append(f"  bucket b{i + 1} = {layer}")
+    return lines + ["  overlap on", f"  no_sync {_switch(k.no_sync)}", "}"]
+
+
+def _fsdp_block(k: Knobs) -> list[str]:
+    lines = ["fsdp {", "  unit tied = wte.weight keep"]
+    last = len(k.groups) - 1
+    for i, (a, b) in enumerate(k.groups):
+        refs = [f"h.{a}" if a == b else f"h.{a} .. h.{b}"]
+        if i == 0:
+            refs.insert(0, "wpe.weight")
+        if i == last:
+            refs.append("head")
+        lines.append(f"  unit u{i + 1} = {', '.join(refs)}{' keep' if k.keep_all else ''}")
+    return lines + [
+        f"  prefetch forward {k.prefetch}",
+        f"  prefetch backward {k.prefetch}",
+        f"  reshard_after_forward {_switch(k.reshard)}",
+        f"  no_sync {_switch(k.no_sync)}",
+        "}",
+    ]
 
 
 def fmt_size(n: int) -> str:
@@ -229,44 +244,43 @@ def candidates(
 ) -> list[Knobs]:
     """The whole space, deduplicated where two knob sets are the same schedule by
     construction (no_sync means nothing with one micro-step)."""
-    out: list[Knobs] = []
-    seen: set[Knobs] = set()
-
-    def add(k: Knobs) -> None:
-        if k not in seen:
-            seen.add(k)
-            out.append(k)
-
+    out: dict[Knobs, None] = {}  # in order of first appearance
     for prec in precisions:
         for m in micros(seqs, world):
             k_steps = seqs // (m * world)
             syncs = (True, False) if k_steps > 1 else (False,)
             if world == 1 or "single" in strategies:
-                add(Knobs("single", m, prec))
+                out.setdefault(Knobs("single", m, prec))
             if world == 1:
                 continue
             if "ddp" in strategies:
-                for ns in syncs:
-                    for cap in BUCKET_CAPS:
-                        add(Knobs("ddp", m, prec, layout="cap", cap=cap, no_sync=ns))
-                    add(Knobs("ddp", m, prec, layout="per-layer", no_sync=ns))
-                    add(Knobs("ddp", m, prec, layout="one", no_sync=ns))
+                out.update(dict.fromkeys(_ddp_knobs(m, prec, syncs)))
             if "fsdp" in strategies:
-                for groups in partitions(n_layer):
-                    for pf in PREFETCH:
-                        for keep_all in (False, True):
-                            for reshard in (True, False) if not keep_all else (True,):
-                                for ns in syncs:
-                                    add(
-                                        Knobs(
-                                            "fsdp",
-                                            m,
-                                            prec,
-                                            groups=groups,
-                                            prefetch=pf,
-                                            reshard=reshard,
-                                            keep_all=keep_all,
-                                            no_sync=ns,
-                                        )
-                                    )
-    return out
+                out.update(dict.fromkeys(_fsdp_knobs(m, prec, syncs, n_layer)))
+    return list(out)
+
+
+def _ddp_knobs(m: int, prec: str | None, syncs: tuple[bool, ...]) -> Iterator[Knobs]:
+    for ns in syncs:
+        for cap in BUCKET_CAPS:
+            yield Knobs("ddp", m, prec, layout="cap", cap=cap, no_sync=ns)
+        yield Knobs("ddp", m, prec, layout="per-layer", no_sync=ns)
+        yield Knobs("ddp", m, prec, layout="one", no_sync=ns)
+
+
+def _fsdp_knobs(m: int, prec: str | None, syncs: tuple[bool, ...], n_layer: int) -> Iterator[Knobs]:
+    for groups in partitions(n_layer):
+        for pf in PREFETCH:
+            for keep_all in (False, True):
+                for reshard in (True, False) if not keep_all else (True,):
+                    for ns in syncs:
+                        yield Knobs(
+                            "fsdp",
+                            m,
+                            prec,
+                            groups=groups,
+                            prefetch=pf,
+                            reshard=reshard,
+                            keep_all=keep_all,
+                            no_sync=ns,
+                        )

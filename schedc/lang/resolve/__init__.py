@@ -81,6 +81,11 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     streams = resolve_streams(cx, strategy)
     programs = resolve_programs(cx, streams, Scope(model, strategy, run.world, accum, hsdp))
     cx.diag.raise_if_any()
+    # no error, so every value a Spec needs was found: `require` reports a missing one, and
+    # each reader a refused one
+    assert model_name is not None and model is not None and micro is not None
+    assert run.world is not None and run.seqs is not None and run.seq_len is not None
+    assert accum is not None
     spec = Spec(
         source=cx.src,
         model_name=model_name,

@@ -40,8 +40,9 @@ def resolve_recompute(
     if top is not None:
         for ref in top.refs:
             names = [n for n in (ref.first, ref.last) if n is not None]
-            found = [layer_name(cx, n, cfg) for n in names]
-            if None in found:
+            named = [layer_name(cx, n, cfg) for n in names]
+            found = [x for x in named if x is not None]
+            if len(found) < len(named):
                 continue
             idx = sorted(cfg.layer_index(x) for x in found)  # a range in either direction
             out.update(cfg.layers[idx[0] : idx[-1] + 1])

@@ -4,6 +4,7 @@ against what the schedule has (its layers, buckets or units, micro-steps)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
@@ -110,7 +111,8 @@ def _instr(cx: Context, ins: ProgramLine, stream: str, scope: Scope) -> InstrSpe
     """One line of a program: its op and those it waits for, or None after reporting."""
     op = _op(cx, ins.op.text, ins.op.span, scope)
     afters = [(_op(cx, a.text, a.span, scope), a.span) for a in ins.after]
-    if op is None or any(a is None for a, _ in afters):
+    waits = tuple(a for a, _ in afters if a is not None)
+    if op is None or len(waits) < len(afters):
         return None
     if op.kind.is_compute and stream != COMPUTE:
         cx.err(
@@ -120,7 +122,7 @@ def _instr(cx: Context, ins: ProgramLine, stream: str, scope: Scope) -> InstrSpe
             hint="write it in `program compute`",
         )
         return None
-    return InstrSpec(op, tuple(a for a, _ in afters), ins.span, tuple(s for _, s in afters))
+    return InstrSpec(op, waits, ins.span, tuple(s for _, s in afters))
 
 
 def _op(cx: Context, text: str, span: Span, scope: Scope) -> Op | None:
@@ -133,6 +135,7 @@ def _op(cx: Context, text: str, span: Span, scope: Scope) -> Op | None:
     cfg, strategy = scope.cfg, scope.strategy
     if cfg is None or op.kind is Kind.STEP:
         return op
+    targets: Sequence[str]
     if op.kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE):
         targets, what = cfg.layers, "layer"
     elif op.kind is Kind.ALLREDUCE and isinstance(strategy, FSDPSpec) and scope.hsdp:
