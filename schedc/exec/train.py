@@ -11,7 +11,7 @@ that fails (a dead peer, a peer that stops answering within --timeout, an error 
 instruction) writes where it was to the rendezvous store, reads what the others wrote,
 names the ranks that said nothing, and exits 1; torchrun then ends the job. Non-finite
 losses or gradient norms stop the run with the step and micro-step named (or, with
-`--nonfinite skip`, skip that update and say so). Checkpoints (schedc/exec/checkpoint.py) are
+`--nonfinite skip`, skip that update and say so). Checkpoints (schedc/exec/checkpoint/) are
 complete or absent.
 """
 
@@ -123,7 +123,9 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     step (read from its meta.json now, before any collective: a rank that resumes alone
     would otherwise wait in DCP's collectives for the others until --timeout), the save
     directory and cadence, what to do on a non-finite loss, the device type, the precision."""
-    from schedc.exec.checkpoint import CheckpointError, find, read_meta
+    from schedc.exec.checkpoint.files import find
+    from schedc.exec.checkpoint.layout import CheckpointError
+    from schedc.exec.checkpoint.meta_json import read_meta
 
     resume = "none"
     if job.resume:
