@@ -87,6 +87,7 @@ def save(ex, root: str | os.PathLike, keep: int = 2, key: bytes | None = None) -
     _barrier(ex)
     _crash_point("before-write", rank)
     dcp.save(executor_state(ex), checkpoint_id=str(tmp), process_group=ex.comm.group)
+    # every rank's CPU RNG state, in rank order
     rng = ex.comm.gather(base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
     _crash_point("after-write", rank)
     if rank == 0:
@@ -126,7 +127,7 @@ def _publish(tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)
-    _crash_point("before-latest", 0)
+    _crash_point("before-latest", 0)  # rank 0 publishes
     _write_atomic(root / "latest", final.name + "\n")
     _fsync_dir(root)
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
