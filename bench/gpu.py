@@ -93,7 +93,7 @@ import torch.distributed as dist
 from schedc.compiler import compile_text
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, RunOptions
-from schedc.exec.train import mfu
+from schedc.exec.report import mfu
 from schedc.lang.resolve import Overrides
 from schedc.model.arch import SIZES
 from schedc.model.data import load_batches

@@ -11,13 +11,13 @@ decides an order; the plan does. The only communication outside the plan is star
 agreement, the global gradient norm of FSDP (one scalar, inside the optimizer step) and
 the logged loss (one scalar, after the step).
 
-Composed of (torchtitan's apply_* steps, as objects): the backend (exec/backends.py:
-streams, events, collectives), the strategy (exec/strategies.py: DDP's buckets or FSDP's
-units, and their collectives), the update (exec/update.py: norm, clip, non-finite, AdamW).
-Each layer's forward runs under `torch.autocast` in the compute dtype (its backward runs
-in the dtypes autocast chose, as torch's AMP recipe has it; the loss is fp32). Master
-weights, the gradients the optimizer reads and AdamW's moments stay in the run's dtype
-(fp32).
+Composed of (torchtitan's apply_* steps, as objects): the backend (exec/backends.py, and
+exec/cpu_backend.py or exec/cuda_backend.py: streams, events, collectives), the strategy
+(exec/strategies.py: DDP's buckets or FSDP's units, and their collectives), the update
+(exec/update.py: norm, clip, non-finite, AdamW). Each layer's forward runs under
+`torch.autocast` in the compute dtype (its backward runs in the dtypes autocast chose, as
+torch's AMP recipe has it; the loss is fp32). Master weights, the gradients the optimizer
+reads and AdamW's moments stay in the run's dtype (fp32).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch
 from schedc.analysis.trace import Timed, chrome_events
 from schedc.compiler import Compiled
 from schedc.errors import RunError
-from schedc.exec.backends import Backend, CPUBackend, CUDABackend, nccl_launch_order
+from schedc.exec.backends import Backend, nccl_launch_order
+from schedc.exec.cpu_backend import CPUBackend
+from schedc.exec.cuda_backend import CUDABackend
 from schedc.exec.fuse import Segment, fuse
 from schedc.exec.heap import HeapPeak
 from schedc.exec.options import (
@@ -204,7 +206,8 @@ class Executor:
             if self.opts.sync_each_step or self.opts.trace:
                 self.backend.synchronize()
         self.at = None  # between steps
-        stats = self.update.finish(self.pending, [m.loss for m in self.micro])
+        assert self.pending is not None, "the plan's step instruction enqueued the update"
+        stats = self.update.finish(self.pending, self._losses())
         dt = time.perf_counter() - t0
         stats.dt_ms = dt * 1e3
         stats.tokens_per_s = spec.tokens_per_step / dt
@@ -271,9 +274,14 @@ class Executor:
             self.compute(Segment(kind, op.mb, (op.target,), -1))
 
     def _update(self, keeps: tuple[str, ...]) -> None:
-        losses = [m.loss for m in self.micro]
-        self.pending = self.update(self.step_index, losses, self.t0, keeps)
+        self.pending = self.update(self.step_index, self._losses(), self.t0, keeps)
         self.mem["states"] = self.update.states
+
+    def _losses(self) -> list[torch.Tensor]:
+        """Each micro-step's loss: the plan runs every forward before the update."""
+        losses = [m.loss for m in self.micro if m.loss is not None]
+        assert len(losses) == len(self.micro), "a micro-step's forward has not run"
+        return losses
 
     # -- compute ------------------------------------------------------------------------------
 
@@ -329,6 +337,7 @@ class Executor:
         else:
             torch.autograd.backward(out, mb.grad_in.pop(self.layers[self.layers.index(top) + 1]))
         if bottom != self.layers[0]:
+            assert inp.grad is not None, "a layer input's gradient, once its backward ran"
             mb.grad_in[bottom] = inp.grad
         self.strategy.after_backward(seg)
 
@@ -381,7 +390,11 @@ class Executor:
 
 def collective_streams(plan: Plan) -> set[str]:
     """The streams the plan issues collectives on (each is a communicator on a GPU)."""
-    return {i.stream for i in plan.instrs if i.kind is Action.RUN and i.op.is_collective}
+    return {
+        i.stream
+        for i in plan.instrs
+        if i.kind is Action.RUN and i.op is not None and i.op.is_collective
+    }
 
 
 def _range(item):

@@ -82,8 +82,8 @@ class FlatUnit:
         # (param, offset, numel, shape): the shape is kept, since a freed parameter is empty
         self.layout: list[tuple[nn.Parameter, int, int, torch.Size]] = []
         off = 0
-        for n in decay + plain:
-            p = params[n]
+        for name in decay + plain:
+            p = params[name]
             self.layout.append((p, off, p.numel(), p.shape))
             off += p.numel()
         self.numel = off
@@ -175,6 +175,7 @@ class FlatUnit:
             if key in self.grads:
                 self.fold(key)
             acc, self.acc = self.acc, None
+            assert acc is not None, "a micro-step's gradient was folded into the accumulator"
             self.log("free", f"acc[{self.name}]")
             return acc
         self.log("free", f"grad[{self.name}]@mb{key}")
@@ -220,9 +221,17 @@ class FlatUnit:
     def new_shard_grad(self) -> torch.Tensor:
         """Allocate the gradient shard (uninitialised: the first reduce-scatter writes all of
         it) and point the optimizer's parameters' .grad at it."""
-        self.shard_grad = torch.empty_like(self.shard)
-        self._bind_shard_grad()
+        grad = self.shard_grad = torch.empty_like(self.shard)
+        for p in (p for group in self.optimizer_params() for p in group):
+            a = (p.data_ptr() - self.shard.data_ptr()) // self.shard.element_size()
+            p.grad = grad[a : a + p.numel()]
         self.log("alloc", f"shard_grad[{self.name}]")
+        return grad
+
+    def live_shard_grad(self) -> torch.Tensor:
+        """The gradient shard, which exists from the step's first reduce-scatter of this unit
+        to the update."""
+        assert self.shard_grad is not None, f"no gradient shard of {self.name} this step"
         return self.shard_grad
 
     def drop_shard_grad(self) -> None:
@@ -231,11 +240,6 @@ class FlatUnit:
         if self.shard_grad is not None:
             self.log("free", f"shard_grad[{self.name}]")
         self.shard_grad = None
-
-    def _bind_shard_grad(self) -> None:
-        for p in (p for group in self.optimizer_params() for p in group):
-            a = (p.data_ptr() - self.shard.data_ptr()) // self.shard.element_size()
-            p.grad = self.shard_grad[a : a + p.numel()]
 
     def assemble(self, flat: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Split a full (gathered) flat tensor into per-parameter tensors."""

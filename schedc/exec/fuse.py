@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedc.ir.op import COMPUTE, Kind, Op
-from schedc.ir.plan import Action, Plan
+from schedc.ir.plan import Action, Instr, Plan
 from schedc.model.arch import GPTConfig
 
 
@@ -48,72 +48,100 @@ Item = int | Segment  # an instruction index, or a run of fused compute instruct
 def fuse(plan: Plan, model: GPTConfig, enabled: bool = True) -> list[Item]:
     """The plan as items to execute, with fusable compute runs grouped into Segments."""
     index = {layer: i for i, layer in enumerate(model.layers)}
+    runs = _runs(plan, index, enabled)
+    cuts = _cuts(plan, model, index, runs)
+    items: list[Item] = []
+    for run in runs:
+        op = _compute_op(plan.instrs[run[0]])
+        if op is None:
+            items.append(run[0])
+        else:
+            items += _pieces(plan, run, op.kind, cuts[op.mb], index)
+    return items
+
+
+def _compute_op(ins: Instr) -> Op | None:
+    """The op of a forward or backward on the compute stream (what may fuse), else None."""
+    op = ins.op
+    if ins.kind is Action.RUN and ins.stream == COMPUTE and op is not None:
+        return op if op.kind in (Kind.FWD, Kind.BWD) else None
+    return None
+
+
+def _runs(plan: Plan, index: dict[str, int], enabled: bool) -> list[list[int]]:
+    """The plan's instruction indexes in runs that may fuse: forwards (or backwards) of one
+    micro-step over adjacent layers in the pass's order, with nothing between them."""
     # a recomputing layer's forward runs alone (without autograd), as does the recompute
     alone = {(op.target, op.mb) for op in plan.ops if op.kind is Kind.RECOMPUTE}
-    runs: list[list[int]] = []  # runs of instruction indexes that may fuse
+    runs: list[list[int]] = []
+    prev: Op | None = None  # the compute op ending the last run, if it ends with one
     for k, ins in enumerate(plan.instrs):
-        op = ins.op
-        if (
-            ins.kind is not Action.RUN
-            or ins.stream != COMPUTE
-            or op.kind not in (Kind.FWD, Kind.BWD)
-        ):
-            runs.append([k])
-            continue
-        prev = plan.instrs[runs[-1][-1]].op if runs else None
-        step = 1 if op.kind is Kind.FWD else -1
-        if (
-            enabled
-            and prev is not None
-            and plan.instrs[runs[-1][-1]].kind is Action.RUN
-            and prev.kind is op.kind
-            and prev.mb == op.mb
-            and prev.kind in (Kind.FWD, Kind.BWD)
-            and plan.instrs[runs[-1][-1]].stream == COMPUTE
-            and index[op.target] == index[prev.target] + step
-            and not (op.kind is Kind.FWD and {(op.target, op.mb), (prev.target, prev.mb)} & alone)
-        ):
+        op = _compute_op(ins)
+        if enabled and op is not None and prev is not None and _follows(op, prev, index, alone):
             runs[-1].append(k)
         else:
             runs.append([k])
+        prev = op
+    return runs
 
-    # cuts: the input of the first layer of every forward run and of the last layer of every
-    # backward run, per micro-step; both passes are split at all of them
+
+def _follows(op: Op, prev: Op, index: dict[str, int], alone: set[tuple[str, int]]) -> bool:
+    """`op` continues the run `prev` ends: the same pass and micro-step, the next layer in
+    the pass's order, neither a recomputing layer's forward."""
+    step = 1 if op.kind is Kind.FWD else -1
+    return (
+        prev.kind is op.kind
+        and prev.mb == op.mb
+        and index[op.target] == index[prev.target] + step
+        and not (op.kind is Kind.FWD and {(op.target, op.mb), (prev.target, prev.mb)} & alone)
+    )
+
+
+def _cuts(
+    plan: Plan, model: GPTConfig, index: dict[str, int], runs: list[list[int]]
+) -> dict[int, set[int]]:
+    """Per micro-step, the layers both passes are split at: the input of the first layer of
+    every forward run and of the last layer of every backward run, and every layer that
+    re-reads a parameter (model.rereaders)."""
     cuts: dict[int, set[int]] = {
         op.mb: {index[layer] for layer in model.rereaders()}
         for op in plan.ops
         if op.kind in (Kind.FWD, Kind.BWD)
     }
     for run in runs:
-        op = plan.instrs[run[0]].op
-        if op is None or op.kind not in (Kind.FWD, Kind.BWD):
-            continue
-        low = plan.instrs[run[0 if op.kind is Kind.FWD else -1]].op
-        cuts.setdefault(op.mb, set()).add(index[low.target])
+        op = _compute_op(plan.instrs[run[0]])
+        if op is not None:
+            low = _op(plan, run[0 if op.kind is Kind.FWD else -1])
+            cuts.setdefault(op.mb, set()).add(index[low.target])
+    return cuts
 
-    items: list[Item] = []
-    for run in runs:
-        op = plan.instrs[run[0]].op
-        if op is None or op.kind not in (Kind.FWD, Kind.BWD):
-            items.append(run[0])
-            continue
-        cut = cuts[op.mb]
-        piece: list[int] = []
-        for k in run:
-            i = index[plan.instrs[k].op.target]
-            # a forward piece ends before a cut; a backward piece ends at one
-            if piece and op.kind is Kind.FWD and i in cut:
-                items.append(_segment(plan, piece))
-                piece = []
-            piece.append(k)
-            if op.kind is Kind.BWD and i in cut:
-                items.append(_segment(plan, piece))
-                piece = []
-        if piece:
-            items.append(_segment(plan, piece))
-    return items
+
+def _pieces(
+    plan: Plan, run: list[int], kind: Kind, cut: set[int], index: dict[str, int]
+) -> list[Segment]:
+    """A run split at the cuts: a forward piece ends before a cut, a backward piece at one."""
+    pieces: list[Segment] = []
+    piece: list[int] = []
+    for k, op in ((k, _op(plan, k)) for k in run):
+        i = index[op.target]
+        if piece and kind is Kind.FWD and i in cut:
+            pieces.append(_segment(plan, piece))
+            piece = []
+        piece.append(k)
+        if kind is Kind.BWD and i in cut:
+            pieces.append(_segment(plan, piece))
+            piece = []
+    if piece:
+        pieces.append(_segment(plan, piece))
+    return pieces
+
+
+def _op(plan: Plan, k: int) -> Op:
+    op = plan.instrs[k].op
+    assert op is not None, "a run's instructions are ops"
+    return op
 
 
 def _segment(plan: Plan, ks: list[int]) -> Segment:
-    ops = [plan.instrs[k].op for k in ks]
+    ops = [_op(plan, k) for k in ks]
     return Segment(ops[0].kind, ops[0].mb, tuple(op.target for op in ops), ks[0])

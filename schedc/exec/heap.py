@@ -109,11 +109,10 @@ class HeapPeak:
         while not self._stop.wait(self.every_s):
             self.sample()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
         self.sample()
-        return False
 
     @property
     def grew(self) -> int:

@@ -8,13 +8,13 @@ rendezvous store (a counter and the plan instruction the rank is at) and reads t
 one peer, the next rank round the ring: every rank is watched by exactly one other, and
 the store sees world reads a second, not world squared. A peer whose beat has not changed
 for `stale_s` seconds (10, or --timeout if shorter) is reported by its watcher, with its
-last instruction; the watcher fails the job as any failing rank does (exec/train.py
+last instruction; the watcher fails the job as any failing rank does (exec/failures.py
 `fail`). A rank that finishes writes `done` and is watched no more.
 
 The thread talks to the store over a connection of its own (MASTER_ADDR, MASTER_PORT, as
 torchrun sets them), so a main thread blocked in a store call (a barrier waiting for a
 slow peer) cannot stop its beats. Without those variables (a job started otherwise)
-there are no heartbeats, and --timeout alone bounds the wait, as before.
+there are no heartbeats, and --timeout alone bounds the wait.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 BEAT_S = 1.0
 STALE_S = 10.0
@@ -45,7 +49,7 @@ class Heartbeat:
         self.position, self.on_stale = position, on_stale
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"schedc/beat/{attempt}"  # a restarted job does not read old beats
-        self.store = None
+        self.store: TCPStore | None = None  # this thread's own connection, once started
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -57,13 +61,16 @@ class Heartbeat:
         import torch.distributed as dist
 
         try:
-            self.store = dist.TCPStore(
+            store = dist.TCPStore(
                 addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=10)
             )
         except (RuntimeError, ValueError):  # the store is not reachable as a client
             return False
-        self._beat(0)
-        self.thread = threading.Thread(target=self._run, name="schedc-heartbeat", daemon=True)
+        self.store = store
+        self._beat(store, 0)
+        self.thread = threading.Thread(
+            target=self._run, args=(store,), name="schedc-heartbeat", daemon=True
+        )
         self.thread.start()
         return True
 
@@ -72,22 +79,22 @@ class Heartbeat:
         self.stop.set()
         if self.store is not None:
             try:
-                self.store.set(f"{self.prefix}/{self.rank}", DONE)
+                self.store.set(f"{self.prefix}/{self.rank}", DONE.decode())
             except Exception:  # noqa: BLE001, S110 - the job is over either way
                 pass
 
-    def _beat(self, n: int) -> None:
-        self.store.set(f"{self.prefix}/{self.rank}", f"{n} {self.position()}")
+    def _beat(self, store: TCPStore, n: int) -> None:
+        store.set(f"{self.prefix}/{self.rank}", f"{n} {self.position()}")
 
-    def _run(self) -> None:
+    def _run(self, store: TCPStore) -> None:
         peer = (self.rank + 1) % self.world
         key = f"{self.prefix}/{peer}"
         last, since, n = None, time.monotonic(), 0
         while not self.stop.wait(BEAT_S):
             n += 1
             try:
-                self._beat(n)
-                seen = self.store.get(key) if self.store.check([key]) else None
+                self._beat(store, n)
+                seen = store.get(key) if store.check([key]) else None
             except Exception:  # noqa: BLE001 - the store's host is gone: the collectives say so
                 continue
             if seen == DONE:

@@ -7,12 +7,15 @@ import datetime
 import os
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from schedc.errors import RunError
 from schedc.ir.spec import Dtype
+
+T = TypeVar("T")
 
 
 class Device(str, Enum):
@@ -67,6 +70,14 @@ class Comm:
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
                 )
         return cls(dist.get_rank(), dist.get_world_size(), None, timeout)
+
+    def gather(self, mine: T) -> list[T]:
+        """Every rank's `mine`, in rank order (all_gather_object; none at world 1)."""
+        if self.world == 1:
+            return [mine]
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        return every
 
 
 @dataclass

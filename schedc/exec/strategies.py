@@ -35,7 +35,7 @@ from schedc.exec.fuse import Segment
 from schedc.exec.options import Comm
 from schedc.ir.effects import grad_buffer, grad_key, scatter_output, shard_grad, upcast
 from schedc.ir.op import COMPUTE, Kind, Op
-from schedc.ir.spec import SHARD, BucketSpec, Spec, Strategy
+from schedc.ir.spec import SHARD, BucketSpec, DDPSpec, FSDPSpec, Spec
 from schedc.model.reference import adamw_groups, global_grad_norm, make_adamw
 
 Log = Callable[[str, str], None] | None  # (action, buffer): the executor's buffer log, if kept
@@ -82,7 +82,7 @@ class Replicated(_Base):
         self, spec: Spec, comm: Comm, backend: Backend, params: dict, reduce_dtype, log: Log
     ):
         super().__init__(spec, comm, backend, params, reduce_dtype, log)
-        if spec.kind is Strategy.DDP:
+        if isinstance(spec.strategy, DDPSpec):
             specs = spec.strategy.buckets
         else:  # one process: a single flat gradient buffer, never communicated
             specs = (BucketSpec("grads", tuple(params), None, 0),)
@@ -156,6 +156,8 @@ class Sharded(_Base):
         measure: bool,
     ):
         super().__init__(spec, comm, backend, params, reduce_dtype, log)
+        fsdp = spec.strategy
+        assert isinstance(fsdp, FSDPSpec), "Sharded holds an FSDP schedule's units"
         # units shard over the shard dimension: this rank holds shard `index` of `S`
         index, S = spec.mesh.index(comm.rank, SHARD), spec.mesh.shard
         # no_sync under a reduce dtype wider than the gather's: FSDP2's upcast, micro-steps
@@ -164,12 +166,12 @@ class Sharded(_Base):
         accumulate = reduce_dtype if self.upcast else None
         self.units = {
             u.name: FlatUnit(u, spec.model, params, index, S, gather_dtype, accumulate)
-            for u in spec.strategy.units
+            for u in fsdp.units
         }
         if log is not None:
             for u in self.units.values():
                 u.log = log
-        writers = {u.name: spec.writers(u.params) for u in spec.strategy.units}
+        writers = {u.name: spec.writers(u.params) for u in fsdp.units}
         # the layer whose backward is a unit's last of a micro-step (its lowest writer)
         self.last_writer = {n: min(ws, key=spec.model.layer_index) for n, ws in writers.items()}
         # the units whose gradients each layer's backward writes into
@@ -298,7 +300,7 @@ class Sharded(_Base):
             if first:
                 unit.new_shard_grad()
             out = (
-                unit.shard_grad
+                unit.live_shard_grad()
                 if direct
                 else torch.empty(unit.shard_len, dtype=rd, device=grad.device)
             )
@@ -321,9 +323,9 @@ class Sharded(_Base):
         def done(unit=unit, held=held, first=first):
             out = held.pop("out")
             if first:  # the first shard of the step, cast back into the fp32 gradient
-                unit.shard_grad.copy_(out)
+                unit.live_shard_grad().copy_(out)
             else:
-                unit.shard_grad.add_(out)  # accumulate this micro-step's shard (upcast)
+                unit.live_shard_grad().add_(out)  # accumulate this micro-step's shard (upcast)
 
         holds = self._holds(unit.name, op.mb, direct)
         dim = self.spec.dim_of(op)
@@ -389,7 +391,7 @@ class Sharded(_Base):
     # -- the update ----------------------------------------------------------------------
 
     def update_grads(self) -> list[torch.Tensor]:
-        return [u.shard_grad for u in self.units.values()]
+        return [u.live_shard_grad() for u in self.units.values()]
 
     def norm(self) -> torch.Tensor:
         """The global norm: each rank's shards' squared norm, summed over the job; every
@@ -419,7 +421,7 @@ class Sharded(_Base):
         names = {id(p): n for n, p in self.params.items()}
         out = {}
         for u in self.units.values():
-            src = u.shard_grad if grad else u.shard
+            src = u.live_shard_grad() if grad else u.shard
             # every rank's shard, in rank order: each replica's S shards in turn (HSDP), of
             # which the first replica's are the unit
             full = torch.empty(

@@ -6,44 +6,44 @@
 
 Before step 1 every rank proves it runs the same thing as the others: the same schedule
 meaning (not text), the same collective order, the same data, the same resume checkpoint
-and step, save settings and run flags. During the run, a rank
-that fails (a dead peer, a peer that stops answering within --timeout, an error in an
-instruction) writes where it was to the rendezvous store, reads what the others wrote,
-names the ranks that said nothing, and exits 1; torchrun then ends the job. Non-finite
+and step, save settings and run flags. During the run, a rank that fails names where it
+was and which ranks said nothing, and torchrun ends the job (exec/failures.py). Non-finite
 losses or gradient norms stop the run with the step and micro-step named (or, with
-`--nonfinite skip`, skip that update and say so). Checkpoints (schedc/exec/checkpoint.py) are
-complete or absent.
+`--nonfinite skip`, skip that update and say so). Checkpoints (exec/checkpoint/) are
+complete or absent. What the run prints is exec/report.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import signal
-import socket
-import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.backends import nccl_launch_order
 from schedc.exec.executor import Executor, PlanError, collective_streams
+from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
 from schedc.exec.heap import keep_freed_memory
-from schedc.exec.heartbeat import STALE_S, Heartbeat
-from schedc.exec.launcher import tell_launcher
 from schedc.exec.options import Comm, RunOptions, pick_device
-from schedc.ir.plan import Action, Plan
-from schedc.model.data import CORPUS, DataError, fingerprint, load_batches
-from schedc.model.reference import fmt_eta, format_log, step_label
+from schedc.exec.report import (
+    RunClock,
+    log,
+    log_record,
+    peak_memory,
+    report_memory,
+    start_line,
+    step_line,
+    write_trace,
+)
+from schedc.ir.plan import Plan
+from schedc.model.data import CORPUS, DataError, GlobalBatches, fingerprint, load_batches
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,6 @@ class TrainOptions:
     key: bytes | None = None  # --checkpoint-key: save signs meta.json, resume checks it
 
 
-FAILURE_GRACE_S = 3.0  # how long a failing rank waits to hear from the others
-TERM_STORE_S = 1.0  # how long a rank terminated by torchrun asks the store who failed
-TERM_EXIT = 143  # 128 + SIGTERM: ended by the launcher (1: this rank failed by itself)
-
-
 def agree_at_startup(
     compiled: Compiled, comm: Comm, plan: Plan, data: str, flags: dict[str, str] | None = None
 ) -> None:
@@ -78,7 +73,7 @@ def agree_at_startup(
     by field and rank on every rank: `seed 1 on rank 0, 2 on rank 1`."""
     from schedc.passes.agree import meaning
 
-    mine = {
+    mine: dict[str, Any] = {
         "rank": comm.rank,
         "path": compiled.source.path,
         "fields": {
@@ -88,8 +83,7 @@ def agree_at_startup(
             **(flags or {}),
         },
     }
-    everyone: list[dict] = [None] * comm.world
-    dist.all_gather_object(everyone, mine, group=comm.group)
+    everyone = comm.gather(mine)
     base = everyone[0]["fields"]
     what = []
     for other in everyone[1:]:
@@ -123,7 +117,9 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
     step (read from its meta.json now, before any collective: a rank that resumes alone
     would otherwise wait in DCP's collectives for the others until --timeout), the save
     directory and cadence, what to do on a non-finite loss, the device type, the precision."""
-    from schedc.exec.checkpoint import CheckpointError, find, read_meta
+    from schedc.exec.checkpoint.files import find
+    from schedc.exec.checkpoint.layout import CheckpointError
+    from schedc.exec.checkpoint.meta_json import read_meta
 
     resume = "none"
     if job.resume:
@@ -176,14 +172,42 @@ def check_gpus(local_world: int, device_count: int) -> None:
 
 def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     """Train for the schedule's steps under torchrun (or alone, at world 1)."""
-    from schedc.exec import checkpoint
+    from schedc.exec.checkpoint.layout import CheckpointError
 
     device = pick_device(opts.device)
+    check_job(compiled, job, device)
+    threads = set_up_host(compiled, device)
+    comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
+    phase.where, phase.ex = "start-up", None
+    watch_sigterm(comm)
+    beats = start_heartbeat(comm, opts.timeout_s)
+    try:
+        batches = agree(compiled, comm, opts, job, device)
+        ex = start_executor(compiled, comm, opts, job, batches)
+        log(comm, start_line(compiled, device, threads))
+        clock = run_steps(ex, comm, job, device)
+        finish(compiled, ex, opts, job, device, clock)
+    except (CheckpointError, RunError) as e:
+        world = compiled.spec.world  # the job's, as check_job found
+        if isinstance(e, PlanError) or (world > 1 and not isinstance(e, CheckpointError)):
+            fail(comm, str(e), phase.where, getattr(e, "cause", None))
+        raise  # a user error: the CLI prints it in one line, exit 1
+    except Exception as e:  # a collective that timed out or lost its peer, mostly
+        fail(comm, f"{type(e).__name__}: {e}", phase.where)
+    beats.done()
+    dist.destroy_process_group()
+    return 0
+
+
+def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> None:
+    """Refuse what this job cannot run before it starts: more ranks than this node has GPUs,
+    a job of another world size than the schedule's, checkpoints of an HSDP schedule. On
+    CUDA, this rank's GPU becomes the current device."""
+    spec = compiled.spec
     if device.type == "cuda":
         check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
         torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # timeouts end the job
-    spec = compiled.spec
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if world_env != spec.world:
         how = (
@@ -201,113 +225,18 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             f"{compiled.source.path}: checkpoints (--save, --resume) of HSDP schedules "
             f"(mesh {spec.mesh}) are not supported yet; run without them, or without the mesh"
         )
+
+
+def set_up_host(compiled: Compiled, device: torch.device) -> str:
+    """What the process sets before the job's first communicator: on a CPU the threads and
+    the heap, on CUDA NCCL's launch order. Returns the threads' note for the start line."""
     threads = ""
     if device.type == "cpu":
         threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         keep_freed_memory()  # else page faults cost a fifth of a CPU step (exec/heap.py)
     if device.type == "cuda":  # before the first NCCL communicator exists
         nccl_launch_order(len(collective_streams(compiled.plan(int(os.environ.get("RANK", 0))))))
-    comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
-    where = _here("start-up")
-    watch_sigterm(comm)
-    beats = Heartbeat(
-        comm.rank,
-        comm.world,
-        min(STALE_S, opts.timeout_s),
-        lambda: plan_position(_now["ex"]),
-        lambda peer, quiet, at: fail(
-            comm,
-            f"rank {peer} has sent no heartbeat for {quiet:.0f}s, last at {at}: it is stopped "
-            "or its host is gone (a slow rank still beats)",
-            _now["where"],
-        ),
-    )
-    beats.start()
-    try:
-        try:
-            batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
-        except DataError as e:
-            raise RunError(data_error(e, spec.data.source)) from None
-        # agree first: building the executor creates a process group per stream, which would
-        # wait forever for a rank whose schedule has other streams
-        flags = run_flags(job, device, opts)
-        agree_at_startup(
-            compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens), flags
-        )
-        if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
-            raise checkpoint.CheckpointError(flags["--resume"].removeprefix("unusable: "))
-        ex = _now["ex"] = Executor(compiled, comm, opts, batches)
-        if opts.probe:
-            where = _here("probing collectives and layers for the trace")
-            ex.probe()
-        if job.resume:
-            where = _here(f"loading {job.resume}")
-            step = checkpoint.load(ex, job.resume, key=job.key)
-            log(comm, f"schedc: resumed from {checkpoint.find(job.resume)} at step {step}")
-        n = torch.get_num_threads()
-        log(
-            comm,
-            f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}"
-            + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")
-            + f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
-            f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "
-            f"on {device.type} ({n} thread{'s' if n != 1 else ''} per rank{threads})",
-        )
-        records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
-        clock = RunClock(ex.step_index, spec.steps)
-        while ex.step_index < spec.steps:
-            where = _here(f"step {ex.step_index}")
-            st = ex.step()
-            eta = clock.done(st)
-            if st.skipped:
-                log(
-                    comm,
-                    f"{step_label(st.step, spec.steps)} | skipped: {st.skipped} | "
-                    f"dt {st.dt_ms:.2f}ms | eta {fmt_eta(eta)}",
-                )
-            else:
-                log(
-                    comm,
-                    format_log(
-                        st.step,
-                        st.loss,
-                        st.lr,
-                        st.grad_norm,
-                        st.dt_ms,
-                        st.tokens_per_s,
-                        mfu(spec, st.tokens_per_s, device),
-                        steps=spec.steps,
-                        eta_s=eta,
-                    ),
-                )
-            if records:
-                records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
-                records.flush()
-            if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
-                where = _here(f"saving step {ex.step_index}")
-                path = checkpoint.save(ex, job.save, keep=job.keep, key=job.key)
-                log(comm, f"schedc: checkpoint {path}")
-        ex.close()
-        if job.trace:
-            write_trace(job.trace, ex, comm)
-        if comm.rank == 0 and opts.log:
-            report_memory(compiled, ex)
-        log(comm, clock.summary(peak_memory(device)))
-    except KeyboardInterrupt:
-        raise
-    except (checkpoint.CheckpointError, RunError) as e:
-        if (
-            isinstance(e, PlanError)
-            or world_env > 1
-            and not isinstance(e, checkpoint.CheckpointError)
-        ):
-            fail(comm, str(e), where, getattr(e, "cause", None))
-        raise  # a user error: the CLI prints it in one line, exit 1
-    except Exception as e:  # a collective that timed out or lost its peer, mostly
-        fail(comm, f"{type(e).__name__}: {e}", where)
-    beats.done()
-    dist.destroy_process_group()
-    return 0
+    return threads
 
 
 def cpu_threads(local_world: int) -> str:
@@ -322,362 +251,79 @@ def cpu_threads(local_world: int) -> str:
     return ""
 
 
-def log_record(st) -> dict:
-    """One --log-json line: numbers as JSON numbers (a non-finite one, which JSON cannot
-    hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped)."""
+def agree(
+    compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, device: torch.device
+) -> GlobalBatches:
+    """Read the data and agree with every rank before anything else communicates: building
+    the executor creates a process group per stream, which would wait forever for a rank
+    whose schedule has other streams. Returns the batches."""
+    from schedc.exec.checkpoint.layout import CheckpointError
 
-    def num(x: float) -> float | None:
-        return x if math.isfinite(x) else None
-
-    return {
-        "step": st.step,
-        "loss": num(st.loss),
-        "lr": num(st.lr),
-        "grad_norm": num(st.grad_norm),
-        "dt_ms": num(st.dt_ms),
-        "tokens_per_s": num(st.tokens_per_s),
-        "skipped": bool(st.skipped),
-        "skip_reason": st.skipped or None,
-    }
-
-
-class RunClock:
-    """Wall time of a run's steps: the ETA after each, and the summary at the end.
-
-    The first step of a run pays for warm-up (allocations, gloo/NCCL connections, lazy
-    initialisation: 2-3x a later step on CPU), so once a later step is done the ETA and the
-    mean tokens/s leave it out. The ETA is wall time per step (checkpoints and logging
-    included) times the steps left; tokens/s is tokens over the steps' own time (dt)."""
-
-    def __init__(self, first: int, steps: int):
-        self.first, self.steps = first, steps
-        self.t0 = time.perf_counter()
-        self.t_warm: float | None = None  # when the first step ended
-        self.stats: list = []
-
-    def done(self, st) -> float:
-        """Record a finished step; return the seconds left, estimated."""
-        now = time.perf_counter()
-        self.stats.append(st)
-        if self.t_warm is None:
-            self.t_warm = now
-            per_step = now - self.t0
-        else:
-            per_step = (now - self.t_warm) / (len(self.stats) - 1)
-        return per_step * (self.steps - 1 - st.step)
-
-    def summary(self, peak: str) -> str:
-        """The run in one paragraph: steps, total time, mean tokens/s without the warm-up
-        step, final loss, updates skipped, peak memory."""
-        if not self.stats:
-            return f"schedc: done: nothing to run (resumed at step {self.first} of {self.steps})"
-        total = time.perf_counter() - self.t0
-        sts, n = self.stats, len(self.stats)
-        later = sts[1:] or sts
-        tok_s = sum(s.tokens_per_s * s.dt_ms for s in later) / sum(s.dt_ms for s in later)
-        which = (
-            f"mean over steps {later[0].step}-{later[-1].step} (step {sts[0].step}, the "
-            f"warm-up, took {sts[0].dt_ms / 1e3:.2f}s and is left out)"
-            if n > 1
-            else f"of step {sts[0].step} alone, warm-up included"
-        )
-        losses = [s.loss for s in sts if not s.skipped]
-        final = f"final loss {losses[-1]:.6f}" if losses else "no update made (all skipped)"
-        skipped = n - len(losses)
-        text = (
-            f"schedc: done: {n} step{'s' if n != 1 else ''} ({sts[0].step}-{sts[-1].step}"
-            f" of {self.steps}) in {fmt_eta(total)}; {tok_s:,.0f} tokens/s {which}; {final}"
-        )
-        if skipped:
-            text += f"; {skipped} update{'s' if skipped != 1 else ''} skipped (--nonfinite skip)"
-        return f"{text}; {peak}" if peak else text
-
-
-def peak_memory(device: torch.device) -> str:
-    """Rank 0's peak memory, as the summary says it: CUDA's max allocated on a GPU, the
-    process's peak resident set on a CPU (Linux and macOS), or nothing where unknown."""
-    from schedc.passes.memory import fmt_bytes
-
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        return f"peak CUDA memory allocated {fmt_bytes(peak)} (rank 0)"
+    spec = compiled.spec
     try:
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    except (ImportError, OSError):
-        return ""
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return f"peak RSS {fmt_bytes(rss * scale)} (rank 0's process)"
-
-
-# Dense peak FLOP/s by device name, for MFU (bf16 tensor cores, as nanoGPT reports MFU;
-# schedc trains in fp32, so its MFU reads low against these). SCHEDC_PEAK_FLOPS overrides.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-    "V100": 125e12,
-    "4090": 165e12,
-}
+        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+    except DataError as e:
+        raise RunError(data_error(e, spec.data.source)) from None
+    flags = run_flags(job, device, opts)
+    agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens), flags)
+    if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
+        raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
+    return batches
 
 
-def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
-    """Model FLOPs utilisation of all ranks together: 6N + 12 L C T FLOPs per token (PaLM's
-    estimate; N counts every parameter, where nanoGPT leaves out wpe) over the peak of D
-    devices; None on a CPU or an unknown device."""
-    if device.type != "cuda":
-        return None
-    peak = float(os.environ.get("SCHEDC_PEAK_FLOPS", 0)) or next(
-        (v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0
-    )
-    if not peak:
-        return None
-    cfg = spec.model
-    per_token = 6 * cfg.numel + 12 * cfg.n_layer * cfg.n_embd * spec.seq_len
-    return per_token * tokens_per_s / (peak * spec.world)
+def start_executor(
+    compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, batches: GlobalBatches
+) -> Executor:
+    """The executor, its collectives and layers probed with --probe, and its state loaded
+    from the checkpoint --resume names."""
+    from schedc.exec import checkpoint
+    from schedc.exec.checkpoint.files import find
+
+    ex = phase.ex = Executor(compiled, comm, opts, batches)
+    if opts.probe:
+        phase.where = "probing collectives and layers for the trace"
+        ex.probe()
+    if job.resume:
+        phase.where = f"loading {job.resume}"
+        step = checkpoint.load(ex, job.resume, key=job.key)
+        log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
+    return ex
 
 
-def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) -> None:
-    """Tell the others where this rank stopped, name those that say nothing, and exit 1.
+def run_steps(ex: Executor, comm: Comm, job: TrainOptions, device: torch.device) -> RunClock:
+    """The steps, each logged (and recorded with --log-json); a checkpoint every
+    --save-every steps and after the last."""
+    from schedc.exec import checkpoint
 
-    Exits with os._exit: after a collective failed, gloo and NCCL threads may be blocked
-    for good, and a normal interpreter exit could wait on them. No hang, ever. Under
-    torchrun the SIGTERM that ends the job may arrive during the grace below: then
-    `terminated` reports instead, in one line, with this failure in it.
-    """
-    # the SIGTERM line names the instruction already: of a PlanError it needs the cause only
-    _now["failing"] = (
-        (f"{type(cause).__name__}: {cause}" if cause else what).strip().split("\n")[0][:200]
-    )
-    silent: list[int] = []
-    heard: dict[int, str] = {}
-    woken: list[int] = []
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"schedc/failed/{comm.rank}", f"{where}: {what.splitlines()[0][:300]}")
-        # polled in short checks, not one long store.wait: the store client serves one
-        # call at a time, and the SIGTERM report (`terminated`) must get a word in
-        deadline = time.monotonic() + FAILURE_GRACE_S
-        silent = [r for r in range(comm.world) if r != comm.rank]
-        while silent:
-            for r in list(silent):
-                if store.check([f"schedc/failed/{r}"]):
-                    heard[r] = store.get(f"schedc/failed/{r}").decode()
-                    silent.remove(r)
-            if not silent or time.monotonic() > deadline:
-                break  # a rank that never wrote is the answer
-            time.sleep(0.05)
-        woken = wake_stopped(store, silent)
-    except Exception:  # noqa: BLE001 - the store is gone too (its host died)
-        silent = [r for r in range(comm.world) if r != comm.rank]
-        heard = {}
-    lines = [f"schedc: error on rank {comm.rank} ({where}): {what}"]
-    if silent:
-        who = ", ".join(str(r) for r in silent)
-        lines.append(
-            f"schedc: rank {comm.rank}: rank{'s' if len(silent) > 1 else ''} {who} "
-            f"stopped answering (dead, stopped, or stuck past --timeout "
-            f"{comm.timeout.total_seconds():.0f}s); nothing from "
-            f"{'them' if len(silent) > 1 else 'it'} in {FAILURE_GRACE_S:.0f}s"
-        )
-    if woken:
-        lines.append(
-            f"schedc: rank {comm.rank}: rank{'s' if len(woken) > 1 else ''} "
-            f"{', '.join(map(str, woken))} {'were' if len(woken) > 1 else 'was'} "
-            "stopped (SIGSTOP); sent SIGCONT so that torchrun's SIGTERM can end "
-            f"{'them' if len(woken) > 1 else 'it'} now"
-        )
-    for r, text in sorted(heard.items()):
-        lines.append(f"schedc: rank {comm.rank}: rank {r} failed too, at {text}")
-    with _report:  # the SIGTERM report, if it came first, exits the process in here
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        if not silent:  # else a silent peer is the likelier root cause: torchrun names it
-            tell_launcher("\n".join(lines))  # under torchrun: shown in its report
-        sys.stdout.flush()
-        os._exit(1)
+    spec = ex.spec
+    records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+    clock = RunClock(ex.step_index, spec.steps)
+    while ex.step_index < spec.steps:
+        phase.where = f"step {ex.step_index}"
+        st = ex.step()
+        log(comm, step_line(st, spec, device, clock.done(st)))
+        if records:
+            records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
+            records.flush()
+        if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
+            phase.where = f"saving step {ex.step_index}"
+            path = checkpoint.save(ex, job.save, keep=job.keep, key=job.key)
+            log(comm, f"schedc: checkpoint {path}")
+    return clock
 
 
-# -- a rank that torchrun terminates ------------------------------------------------------------
-#
-# When one rank dies, torchrun SIGTERMs the others within ~0.1 s, before their own failure
-# report (above) is out; Python's default would end them silently. `schedc run` instead
-# answers SIGTERM with one line: where this rank was in its plan, and which ranks it had
-# heard from, then exits 143. The Python-level handler would run only between bytecodes of
-# the main thread, which is usually blocked in C++ (a gloo/NCCL wait, the store), where it
-# cannot run; so the signal only writes a byte to a wakeup fd (signal.set_wakeup_fd) and a
-# daemon thread, which needs nothing but the GIL the blocked main thread released, reports
-# and exits. Every store call in it is bounded (TERM_STORE_S): the store's host may be gone.
-
-_now: dict = {"comm": None, "ex": None, "where": "start-up", "failing": ""}
-_report = threading.Lock()  # one report per rank: fail()'s or the SIGTERM one, never both
-
-
-def _here(where: str) -> str:
-    """Record the phase of the run for the SIGTERM report, and return it."""
-    _now["where"] = where
-    return where
-
-
-def watch_sigterm(comm: Comm) -> None:
-    """Answer SIGTERM with `terminated()`; publish this rank's host and pid for `fail()`."""
-    _now["comm"] = comm
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers belong to the main thread (schedc's CLI is the main thread)
-    try:
-        dist.distributed_c10d._get_default_store().set(
-            f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}"
-        )
-    except Exception:  # noqa: BLE001, S110 - only wake_stopped needs it, and only as a courtesy
-        pass
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread below reports
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-
-    def watch() -> None:
-        while os.read(r, 1) != bytes([signal.SIGTERM]):  # SIGINT writes its number too
-            pass
-        terminated()
-
-    threading.Thread(target=watch, name="schedc-sigterm", daemon=True).start()
-
-
-def plan_position(ex: Executor | None) -> str:
-    """`step 3, instruction 17 (allreduce[b1]@mb1 on stream comm)`: the plan instruction the
-    executor is at, in the plan's own text, or the phase of the run between instructions."""
-    if ex is None or ex.at is None:
-        return _now["where"]
-    k, ins, plan = ex.at, ex.plan.instrs[ex.at], ex.plan
-    if ins.kind is Action.RUN:
-        text = f"{ins.op} on stream {ins.stream}"
-    elif ins.kind is Action.WAIT:
-        what = plan.producers.get(ins.event, "the step start")
-        text = f"wait on stream {ins.stream} for e{ins.event} = {what}"
-    else:
-        what = plan.producers.get(ins.event, "the step start")
-        text = f"record e{ins.event} on stream {ins.stream} after {what}"
-    return f"step {ex.step_index}, instruction {k} ({text})"
-
-
-def terminated() -> None:
-    """SIGTERM (torchrun ending the job): one line naming where this rank was and which
-    ranks it had heard from, written to the store as well; then exit TERM_EXIT."""
-    comm = _now["comm"]
-    where = plan_position(_now["ex"])
-    mine = f"{where}: terminated by SIGTERM"
-    others = [r for r in range(comm.world) if r != comm.rank]
-    heard: dict[int, str] = {}
-    answered: list[bool] = []
-    woken: list[int] = []
-
-    def ask() -> None:  # in a thread of its own: a store whose host died blocks, not fails
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"schedc/failed/{comm.rank}", mine)  # a failing peer hears from us
-        for r in others:
-            if store.check([f"schedc/failed/{r}"]):
-                heard[r] = store.get(f"schedc/failed/{r}").decode()
-        answered.append(True)
-        woken.extend(wake_stopped(store, [r for r in others if r not in heard]))
-
-    asker = threading.Thread(target=ask, name="schedc-sigterm-store", daemon=True)
-    asker.start()
-    asker.join(TERM_STORE_S)
-    got = dict(heard)
-    if got:
-        news = "; ".join(f"rank {r} at {t[:120]}" for r, t in sorted(got.items()))
-        told = f"heard from {news}"
-    else:
-        told = "heard from no rank"
-    silent = [r for r in others if r not in got]
-    if silent and answered:
-        told += f"; nothing from rank{'s' if len(silent) > 1 else ''} " + ", ".join(
-            map(str, silent)
-        )
-    elif not answered:
-        told += f" (the rendezvous store did not answer within {TERM_STORE_S:.0f}s)"
-    if woken:
-        told += "; sent SIGCONT to stopped rank " + ", ".join(map(str, woken))
-    failing = f", while failing: {_now['failing']}" if _now["failing"] else ""
-    told = f"; {told}" if others else ""  # world 1: no one to hear from
-    line = f"schedc: rank {comm.rank} terminated by SIGTERM at {where}{failing}{told}\n"
-    with _report:
-        os.write(2, line.encode(errors="replace"))  # unbuffered: no lock the main thread holds
-        os._exit(TERM_EXIT)
-
-
-def wake_stopped(store, silent: list[int]) -> list[int]:
-    """SIGCONT the silent ranks that are stopped (SIGSTOP, ^Z) processes beside this one.
-
-    torchrun ends a job by SIGTERM, then waits 30 s (its --shutdown-timeout) before
-    SIGKILL; a stopped process cannot act on SIGTERM, so one stopped rank made every such
-    job take 30 s more. Continued, it takes the pending SIGTERM at once (and reports where
-    it was), or fails on its own on its dead peer. Only a process that is stopped ('T' in
-    /proc/PID/stat, not traced) and a sibling of this one (same parent: the same torchrun
-    agent, or the same launcher) on this host is signalled, so a reused pid is never touched;
-    SIGCONT does nothing to a running process anyway. Returns the ranks woken.
-    """
-    woken = []
-    for r in silent:
-        try:
-            key = f"schedc/pid/{r}"
-            if not store.check([key]):
-                continue
-            host, pid = store.get(key).decode().split()
-            if host != socket.gethostname():
-                continue
-            with open(f"/proc/{int(pid)}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            if state == "T" and int(ppid) == os.getppid():
-                os.kill(int(pid), signal.SIGCONT)
-                woken.append(r)
-        except Exception:  # noqa: BLE001, S112 - best effort: torchrun's timeout is the fallback
-            continue
-    return woken
-
-
-def log(comm: Comm, text: str) -> None:
-    if comm.rank == 0:
-        print(text, flush=True)
-
-
-def write_trace(path: str, ex: Executor, comm: Comm) -> None:
-    mine = ex.trace_events()
-    if comm.world > 1:
-        every: list = [None] * comm.world
-        dist.all_gather_object(every, mine, group=comm.group)
-        events = [e for part in every for e in part]
-    else:
-        events = mine
-    if comm.rank == 0:
-        with open(path, "w") as f:
-            json.dump(trace_file(events, ex.compiled.source.path), f)
-        print(f"schedc: trace written to {path} ({len(events)} events)", flush=True)
-
-
-def report_memory(compiled: Compiled, ex: Executor) -> None:
-    from schedc.passes.memory import fmt_bytes
-
-    pred, meas = compiled.memory, ex.memory()
-    rows = [
-        ("model states", pred.states, meas["states"]),
-        ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
-        ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"]),
-    ]
-    text = "; ".join(
-        f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
-    )
-    if meas.get("heap_peak"):  # CPU: live heap over the steps after the first
-        text += (
-            f"; peak (states, buffers, activations) {fmt_bytes(pred.peak)} predicted, "
-            f"{fmt_bytes(meas['heap_peak'])} measured (live heap)"
-        )
-    if "cuda_max_allocated" in meas:
-        text += (
-            f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}, max reserved "
-            f"{fmt_bytes(meas['cuda_max_reserved'])}, allocator retries "
-            f"{meas['cuda_alloc_retries']}"
-        )
-    print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)
+def finish(
+    compiled: Compiled,
+    ex: Executor,
+    opts: RunOptions,
+    job: TrainOptions,
+    device: torch.device,
+    clock: RunClock,
+) -> None:
+    """The executor closed, the trace written, the memory report and the summary said."""
+    ex.close()
+    if job.trace:
+        write_trace(job.trace, ex, ex.comm)
+    if ex.comm.rank == 0 and opts.log:
+        report_memory(compiled, ex)
+    log(ex.comm, clock.summary(peak_memory(device)))

@@ -87,12 +87,7 @@ class Update:
     def _nonfinite(self, stats: StepStats, losses: list[torch.Tensor]) -> str:
         """Name the step, and the ranks and micro-steps whose loss was not finite."""
         mine = [(self.comm.rank, j) for j, loss in enumerate(losses) if not torch.isfinite(loss)]
-        every = [None] * self.comm.world
-        if self.comm.world > 1:
-            dist.all_gather_object(every, mine, group=self.comm.group)
-        else:
-            every = [mine]
-        bad = [x for part in every for x in part]
+        bad = [x for part in self.comm.gather(mine) for x in part]
         if bad:
             where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
             return f"step {stats.step}: the loss is not finite in {where}"

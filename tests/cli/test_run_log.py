@@ -114,7 +114,7 @@ def test_log_json_records_have_types(ran):
 def test_a_skipped_step_is_a_boolean_and_its_nan_is_null():
     """--nonfinite skip: JSON has no NaN (json.dumps would write it, and readers refuse it)."""
     from schedc.exec.options import StepStats
-    from schedc.exec.train import log_record
+    from schedc.exec.report import log_record
 
     st = StepStats(3, float("nan"), 1e-3, float("inf"), 5.0, 100.0, skipped="step 3: nan")
     rec = json.loads(json.dumps(log_record(st), allow_nan=False))
@@ -147,11 +147,11 @@ def test_unset_threads_are_one_per_rank_when_a_node_runs_several(monkeypatch):
 
 
 def test_eta_leaves_out_the_warm_up_step(monkeypatch):
-    from schedc.exec import train
+    from schedc.exec import report
 
     now = [100.0]
-    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
-    clock = train.RunClock(0, 6)
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    clock = report.RunClock(0, 6)
 
     class St:
         def __init__(self, step):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.exec import checkpoint
-from schedc.exec.checkpoint import HMAC_FILE, CheckpointError
+from schedc.exec.checkpoint.layout import HMAC_FILE, MAX_META_BYTES, RECORD_SLACK, CheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY, OTHER_KEY = bytes(range(32)), b"another key, also 32 bytes long!"
@@ -311,7 +311,7 @@ def raw_meta(text: bytes):
 
 def huge_meta(ck, step, canary, tmp):
     with open(step / "meta.json", "ab") as f:
-        f.truncate(checkpoint.MAX_META_BYTES + 1)  # sparse: no 32 MiB written
+        f.truncate(MAX_META_BYTES + 1)  # sparse: no 32 MiB written
 
 
 def flip_tensor(ck: Path, step: Path) -> None:
@@ -410,7 +410,7 @@ def deflated_record(ck, step, canary, tmp):
         return packed.getvalue()
 
     record = pack(max(0, n - len(pack(0))))
-    assert n <= len(record) <= n + checkpoint.RECORD_SLACK  # passes the length check
+    assert n <= len(record) <= n + RECORD_SLACK  # passes the length check
     data = step / "__0_0.distcp"
     blob = data.read_bytes()
     data.unlink()

@@ -27,6 +27,7 @@ from torch import nn
 
 from schedc.compiler import compile_file, compile_text
 from schedc.exec import checkpoint
+from schedc.exec.checkpoint.state import unit_moment
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, RunOptions
 from schedc.ir.op import COMPUTE, Kind
@@ -163,10 +164,10 @@ def test_missing_moments_are_made_on_the_parameters_device_and_dtype():
     opt = torch.optim.AdamW(params)
     local = torch.empty(10, device="meta", dtype=torch.float64)
     for key in ("exp_avg", "exp_avg_sq"):
-        m = checkpoint.unit_moment(opt, params, key, local)
+        m = unit_moment(opt, params, key, local)
         assert m.device == params[0].device and m.dtype == params[0].dtype
         assert m.shape == (10,)
-    assert checkpoint.unit_moment(opt, [], "exp_avg", local).device.type == "meta"
+    assert unit_moment(opt, [], "exp_avg", local).device.type == "meta"
 
 
 def test_a_resumed_fsdp_run_has_its_moments_on_the_parameters_device(world1, tmp_path):

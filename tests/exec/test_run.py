@@ -353,7 +353,7 @@ def test_every_bundled_tiny_schedule_runs_one_step(pool, reference):
 def test_mfu_on_a_gpu_is_palms_estimate_over_the_devices_peak(monkeypatch):
     import torch
 
-    from schedc.exec.train import mfu
+    from schedc.exec.report import mfu
 
     spec = compile_file(SCHEDULES / "gpt2_8gpu.sched").spec
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")

@@ -2,7 +2,7 @@
 
 torchrun SIGTERMs the surviving ranks ~0.1 s after one dies, before their own failure
 report; `schedc run` answers that SIGTERM with one line naming the plan instruction the
-rank was at (schedc/exec/train.py: `terminated`). A stopped rank cannot take the SIGTERM, so
+rank was at (schedc/exec/failures.py: `terminated`). A stopped rank cannot take the SIGTERM, so
 torchrun would wait 30 s more before SIGKILL; the rank that names it silent sends it
 SIGCONT (`wake_stopped`). tests/test_robust.py covers ranks launched by hand.
 """

@@ -1,0 +1,211 @@
+"""What a run says: the start line, a line a step, --log-json records, the closing
+summary, the trace file and the memory report; printed by rank 0 (nanoGPT's habit)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from schedc.analysis.trace import trace_file
+from schedc.compiler import Compiled
+from schedc.exec.executor import Executor
+from schedc.exec.options import Comm, StepStats
+from schedc.ir.spec import Spec
+from schedc.model.reference import fmt_eta, format_log, step_label
+
+
+def log(comm: Comm, text: str) -> None:
+    if comm.rank == 0:
+        print(text, flush=True)
+
+
+def start_line(compiled: Compiled, device: torch.device, threads: str) -> str:
+    """What the run does, before its first step: schedule, strategy, mesh, batch, steps,
+    device and threads."""
+    spec, n = compiled.spec, torch.get_num_threads()
+    return (
+        f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}"
+        + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")
+        + f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
+        f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "
+        f"on {device.type} ({n} thread{'s' if n != 1 else ''} per rank{threads})"
+    )
+
+
+def step_line(st: StepStats, spec: Spec, device: torch.device, eta: float) -> str:
+    """A step's log line: nanoGPT's numbers, or why its update was skipped."""
+    if st.skipped:
+        return (
+            f"{step_label(st.step, spec.steps)} | skipped: {st.skipped} | "
+            f"dt {st.dt_ms:.2f}ms | eta {fmt_eta(eta)}"
+        )
+    return format_log(
+        st.step,
+        st.loss,
+        st.lr,
+        st.grad_norm,
+        st.dt_ms,
+        st.tokens_per_s,
+        mfu(spec, st.tokens_per_s, device),
+        steps=spec.steps,
+        eta_s=eta,
+    )
+
+
+def log_record(st) -> dict:
+    """One --log-json line: numbers as JSON numbers (a non-finite one, which JSON cannot
+    hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped)."""
+
+    def num(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return {
+        "step": st.step,
+        "loss": num(st.loss),
+        "lr": num(st.lr),
+        "grad_norm": num(st.grad_norm),
+        "dt_ms": num(st.dt_ms),
+        "tokens_per_s": num(st.tokens_per_s),
+        "skipped": bool(st.skipped),
+        "skip_reason": st.skipped or None,
+    }
+
+
+class RunClock:
+    """Wall time of a run's steps: the ETA after each, and the summary at the end.
+
+    The first step of a run pays for warm-up (allocations, gloo/NCCL connections, lazy
+    initialisation: 2-3x a later step on CPU), so once a later step is done the ETA and the
+    mean tokens/s leave it out. The ETA is wall time per step (checkpoints and logging
+    included) times the steps left; tokens/s is tokens over the steps' own time (dt)."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps = first, steps
+        self.t0 = time.perf_counter()
+        self.t_warm: float | None = None  # when the first step ended
+        self.stats: list = []
+
+    def done(self, st) -> float:
+        """Record a finished step; return the seconds left, estimated."""
+        now = time.perf_counter()
+        self.stats.append(st)
+        if self.t_warm is None:
+            self.t_warm = now
+            per_step = now - self.t0
+        else:
+            per_step = (now - self.t_warm) / (len(self.stats) - 1)
+        return per_step * (self.steps - 1 - st.step)
+
+    def summary(self, peak: str) -> str:
+        """The run in one paragraph: steps, total time, mean tokens/s without the warm-up
+        step, final loss, updates skipped, peak memory."""
+        if not self.stats:
+            return f"schedc: done: nothing to run (resumed at step {self.first} of {self.steps})"
+        total = time.perf_counter() - self.t0
+        sts, n = self.stats, len(self.stats)
+        later = sts[1:] or sts
+        tok_s = sum(s.tokens_per_s * s.dt_ms for s in later) / sum(s.dt_ms for s in later)
+        which = (
+            f"mean over steps {later[0].step}-{later[-1].step} (step {sts[0].step}, the "
+            f"warm-up, took {sts[0].dt_ms / 1e3:.2f}s and is left out)"
+            if n > 1
+            else f"of step {sts[0].step} alone, warm-up included"
+        )
+        losses = [s.loss for s in sts if not s.skipped]
+        final = f"final loss {losses[-1]:.6f}" if losses else "no update made (all skipped)"
+        skipped = n - len(losses)
+        text = (
+            f"schedc: done: {n} step{'s' if n != 1 else ''} ({sts[0].step}-{sts[-1].step}"
+            f" of {self.steps}) in {fmt_eta(total)}; {tok_s:,.0f} tokens/s {which}; {final}"
+        )
+        if skipped:
+            text += f"; {skipped} update{'s' if skipped != 1 else ''} skipped (--nonfinite skip)"
+        return f"{text}; {peak}" if peak else text
+
+
+def peak_memory(device: torch.device) -> str:
+    """Rank 0's peak memory, as the summary says it: CUDA's max allocated on a GPU, the
+    process's peak resident set on a CPU (Linux and macOS), or nothing where unknown."""
+    from schedc.passes.memory import fmt_bytes
+
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        return f"peak CUDA memory allocated {fmt_bytes(peak)} (rank 0)"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return ""
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return f"peak RSS {fmt_bytes(rss * scale)} (rank 0's process)"
+
+
+# Dense peak FLOP/s by device name, for MFU (bf16 tensor cores, as nanoGPT reports MFU;
+# schedc trains in fp32, so its MFU reads low against these). SCHEDC_PEAK_FLOPS overrides.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "4090": 165e12,
+}
+
+
+def mfu(spec, tokens_per_s: float, device: torch.device) -> float | None:
+    """Model FLOPs utilisation of all ranks together: 6N + 12 L C T FLOPs per token (PaLM's
+    estimate; N counts every parameter, where nanoGPT leaves out wpe) over the peak of D
+    devices; None on a CPU or an unknown device."""
+    if device.type != "cuda":
+        return None
+    peak = float(os.environ.get("SCHEDC_PEAK_FLOPS", 0)) or next(
+        (v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0
+    )
+    if not peak:
+        return None
+    cfg = spec.model
+    per_token = 6 * cfg.numel + 12 * cfg.n_layer * cfg.n_embd * spec.seq_len
+    return per_token * tokens_per_s / (peak * spec.world)
+
+
+def write_trace(path: str, ex: Executor, comm: Comm) -> None:
+    """Every rank's spans (and probes), gathered into one chrome://tracing file by rank 0."""
+    events = [e for part in comm.gather(ex.trace_events()) for e in part]
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump(trace_file(events, ex.compiled.source.path), f)
+        print(f"schedc: trace written to {path} ({len(events)} events)", flush=True)
+
+
+def report_memory(compiled: Compiled, ex: Executor) -> None:
+    """The compiler's memory prediction beside what the executor measured, per rank."""
+    from schedc.passes.memory import fmt_bytes
+
+    pred, meas = compiled.memory, ex.memory()
+    rows = [
+        ("model states", pred.states, meas["states"]),
+        ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
+        ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"]),
+    ]
+    text = "; ".join(
+        f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
+    )
+    if meas.get("heap_peak"):  # CPU: live heap over the steps after the first
+        text += (
+            f"; peak (states, buffers, activations) {fmt_bytes(pred.peak)} predicted, "
+            f"{fmt_bytes(meas['heap_peak'])} measured (live heap)"
+        )
+    if "cuda_max_allocated" in meas:
+        text += (
+            f"; cuda max allocated {fmt_bytes(meas['cuda_max_allocated'])}, max reserved "
+            f"{fmt_bytes(meas['cuda_max_reserved'])}, allocator retries "
+            f"{meas['cuda_alloc_retries']}"
+        )
+    print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)
