@@ -16,7 +16,6 @@ from schedc.compiler import Compiled
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, StepStats
 from schedc.ir.spec import Spec
-from schedc.model.reference import fmt_eta, format_log, step_label
 
 
 def log(comm: Comm, text: str) -> None:
@@ -209,3 +208,47 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
             f"{meas['cuda_alloc_retries']}"
         )
     print(f"schedc: memory per rank: {text}", file=sys.stderr, flush=True)
+
+
+def format_log(
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    dt_ms: float,
+    tokens_per_s: float,
+    mfu: float | None = None,
+    *,
+    steps: int | None = None,
+    eta_s: float | None = None,
+) -> str:
+    """build-nanogpt's log line; `mfu` is a fraction of peak FLOPs, printed as a percentage.
+    With `steps`, the step reads `step    3/40` (llm.c's i/N; i counts from 0, as the trace,
+    --log-json and every message that names a step do); with `eta_s`, the line ends with the
+    estimated time left (`eta 1m12s`)."""
+    line = (
+        f"{step_label(step, steps)} | loss {loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+        f"dt {dt_ms:.2f}ms | tok/sec {tokens_per_s:.2f}"
+    )
+    if mfu is not None:
+        line += f" | mfu {100 * mfu:.2f}%"
+    return line if eta_s is None else f"{line} | eta {fmt_eta(eta_s)}"
+
+
+def step_label(step: int, steps: int | None = None) -> str:
+    """`step    3` or, of a run of 40 steps, `step    3/40`."""
+    return f"step {step:4d}" if steps is None else f"step {step:4d}/{steps}"
+
+
+def fmt_eta(seconds: float) -> str:
+    """A time left as a person reads it: `0.4s`, `12s`, `1m12s`, `2h03m`."""
+    s = max(0.0, seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    m, sec = divmod(round(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"

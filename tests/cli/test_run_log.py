@@ -171,8 +171,18 @@ def test_eta_leaves_out_the_warm_up_step(monkeypatch):
     assert clock.done(St(2)) == pytest.approx(4.5)  # 1.5 s per step, 3 left
 
 
+def test_log_line():
+    from schedc.exec.report import format_log
+
+    line = format_log(3, 7.123456, 1.2e-4, 1.2345, 12.34, 12345.67)
+    assert line == (
+        "step    3 | loss 7.123456 | lr 1.2000e-04 | norm 1.2345 | dt 12.34ms | tok/sec 12345.67"
+    )
+    assert format_log(3, 7.0, 1e-4, 1.0, 1.0, 1.0, mfu=0.42).endswith(" | mfu 42.00%")
+
+
 def test_fmt_eta():
-    from schedc.model.reference import fmt_eta
+    from schedc.exec.report import fmt_eta
 
     assert [fmt_eta(s) for s in (0, 0.44, 9.96, 12.4, 72, 3599, 7380)] == [
         "0.0s",

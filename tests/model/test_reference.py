@@ -12,7 +12,6 @@ from schedc.model.data import GlobalBatches, corpus_tokens
 from schedc.model.reference import (
     Reference,
     clip_coef,
-    format_log,
     global_grad_norm,
     init_model,
     make_adamw,
@@ -142,14 +141,6 @@ def test_rejects_uneven_micro_batches_and_long_sequences(batches):
     too_long = GlobalBatches(np.arange(1000), NANO.block_size + 1, 2, NANO.vocab_size)
     with pytest.raises(ValueError, match="block_size"):
         reference(too_long)
-
-
-def test_log_line():
-    line = format_log(3, 7.123456, 1.2e-4, 1.2345, 12.34, 12345.67)
-    assert line == (
-        "step    3 | loss 7.123456 | lr 1.2000e-04 | norm 1.2345 | dt 12.34ms | tok/sec 12345.67"
-    )
-    assert format_log(3, 7.0, 1e-4, 1.0, 1.0, 1.0, mfu=0.42).endswith(" | mfu 42.00%")
 
 
 def test_learns_the_embedded_corpus():
