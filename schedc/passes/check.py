@@ -34,15 +34,7 @@ from schedc.ir.plan import Plan
 from schedc.ir.source import Span
 from schedc.ir.spec import Spec, Strategy
 from schedc.lang.diagnostics import Diagnostics, Note
-from schedc.passes.graph import (
-    GRADS,
-    LAST_USE,
-    PARAMS,
-    UPDATE,
-    ScheduleGraph,
-    happens_before,
-    ordered,
-)
+from schedc.passes.graph import Need, ScheduleGraph, Sync, happens_before, ordered, said
 from schedc.passes.memory import MemoryReport, fmt_bytes
 
 
@@ -97,42 +89,43 @@ def _who(sg: ScheduleGraph) -> str:
 
 
 def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
-    spec, g, ok = sg.spec, sg.g, True
-    for op, d in g.nodes(data=True):
-        if d.get("again") is not None:
+    spec, ok = sg.spec, True
+    for op in sg.g:
+        d = sg.node(op)
+        if d.again is not None:
             diag.error(
                 "duplicate-op",
                 f"{op} is written twice{_who(sg)}",
-                d["again"],
+                d.again,
                 hint="each op runs once per step; delete one",
-                notes=(Note("first written here", d["span"]),),
+                notes=(Note("first written here", d.span),),
             )
             ok = False
-        if d.get("stream") is None and d.get("required"):
+        if not d.placed and d.required:
             where = spec.streams[op.kind]
             diag.error(
                 "missing-op",
                 _missing_message(sg, op),
-                _program_span(sg, where) or d.get("span"),
+                _program_span(sg, where) or d.span,
                 hint=f"add `{op}` to `program {where}` (with the `after` it needs)",
             )
             ok = False
-        if d.get("stream") is None and not d.get("required"):
+        if not d.placed and not d.required:
             # named only by an `after`: no program runs it, so nothing can wait for it
             diag.error(
                 "unexpected-op",
                 f"this waits for {op}, which is not part of this schedule{_why_not(sg, op)}",
-                d.get("span"),
+                d.span,
                 hint="`schedc check --dump program` prints the ops it has",
             )
             ok = False
-        if d.get("stream") is not None and not d.get("required"):
+        if d.placed and not d.required:
             if op.kind is Kind.RECOMPUTE and op.target not in spec.recompute:
                 diag.error(
                     "recompute-freed",
                     f"{op} reruns {op.target}'s forward from its input, but {op.target} does "
                     f"not recompute: its forward saved activations and freed its input",
-                    d["span"],
+                    d.span,
                     hint=f"declare `recompute {op.target}` (a top-level statement), or drop {op}",
                 )
             elif op.is_collective and spec.no_sync and not spec.communicates(op.mb):
@@ -140,14 +133,14 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
                     "nosync-comm",
                     f"{op} communicates in micro-step {op.mb}, but no_sync "
                     f"keeps gradients local until the last (mb{spec.accum - 1})",
-                    d["span"],
+                    d.span,
                     hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`",
                 )
             else:
                 diag.error(
                     "unexpected-op",
                     f"{op} is not part of this schedule{_why_not(sg, op)}",
-                    d["span"],
+                    d.span,
                     hint="`schedc check --dump program` prints the ops it has",
                 )
             ok = False
@@ -189,14 +182,13 @@ def _why_not(sg: ScheduleGraph, op: Op) -> str:
 
 
 def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
-    g, ok = sg.g, True
-    for u, v, d in g.edges(data=True):
-        if d.get("sync") == "after" and g.nodes[u]["pos"] >= g.nodes[v]["pos"]:
+    ok = True
+    for u, v, d in sg.deps():
+        if d.sync is Sync.AFTER and sg.node(u).pos >= sg.node(v).pos:
             diag.error(
                 "deadlock",
-                f"{v} waits for {u}, which comes later on stream "
-                f"'{g.nodes[v]['stream']}'{_who(sg)}",
-                d.get("span") or g.nodes[v]["span"],
+                f"{v} waits for {u}, which comes later on stream '{sg.node(v).stream}'{_who(sg)}",
+                d.span or sg.node(v).span,
                 hint=f"a stream runs in order: move {u} before {v}, or drop the wait",
             )
             ok = False
@@ -209,48 +201,46 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
         return True
     path = [u for u, _ in cycle] + [cycle[0][0]]
     # point at a wait the file wrote (an `after`) if there is one, else at an event
-    written = [(u, v) for u, v in cycle if g.edges[u, v].get("span") is not None]
-    events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
+    written = [(u, v) for u, v in cycle if sg.dep(u, v).span is not None]
+    events = [(u, v) for u, v in cycle if sg.dep(u, v).sync is Sync.EVENT]
     u, v = (written or events or cycle)[0]
     diag.error(
         "cycle",
         f"the schedule waits in a circle{_who(sg)}: " + " -> ".join(str(op) for op in path),
-        g.edges[u, v].get("span") or g.nodes[v]["span"],
+        sg.dep(u, v).span or sg.node(v).span,
         hint="each arrow is program order or an `after`; break one of the waits",
     )
     return False
 
 
 def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
-    g = sg.g
     clock = happens_before(sg)
     unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
     for u, v, whys in sg.needs():
-        if g.nodes[u].get("stream") is None or g.nodes[v].get("stream") is None:
+        if not sg.node(u).placed or not sg.node(v).placed:
             continue  # reported as missing
         if ordered(sg, clock, u, v):
             continue
         code, msg, hint = _unmet(sg, u, v, whys)
         # one finding per op and rule: the producer that comes last is the one to wait for
-        seq = g.nodes[u].get("seq") or 0
+        seq = sg.node(u).seq or 0
         if (v, code) not in unmet or unmet[(v, code)][0] < seq:
             unmet[(v, code)] = (seq, msg, hint)
     for (v, code), (_, msg, hint) in unmet.items():
-        diag.error(code, msg + _who(sg), g.nodes[v]["span"], hint=hint)
+        diag.error(code, msg + _who(sg), sg.node(v).span, hint=hint)
 
 
-def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, str]:
-    g = sg.g
-    su, sv = g.nodes[u]["stream"], g.nodes[v]["stream"]
+def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[Need]) -> tuple[str, str, str]:
+    su, sv = sg.node(u).stream, sg.node(v).stream
     cross = su != sv
     wait = f"write `{v} after {u}`"
-    if v.kind is Kind.STEP and UPDATE in whys:
+    if v.kind is Kind.STEP and Need.UPDATE in whys:
         return (
             "optimizer-wait",
             f"the optimizer step does not wait for {u}",
             f"{wait}: the update must read reduced gradients",
         )
-    if v.kind in REDUCTIONS and GRADS in whys:
+    if v.kind in REDUCTIONS and Need.GRADS in whys:
         tied = (
             " (the tied wte/lm_head weight gets its last gradient from bwd[embed])"
             if (u.target == "embed")
@@ -261,14 +251,14 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
             f"{v} can start before {u} has written its gradients{tied}",
             wait if cross else f"place {v} after {u}",
         )
-    if LAST_USE in whys:
+    if Need.LAST_USE in whys:
         return (
             "use-after-free",
             f"{v} releases '{v.target}' while {u} may still read it",
             f"free a unit only after its last reader: place {v} after {u}"
             + (" or wait for it" if cross else ""),
         )
-    if v.kind is Kind.RECOMPUTE and PARAMS in whys:
+    if v.kind is Kind.RECOMPUTE and Need.PARAMS in whys:
         return (
             "recompute-gather",
             f"{v} reruns {v.target}'s forward before {u} gathers '{u.target}'",
@@ -280,7 +270,7 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
             f"{v} reads the activations {u} rebuilds, but can start before it",
             f"place {u} right before {v}",
         )
-    if PARAMS in whys and not cross:
+    if Need.PARAMS in whys and not cross:
         return (
             "use-after-free",
             f"{v} reads '{u.target}' before {u} gathers it",
@@ -290,12 +280,12 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
         return (
             "missing-event",
             f"{v} on stream '{sv}' needs {u} on stream '{su}' "
-            f"({', '.join(whys)}) but nothing makes it wait",
+            f"({said(whys)}) but nothing makes it wait",
             wait,
         )
     return (
         "out-of-order",
-        f"{v} comes before {u} on stream '{sv}', but needs its {', '.join(whys)}",
+        f"{v} comes before {u} on stream '{sv}', but needs its {said(whys)}",
         f"place {u} first",
     )
 
@@ -375,6 +365,7 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         labels.insert(0, None)
     mesh = spec.mesh
     together = nx.DiGraph()
+    ranks: dict[tuple, list[int | None]] = {}  # edge -> the ranks whose waits make it
     for label in labels:
         sg = graphs.get(label, graphs[None])
         index = {}
@@ -391,7 +382,7 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         together.add_nodes_from(key(op) for op in runs)
         for u, v in runs.edges:
             together.add_edge(key(u), key(v))
-            together.edges[key(u), key(v)].setdefault("ranks", []).append(label)
+            ranks.setdefault((key(u), key(v)), []).append(label)
     try:
         cycle = nx.find_cycle(together)
     except nx.NetworkXNoCycle:
@@ -400,10 +391,8 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
     def who(label) -> str:
         return "the other ranks" if label is None else f"rank {label}"
 
-    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}" for u, v in cycle]
-    rank = next(
-        (r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None), labels[-1]
-    )
+    steps = [f"{v[1]} after {u[1]} on {who(ranks[u, v][0])}" for u, v in cycle]
+    rank = next((r for u, v in cycle for r in ranks[u, v] if r is not None), labels[-1])
     span = next(p.span for p in spec.programs if p.rank == rank)
     diag.error(
         "spmd",

@@ -1,6 +1,7 @@
 """Spec -> the schedule graph: one networkx node per op, edges for what each op needs.
 
-Two kinds of edge live in one DiGraph, as edge attributes:
+Every node carries an `OpNode` (its stream, its place in the canonical sequence and in its
+program, its source line) and every edge a `Dep`, with two kinds of fact in one DiGraph:
 
 * `needs`: why the consumer cannot run before the producer (an activation, a saved
   tensor, gathered parameters, complete gradients, a buffer about to be reused, memory
@@ -18,7 +19,9 @@ generated program of its stream and brings exactly the waits it names (`after`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 import networkx as nx
 
@@ -26,17 +29,79 @@ from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd, recompute
 from schedc.ir.source import Span
 from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
 
-# why a consumer needs its producer
-ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
-GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
-SAVED = "saved activations"  # bwd[L] reads what fwd[L] (or recompute[L]) saved
-INPUT = "kept input"  # recompute[L] reruns forward from the input fwd[L] kept
-PARAMS = "gathered parameters"  # compute reads a unit's full parameters
-GRADS = "complete gradients"  # a reduction reads gradients its writers produced
-REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
-LAST_USE = "last use"  # a free releases parameters only after their last reader
-WINDOW = "prefetch window"  # a gather waits for memory to come free
-UPDATE = "reduced gradients"  # the optimizer reads every reduction
+
+class Need(str, Enum):
+    """Why a consumer needs its producer (a `Dep`'s reasons; the text names it in messages)."""
+
+    ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
+    GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
+    SAVED = "saved activations"  # bwd[L] reads what fwd[L] (or recompute[L]) saved
+    INPUT = "kept input"  # recompute[L] reruns forward from the input fwd[L] kept
+    PARAMS = "gathered parameters"  # compute reads a unit's full parameters
+    GRADS = "complete gradients"  # a reduction reads gradients its writers produced
+    REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
+    LAST_USE = "last use"  # a free releases parameters only after their last reader
+    WINDOW = "prefetch window"  # a gather waits for memory to come free
+    UPDATE = "reduced gradients"  # the optimizer reads every reduction
+
+
+def said(needs: Iterable[Need]) -> str:
+    """Reasons in words, as messages and pictures name them: "activation, buffer reuse"."""
+    return ", ".join(n.value for n in needs)
+
+
+class Sync(str, Enum):
+    """How a program makes a consumer wait for its producer (a `Dep` that runs)."""
+
+    ORDER = "order"  # consecutive ops of one stream
+    AFTER = "after"  # a written `after` on the producer's own stream
+    EVENT = "event"  # a wait across streams: a recorded event
+
+
+@dataclass
+class OpNode:
+    """What the graph knows of one op."""
+
+    span: Span | None  # where the file says it: its program line, else the declaration
+    seq: int | None = None  # its place in the canonical sequence; None: only the file names it
+    stream: str | None = None  # None: no program holds it
+    pos: int = -1  # its place in its stream's program (placed ops)
+    again: Span | None = None  # a second line that writes it (the checker reports it)
+
+    @property
+    def required(self) -> bool:
+        """Whether the step needs it (the canonical sequence has it)."""
+        return self.seq is not None
+
+    @property
+    def placed(self) -> bool:
+        return self.stream is not None
+
+
+@dataclass
+class Dep:
+    """What one edge says: why the consumer needs the producer, and how it waits, if it does."""
+
+    needs: list[Need] = field(default_factory=list)
+    sync: Sync | None = None
+    span: Span | None = None  # the written `after` that makes the wait, if one does
+
+
+# the one attribute each node and edge of the networkx graph carries
+_NODE, _DEP = "node", "dep"
+
+
+def node_of(g: nx.DiGraph, op: Op) -> OpNode:
+    node: OpNode = g.nodes[op][_NODE]
+    return node
+
+
+def dep_of(g: nx.DiGraph, u: Op, v: Op) -> Dep:
+    """The edge u -> v's payload (the edge is made, empty, if it is not there)."""
+    if not g.has_edge(u, v):
+        g.add_edge(u, v, **{_DEP: Dep()})
+    dep: Dep = g.edges[u, v][_DEP]
+    return dep
 
 
 @dataclass
@@ -45,37 +110,51 @@ class ScheduleGraph:
 
     spec: Spec
     rank: int | None
-    g: nx.DiGraph
+    g: nx.DiGraph  # nodes Op with an OpNode, edges with a Dep (`node`, `dep`, `deps`)
     programs: dict[str, list[Op]]  # stream -> ops in program order
     written: set[str] = field(default_factory=set)  # streams whose program the file wrote
 
+    def node(self, op: Op) -> OpNode:
+        return node_of(self.g, op)
+
+    def dep(self, u: Op, v: Op) -> Dep:
+        dep: Dep = self.g.edges[u, v][_DEP]
+        return dep
+
+    def deps(self) -> Iterator[tuple[Op, Op, Dep]]:
+        """Every edge with its payload, in the graph's order."""
+        yield from self.g.edges(data=_DEP)
+
+    def preds(self, op: Op) -> Iterator[tuple[Op, Dep]]:
+        """The producers of `op`'s edges, with their payloads, in the graph's order."""
+        for p in self.g.predecessors(op):
+            yield p, self.dep(p, op)
+
     def stream_of(self, op: Op) -> str | None:
-        return self.g.nodes[op].get("stream")
+        return self.node(op).stream
 
     def placed(self) -> list[Op]:
         return [op for ops in self.programs.values() for op in ops]
 
-    def needs(self):
+    def needs(self) -> Iterator[tuple[Op, Op, list[Need]]]:
         """(producer, consumer, reasons) for every need."""
-        for u, v, d in self.g.edges(data=True):
-            if d.get("needs"):
-                yield u, v, d["needs"]
+        for u, v, d in self.deps():
+            if d.needs:
+                yield u, v, d.needs
 
     def syncs(self) -> nx.DiGraph:
         """The graph that runs: program order and events, placed ops only."""
         h = nx.DiGraph()
         h.add_nodes_from(self.placed())
         # an `after` may name an op no program holds; nothing runs it (the checker says so)
-        h.add_edges_from(
-            (u, v, d) for u, v, d in self.g.edges(data=True) if d.get("sync") and u in h and v in h
-        )
+        h.add_edges_from((u, v) for u, v, d in self.deps() if d.sync and u in h and v in h)
         return h
 
     def events(self) -> list[tuple[Op, Op]]:
-        return [(u, v) for u, v, d in self.g.edges(data=True) if d.get("sync") == "event"]
+        return [(u, v) for u, v, d in self.deps() if d.sync is Sync.EVENT]
 
     def span_of(self, op: Op) -> Span | None:
-        return self.g.nodes[op].get("span") if op in self.g else None
+        return self.node(op).span if op in self.g else None
 
 
 # -- the canonical sequence -----------------------------------------------------------------------
@@ -86,7 +165,7 @@ class _Seq:
     """Ops in canonical order, each with its needs and the source line it comes from."""
 
     ops: list[Op] = field(default_factory=list)
-    needs: dict[Op, list[tuple[Op, str]]] = field(default_factory=lambda: defaultdict(list))
+    needs: dict[Op, list[tuple[Op, Need]]] = field(default_factory=lambda: defaultdict(list))
     span: dict[Op, Span | None] = field(default_factory=dict)
 
     def emit(self, op: Op, needs=(), span: Span | None = None) -> Op:
@@ -103,17 +182,17 @@ def canonical(spec: Spec) -> _Seq:
     return _ddp(spec, spec.strategy)
 
 
-def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, str]]:
+def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, Need]]:
     layers = spec.model.layers
     i = layers.index(op.target)
     if op.kind is Kind.FWD:
-        return [(fwd(layers[i - 1], op.mb), ACT)] if i else []
+        return [(fwd(layers[i - 1], op.mb), Need.ACT)] if i else []
     if op.kind is Kind.RECOMPUTE:
-        return [(fwd(op.target, op.mb), INPUT)]
+        return [(fwd(op.target, op.mb), Need.INPUT)]
     maker = recompute if op.target in spec.recompute else fwd
-    needs = [(maker(op.target, op.mb), SAVED)]
+    needs = [(maker(op.target, op.mb), Need.SAVED)]
     if i + 1 < len(layers):
-        needs.insert(0, (bwd(layers[i + 1], op.mb), GRAD_IN))
+        needs.insert(0, (bwd(layers[i + 1], op.mb), Need.GRAD_IN))
     return needs
 
 
@@ -142,7 +221,7 @@ def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
             if j and spec.communicates(j - 1):
                 # this backward writes into buckets the previous all-reduce may still read
                 needs += [
-                    (Op(Kind.ALLREDUCE, buckets[b].name, j - 1), REUSE)
+                    (Op(Kind.ALLREDUCE, buckets[b].name, j - 1), Need.REUSE)
                     for b in bucket_of_layer[layer]
                 ]
             seq.emit(op, needs, model_span)
@@ -154,15 +233,15 @@ def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
                 b = buckets[launched]
                 seq.emit(
                     Op(Kind.ALLREDUCE, b.name, j),
-                    [(bwd(w, j), GRADS) for w in sorted(bucket_writers[launched])],
+                    [(bwd(w, j), Need.GRADS) for w in sorted(bucket_writers[launched])],
                     b.span or spec.where.get("ddp"),
                 )
                 launched += 1
     last = spec.accum - 1
     if buckets:
-        step_needs = [(Op(Kind.ALLREDUCE, b.name, last), UPDATE) for b in buckets]
+        step_needs = [(Op(Kind.ALLREDUCE, b.name, last), Need.UPDATE) for b in buckets]
     else:
-        step_needs = [(bwd(layer, last), GRADS) for layer in cfg.layers]
+        step_needs = [(bwd(layer, last), Need.GRADS) for layer in cfg.layers]
     seq.emit(STEP, step_needs, spec.where.get("optimizer", model_span))
     return seq
 
@@ -209,13 +288,13 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
             needs = []
             prev = prev_of[m]
             if prev is not None:
-                needs.append((_free_op(prev), REUSE))
+                needs.append((_free_op(prev), Need.REUSE))
             depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
             if m - depth - 1 >= 0:
                 w = uses[m - depth - 1]
                 release = _free_op(w) if w.free else compute[w.last]
                 if prev is None or release != _free_op(prev):
-                    needs.append((release, WINDOW))
+                    needs.append((release, Need.WINDOW))
             seq.emit(_gather_op(use), needs, use.unit.span)
 
     for u in keep:
@@ -225,34 +304,38 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
         needs = _compute_needs(spec, op)
         for u in reads[op.target]:
             if u.keep:
-                needs.append((keep_gather[u.name], PARAMS))
+                needs.append((keep_gather[u.name], Need.PARAMS))
             else:
-                needs.append((source_gather[use_at[(u.name, i)]], PARAMS))
+                needs.append((source_gather[use_at[(u.name, i)]], Need.PARAMS))
         seq.emit(op, needs, _span_of_compute(spec, op))
         for u in rs_after.get(i, []):
             writers = unit_writers[u.name]
-            rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
+            rs_needs = [(bwd(w, op.mb), Need.GRADS) for w in cfg.layers if w in writers]
             if op.mb and not spec.no_sync:
-                rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), REUSE))
+                rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), Need.REUSE))
             rs = seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
             if spec.hsdp:
                 # HSDP: the shard this rank reduced over its shard group is then averaged
                 # over the replicate group (FSDP2's all-reduce after the reduce-scatter)
-                seq.emit(Op(Kind.ALLREDUCE, u.name, op.mb), [(rs, GRADS)], u.span)
+                seq.emit(Op(Kind.ALLREDUCE, u.name, op.mb), [(rs, Need.GRADS)], u.span)
         for m in ends_at.get(i, []):
             if uses[m].free:
-                seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
+                seq.emit(
+                    _free_op(uses[m]), [(r, Need.LAST_USE) for r in readers[m]], uses[m].unit.span
+                )
         emit_gathers(i)
     last = spec.accum - 1
     for u in keep:
         final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
         seq.emit(
-            Op(Kind.FREE, u.name, last, Phase.BWD), [(r, LAST_USE) for r in final_readers], u.span
+            Op(Kind.FREE, u.name, last, Phase.BWD),
+            [(r, Need.LAST_USE) for r in final_readers],
+            u.span,
         )
     final = Kind.ALLREDUCE if spec.hsdp else Kind.REDUCESCATTER  # a unit's last reduction
     seq.emit(
         STEP,
-        [(Op(final, u.name, last), UPDATE) for u in fs.units],
+        [(Op(final, u.name, last), Need.UPDATE) for u in fs.units],
         spec.where.get("optimizer", spec.where.get("model")),
     )
     return seq
@@ -401,12 +484,11 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
     g = nx.DiGraph()
     order = {op: i for i, op in enumerate(seq.ops)}
     for op in seq.ops:
-        g.add_node(op, stream=None, seq=order[op], span=seq.span[op], required=True)
+        g.add_node(op, **{_NODE: OpNode(seq.span[op], seq=order[op])})
         for producer, why in seq.needs[op]:
             if producer not in g:  # the canonical order lists producers first
                 raise AssertionError(f"internal: {op} needs {producer}, which comes later")
-            g.add_edge(producer, op)
-            g.edges[producer, op].setdefault("needs", []).append(why)
+            dep_of(g, producer, op).needs.append(why)
 
     written = _programs_for(spec, rank)
     moved = {ins.op for p in written.values() for ins in p.instrs}
@@ -420,42 +502,42 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
         programs[s] = []
         for ins in prog.instrs:
             if ins.op not in g:
-                g.add_node(ins.op, stream=None, seq=None, span=ins.span, required=False)
-            if g.nodes[ins.op].get("stream") is not None:
-                g.nodes[ins.op]["again"] = ins.span  # written twice; the checker reports it
+                g.add_node(ins.op, **{_NODE: OpNode(ins.span)})
+            node = node_of(g, ins.op)
+            if node.stream is not None:
+                node.again = ins.span  # written twice; the checker reports it
                 continue
             programs[s].append(ins.op)
-            g.nodes[ins.op]["span"] = ins.span
-            g.nodes[ins.op]["stream"] = s
+            node.span = ins.span
+            node.stream = s
             for a, a_span in zip(ins.after, ins.after_spans):
                 explicit_waits.append((a, ins.op, a_span))
     for s, ops in programs.items():
         for i, op in enumerate(ops):
-            g.nodes[op]["stream"] = s
-            g.nodes[op]["pos"] = i
+            node = node_of(g, op)
+            node.stream, node.pos = s, i
             if i:
-                _sync(g, ops[i - 1], op, "order")
+                _sync(g, ops[i - 1], op, Sync.ORDER)
     for a, op, a_span in explicit_waits:
         if a not in g:
-            g.add_node(a, stream=None, seq=None, span=a_span, required=False)
-        if g.nodes[a].get("stream") == g.nodes[op]["stream"]:
-            _sync(g, a, op, "after", a_span)  # same-stream wait: order, or a deadlock if later
+            g.add_node(a, **{_NODE: OpNode(a_span)})
+        if node_of(g, a).stream == node_of(g, op).stream:
+            _sync(g, a, op, Sync.AFTER, a_span)  # same-stream wait: order, or a deadlock if later
         else:
-            _sync(g, a, op, "event", a_span)
+            _sync(g, a, op, Sync.EVENT, a_span)
     sg = ScheduleGraph(spec, rank, g, {s: ops for s, ops in programs.items()}, set(written))
     for producer, consumer in _needed_events(sg):
-        _sync(g, producer, consumer, "event")
+        _sync(g, producer, consumer, Sync.EVENT)
     return sg
 
 
-def _sync(g: nx.DiGraph, u: Op, v: Op, kind: str, span: Span | None = None) -> None:
-    g.add_edge(u, v)
-    d = g.edges[u, v]
-    if d.get("sync") in ("order", "event") and kind == "after":
+def _sync(g: nx.DiGraph, u: Op, v: Op, kind: Sync, span: Span | None = None) -> None:
+    d = dep_of(g, u, v)
+    if d.sync in (Sync.ORDER, Sync.EVENT) and kind is Sync.AFTER:
         return
-    d["sync"] = kind
+    d.sync = kind
     if span is not None:
-        d["span"] = span
+        d.span = span
 
 
 def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
@@ -464,16 +546,13 @@ def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
     A wait is skipped when an earlier wait on the same stream already covers it (vector
     clocks over the streams), so the plan records and waits as few events as it can.
     """
-    g = sg.g
     streams = list(sg.programs)
     # order by what runs and by what will be waited for, so producers come first
     placed = set(sg.placed())
     ahead = nx.DiGraph()
     ahead.add_nodes_from(placed)
     ahead.add_edges_from(
-        (u, v)
-        for u, v, d in g.edges(data=True)
-        if u in placed and v in placed and (d.get("sync") or d.get("needs"))
+        (u, v) for u, v, d in sg.deps() if u in placed and v in placed and (d.sync or d.needs)
     )
     try:
         topo = list(nx.topological_sort(ahead))
@@ -487,26 +566,24 @@ def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
     clock: dict[Op, dict[str, int]] = {}
     for op in topo:
         vc = {s: -1 for s in streams}
-        for p in g.predecessors(op):
-            if g.edges[p, op].get("sync") and p in clock:
+        for p, d in sg.preds(op):
+            if d.sync and p in clock:
                 for s, v in clock[p].items():
                     vc[s] = max(vc[s], v)
+        me = sg.node(op)
         if op in generated:
-            mine = g.nodes[op]["stream"]
             wanted = [
-                p
-                for p in g.predecessors(op)
-                if g.edges[p, op].get("needs") and g.nodes[p].get("stream") not in (None, mine)
+                p for p, d in sg.preds(op) if d.needs and sg.node(p).stream not in (None, me.stream)
             ]
-            wanted.sort(key=lambda p: -g.nodes[p]["pos"])
+            wanted.sort(key=lambda p: -sg.node(p).pos)
             for p in wanted:
-                ps = g.nodes[p]["stream"]
-                if vc[ps] >= g.nodes[p]["pos"]:
+                pn = sg.node(p)
+                if vc[pn.stream] >= pn.pos:
                     continue  # already ordered by an earlier wait
                 events.append((p, op))
                 for s, v in clock.get(p, {}).items():
                     vc[s] = max(vc[s], v)
-        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
+        vc[me.stream] = me.pos
         clock[op] = vc
     return events
 
@@ -514,7 +591,7 @@ def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
 def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
     """Vector clock of every placed op: per stream, the last position known done before it
     starts (its own stream: its own position). None when the run graph has a cycle."""
-    g, runs = sg.g, sg.syncs()
+    runs = sg.syncs()
     try:
         topo = list(nx.topological_sort(runs))
     except nx.NetworkXUnfeasible:
@@ -525,18 +602,19 @@ def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
         for p in runs.predecessors(op):
             for s, v in clock[p].items():
                 vc[s] = max(vc[s], v)
-        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
+        me = sg.node(op)
+        vc[me.stream] = me.pos
         clock[op] = vc
     return clock
 
 
 def ordered(sg: ScheduleGraph, clock, u: Op, v: Op) -> bool:
     """Whether u is complete before v starts, by the run graph (u placed, v placed)."""
-    su = sg.g.nodes[u]["stream"]
+    nu, nv = sg.node(u), sg.node(v)
     if u == v:
         return False
-    if su == sg.g.nodes[v]["stream"]:
-        return sg.g.nodes[u]["pos"] < sg.g.nodes[v]["pos"]
+    if nu.stream == nv.stream:
+        return nu.pos < nv.pos
     # v's clock counts v itself on its own stream; u on another stream is done before v
     # starts iff some wait of v (or of something before v) reached u's position
-    return clock[v].get(su, -1) >= sg.g.nodes[u]["pos"]
+    return clock[v].get(nu.stream, -1) >= nu.pos

@@ -28,13 +28,12 @@ from schedc.passes.graph import ScheduleGraph
 
 def lower(sg: ScheduleGraph) -> Plan:
     """The run graph in issue order, with a record/wait pair for every cross-stream edge."""
-    g = sg.g
     runs = sg.syncs()
     key: dict[Op, float] = {}
     for ops in sg.programs.values():
         prev = -1.0
         for op in ops:
-            seq = g.nodes[op].get("seq")
+            seq = sg.node(op).seq
             k = float(seq) if seq is not None else prev + 0.5
             key[op] = k
             prev = k
@@ -72,7 +71,7 @@ def lower(sg: ScheduleGraph) -> Plan:
         instrs.append(Instr(Action.RECORD, COMPUTE, event=start))
         instrs += [Instr(Action.WAIT, s, event=start) for s in comm_streams]
     for op in order:
-        stream = g.nodes[op]["stream"]
+        stream = sg.node(op).stream
         for e in sorted(waits_for.get(op, [])):
             instrs.append(Instr(Action.WAIT, stream, event=e))
         instrs.append(Instr(Action.RUN, stream, op=op))

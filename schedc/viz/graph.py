@@ -15,6 +15,7 @@ from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import count
+from schedc.passes.graph import ScheduleGraph, Sync
 from schedc.viz.dot import EVENT_COLOR, FONT, attrs, colors_of, html, q
 
 
@@ -115,7 +116,6 @@ def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = 
 
 def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested: bool) -> list[str]:
     sg = c.graph(rank)
-    g = sg.g
     folded = range(0) if unfold else folded_microsteps(c, rank)
     ids: dict[Op, str] = {}
     lines: list[str] = []
@@ -156,21 +156,21 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
             n += 1
             lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
         lines.append(f"{pad}}}")
-    edges: dict[tuple[str, str], tuple[str, set[str]]] = {}
-    rank_of = {"order": 0, "after": 1, "event": 2}
-    for u, v, d in sorted(g.edges(data=True), key=lambda e: (_pos(g, e[1]), _pos(g, e[0]))):
-        kind = d.get("sync")
+    edges: dict[tuple[str, str], tuple[Sync, set[str]]] = {}
+    rank_of = {Sync.ORDER: 0, Sync.AFTER: 1, Sync.EVENT: 2}
+    for u, v, d in sorted(sg.deps(), key=lambda e: (_pos(sg, e[1]), _pos(sg, e[0]))):
+        kind = d.sync
         if not kind or u not in ids or v not in ids or ids[u] == ids[v]:
             continue
         key = (ids[u], ids[v])
-        why = set(d.get("needs") or ()) if u.mb not in folded and v.mb not in folded else set()
+        why = {n.value for n in d.needs} if u.mb not in folded and v.mb not in folded else set()
         old = edges.get(key)
         if old is None or rank_of[kind] > rank_of[old[0]]:
             edges[key] = (kind, why | (old[1] if old else set()))
         else:
             old[1].update(why)
     for (a, b), (kind, why) in edges.items():
-        if kind == "event":
+        if kind is Sync.EVENT:
             label = q(", ".join(sorted(why))) if why else None
             style = attrs(
                 style="dashed",
@@ -180,7 +180,7 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
                 label=label,
             )
             lines.append(f"{pad}{a} -> {b} {style};")
-        elif kind == "after":
+        elif kind is Sync.AFTER:
             lines.append(f"{pad}{a} -> {b} {attrs(style='dotted', color=q('#495057'))};")
         else:
             lines.append(f"{pad}{a} -> {b} {attrs(color=q('#adb5bd'))};")
@@ -189,9 +189,9 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
     return lines
 
 
-def _pos(g, op: Op) -> tuple:
-    d = g.nodes[op]
-    return (d.get("seq") if d.get("seq") is not None else 1 << 30, d.get("pos") or 0, str(op))
+def _pos(sg: ScheduleGraph, op: Op) -> tuple[int, int, str]:
+    d = sg.node(op)
+    return (d.seq if d.seq is not None else 1 << 30, max(d.pos, 0), str(op))
 
 
 def _ident(text: str) -> str:
