@@ -34,8 +34,9 @@ from schedc.ir.plan import Plan
 from schedc.ir.source import Span
 from schedc.ir.spec import Spec, Strategy
 from schedc.lang.diagnostics import Diagnostics, Note
-from schedc.passes.graph import Need, ScheduleGraph, Sync, happens_before, ordered, said
+from schedc.passes.graph import ScheduleGraph
 from schedc.passes.memory import MemoryReport, fmt_bytes
+from schedc.passes.payloads import Need, Sync, said
 
 
 def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph], diag: Diagnostics) -> bool:
@@ -214,12 +215,11 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
 
 
 def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
-    clock = happens_before(sg)
     unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
     for u, v, whys in sg.needs():
         if not sg.node(u).placed or not sg.node(v).placed:
             continue  # reported as missing
-        if ordered(sg, clock, u, v):
+        if sg.ordered(u, v):
             continue
         code, msg, hint = _unmet(sg, u, v, whys)
         # one finding per op and rule: the producer that comes last is the one to wait for

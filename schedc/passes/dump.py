@@ -12,7 +12,8 @@ from schedc.ir.plan import Plan
 from schedc.ir.source import Span
 from schedc.lang.diagnostics import count
 from schedc.lang.syntax import Schedule
-from schedc.passes.graph import ScheduleGraph, Sync, said
+from schedc.passes.graph import ScheduleGraph
+from schedc.passes.payloads import Sync, said
 
 
 def dump_ast(ast: Schedule) -> str:

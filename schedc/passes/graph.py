@@ -19,89 +19,28 @@ generated program of its stream and brings exactly the waits it names (`after`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 
 import networkx as nx
 
 from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd, recompute
 from schedc.ir.source import Span
 from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
-
-
-class Need(str, Enum):
-    """Why a consumer needs its producer (a `Dep`'s reasons; the text names it in messages)."""
-
-    ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
-    GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
-    SAVED = "saved activations"  # bwd[L] reads what fwd[L] (or recompute[L]) saved
-    INPUT = "kept input"  # recompute[L] reruns forward from the input fwd[L] kept
-    PARAMS = "gathered parameters"  # compute reads a unit's full parameters
-    GRADS = "complete gradients"  # a reduction reads gradients its writers produced
-    REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
-    LAST_USE = "last use"  # a free releases parameters only after their last reader
-    WINDOW = "prefetch window"  # a gather waits for memory to come free
-    UPDATE = "reduced gradients"  # the optimizer reads every reduction
-
-
-def said(needs: Iterable[Need]) -> str:
-    """Reasons in words, as messages and pictures name them: "activation, buffer reuse"."""
-    return ", ".join(n.value for n in needs)
-
-
-class Sync(str, Enum):
-    """How a program makes a consumer wait for its producer (a `Dep` that runs)."""
-
-    ORDER = "order"  # consecutive ops of one stream
-    AFTER = "after"  # a written `after` on the producer's own stream
-    EVENT = "event"  # a wait across streams: a recorded event
-
-
-@dataclass
-class OpNode:
-    """What the graph knows of one op."""
-
-    span: Span | None  # where the file says it: its program line, else the declaration
-    seq: int | None = None  # its place in the canonical sequence; None: only the file names it
-    stream: str | None = None  # None: no program holds it
-    pos: int = -1  # its place in its stream's program (placed ops)
-    again: Span | None = None  # a second line that writes it (the checker reports it)
-
-    @property
-    def required(self) -> bool:
-        """Whether the step needs it (the canonical sequence has it)."""
-        return self.seq is not None
-
-    @property
-    def placed(self) -> bool:
-        return self.stream is not None
-
-
-@dataclass
-class Dep:
-    """What one edge says: why the consumer needs the producer, and how it waits, if it does."""
-
-    needs: list[Need] = field(default_factory=list)
-    sync: Sync | None = None
-    span: Span | None = None  # the written `after` that makes the wait, if one does
-
-
-# the one attribute each node and edge of the networkx graph carries
-_NODE, _DEP = "node", "dep"
-
-
-def node_of(g: nx.DiGraph, op: Op) -> OpNode:
-    node: OpNode = g.nodes[op][_NODE]
-    return node
-
-
-def dep_of(g: nx.DiGraph, u: Op, v: Op) -> Dep:
-    """The edge u -> v's payload (the edge is made, empty, if it is not there)."""
-    if not g.has_edge(u, v):
-        g.add_edge(u, v, **{_DEP: Dep()})
-    dep: Dep = g.edges[u, v][_DEP]
-    return dep
+from schedc.passes.clocks import Clock, ordered, walk
+from schedc.passes.payloads import (
+    Dep,
+    Need,
+    OpNode,
+    Sync,
+    add_dep,
+    add_op,
+    dep_of,
+    deps,
+    node_of,
+    preds,
+    run_graph,
+)
 
 
 @dataclass
@@ -110,25 +49,23 @@ class ScheduleGraph:
 
     spec: Spec
     rank: int | None
-    g: nx.DiGraph  # nodes Op with an OpNode, edges with a Dep (`node`, `dep`, `deps`)
+    g: nx.DiGraph  # Op nodes with an OpNode, edges with a Dep (passes/payloads.py)
     programs: dict[str, list[Op]]  # stream -> ops in program order
     written: set[str] = field(default_factory=set)  # streams whose program the file wrote
+    # every placed op's vector clock (passes/clocks.py); None: the run graph has a cycle
+    clock: dict[Op, Clock] | None = None
 
     def node(self, op: Op) -> OpNode:
         return node_of(self.g, op)
 
     def dep(self, u: Op, v: Op) -> Dep:
-        dep: Dep = self.g.edges[u, v][_DEP]
-        return dep
+        return dep_of(self.g, u, v)
 
     def deps(self) -> Iterator[tuple[Op, Op, Dep]]:
-        """Every edge with its payload, in the graph's order."""
-        yield from self.g.edges(data=_DEP)
+        return deps(self.g)
 
     def preds(self, op: Op) -> Iterator[tuple[Op, Dep]]:
-        """The producers of `op`'s edges, with their payloads, in the graph's order."""
-        for p in self.g.predecessors(op):
-            yield p, self.dep(p, op)
+        return preds(self.g, op)
 
     def stream_of(self, op: Op) -> str | None:
         return self.node(op).stream
@@ -144,17 +81,19 @@ class ScheduleGraph:
 
     def syncs(self) -> nx.DiGraph:
         """The graph that runs: program order and events, placed ops only."""
-        h = nx.DiGraph()
-        h.add_nodes_from(self.placed())
-        # an `after` may name an op no program holds; nothing runs it (the checker says so)
-        h.add_edges_from((u, v) for u, v, d in self.deps() if d.sync and u in h and v in h)
-        return h
+        return run_graph(self.g, self.placed())
 
     def events(self) -> list[tuple[Op, Op]]:
         return [(u, v) for u, v, d in self.deps() if d.sync is Sync.EVENT]
 
     def span_of(self, op: Op) -> Span | None:
         return self.node(op).span if op in self.g else None
+
+    def ordered(self, u: Op, v: Op) -> bool:
+        """Whether u is complete before v starts, by the run graph (both placed; no cycle)."""
+        if self.clock is None:
+            raise AssertionError("internal: the run graph has a cycle; nothing is ordered")
+        return ordered(self.g, self.clock, u, v)
 
 
 # -- the canonical sequence -----------------------------------------------------------------------
@@ -484,11 +423,11 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
     g = nx.DiGraph()
     order = {op: i for i, op in enumerate(seq.ops)}
     for op in seq.ops:
-        g.add_node(op, **{_NODE: OpNode(seq.span[op], seq=order[op])})
+        add_op(g, op, OpNode(seq.span[op], seq=order[op]))
         for producer, why in seq.needs[op]:
             if producer not in g:  # the canonical order lists producers first
                 raise AssertionError(f"internal: {op} needs {producer}, which comes later")
-            dep_of(g, producer, op).needs.append(why)
+            add_dep(g, producer, op).needs.append(why)
 
     written = _programs_for(spec, rank)
     moved = {ins.op for p in written.values() for ins in p.instrs}
@@ -502,7 +441,7 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
         programs[s] = []
         for ins in prog.instrs:
             if ins.op not in g:
-                g.add_node(ins.op, **{_NODE: OpNode(ins.span)})
+                add_op(g, ins.op, OpNode(ins.span))
             node = node_of(g, ins.op)
             if node.stream is not None:
                 node.again = ins.span  # written twice; the checker reports it
@@ -520,101 +459,21 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
                 _sync(g, ops[i - 1], op, Sync.ORDER)
     for a, op, a_span in explicit_waits:
         if a not in g:
-            g.add_node(a, **{_NODE: OpNode(a_span)})
+            add_op(g, a, OpNode(a_span))
         if node_of(g, a).stream == node_of(g, op).stream:
             _sync(g, a, op, Sync.AFTER, a_span)  # same-stream wait: order, or a deadlock if later
         else:
             _sync(g, a, op, Sync.EVENT, a_span)
-    sg = ScheduleGraph(spec, rank, g, {s: ops for s, ops in programs.items()}, set(written))
-    for producer, consumer in _needed_events(sg):
+    found = walk(g, programs, set(written))
+    for producer, consumer in found.events:
         _sync(g, producer, consumer, Sync.EVENT)
-    return sg
+    return ScheduleGraph(spec, rank, g, programs, set(written), found.clock)
 
 
 def _sync(g: nx.DiGraph, u: Op, v: Op, kind: Sync, span: Span | None = None) -> None:
-    d = dep_of(g, u, v)
+    d = add_dep(g, u, v)
     if d.sync in (Sync.ORDER, Sync.EVENT) and kind is Sync.AFTER:
         return
     d.sync = kind
     if span is not None:
         d.span = span
-
-
-def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
-    """The cross-stream waits every generated op's needs call for, and no more.
-
-    A wait is skipped when an earlier wait on the same stream already covers it (vector
-    clocks over the streams), so the plan records and waits as few events as it can.
-    """
-    streams = list(sg.programs)
-    # order by what runs and by what will be waited for, so producers come first
-    placed = set(sg.placed())
-    ahead = nx.DiGraph()
-    ahead.add_nodes_from(placed)
-    ahead.add_edges_from(
-        (u, v) for u, v, d in sg.deps() if u in placed and v in placed and (d.sync or d.needs)
-    )
-    try:
-        topo = list(nx.topological_sort(ahead))
-    except nx.NetworkXUnfeasible:  # written programs contradict a need: order by what runs
-        try:
-            topo = list(nx.topological_sort(sg.syncs()))
-        except nx.NetworkXUnfeasible:
-            return []  # the checker reports the cycle
-    events: list[tuple[Op, Op]] = []
-    generated = {op for s, ops in sg.programs.items() if s not in sg.written for op in ops}
-    clock: dict[Op, dict[str, int]] = {}
-    for op in topo:
-        vc = {s: -1 for s in streams}
-        for p, d in sg.preds(op):
-            if d.sync and p in clock:
-                for s, v in clock[p].items():
-                    vc[s] = max(vc[s], v)
-        me = sg.node(op)
-        if op in generated:
-            wanted = [
-                p for p, d in sg.preds(op) if d.needs and sg.node(p).stream not in (None, me.stream)
-            ]
-            wanted.sort(key=lambda p: -sg.node(p).pos)
-            for p in wanted:
-                pn = sg.node(p)
-                if vc[pn.stream] >= pn.pos:
-                    continue  # already ordered by an earlier wait
-                events.append((p, op))
-                for s, v in clock.get(p, {}).items():
-                    vc[s] = max(vc[s], v)
-        vc[me.stream] = me.pos
-        clock[op] = vc
-    return events
-
-
-def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
-    """Vector clock of every placed op: per stream, the last position known done before it
-    starts (its own stream: its own position). None when the run graph has a cycle."""
-    runs = sg.syncs()
-    try:
-        topo = list(nx.topological_sort(runs))
-    except nx.NetworkXUnfeasible:
-        return None
-    clock: dict[Op, dict[str, int]] = {}
-    for op in topo:
-        vc: dict[str, int] = defaultdict(lambda: -1)
-        for p in runs.predecessors(op):
-            for s, v in clock[p].items():
-                vc[s] = max(vc[s], v)
-        me = sg.node(op)
-        vc[me.stream] = me.pos
-        clock[op] = vc
-    return clock
-
-
-def ordered(sg: ScheduleGraph, clock, u: Op, v: Op) -> bool:
-    """Whether u is complete before v starts, by the run graph (u placed, v placed)."""
-    nu, nv = sg.node(u), sg.node(v)
-    if u == v:
-        return False
-    if nu.stream == nv.stream:
-        return nu.pos < nv.pos
-    # v's clock counts v itself on its own stream; u on another stream is done before v
-    # starts iff some wait of v (or of something before v) reached u's position
-    return clock[v].get(nu.stream, -1) >= nu.pos

@@ -15,7 +15,8 @@ from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import count
-from schedc.passes.graph import ScheduleGraph, Sync
+from schedc.passes.graph import ScheduleGraph
+from schedc.passes.payloads import Sync
 from schedc.viz.dot import EVENT_COLOR, FONT, attrs, colors_of, html, q
 
 
