@@ -33,10 +33,16 @@ FSDP2 documents the same aliasing, the reduce-scatter output that the all-reduce
 reads, in `_fsdp_collectives.py`). `effect(spec, op)` names the cross-stream buffers an op
 writes (the first write allocates, on its stream) and reads; `required_keeps` derives the
 keeps every read on another stream needs; the lowering writes them into each instruction
-(`Instr.keeps`); the checker proves that a plan carries every one (passes/check.py,
+(`Instr.keeps`); the checker proves that a plan carries every one (passes/buffers.py,
 `[keep-alive]`); the executor keeps exactly those alive. Gathered units are released
 through the plan's `free` and its mark, which the allocating stream waits for before the
 storage goes back (exec/executor.py `_reclaim`).
+
+Gathered units: `gathered[u]` comes into being at each all-gather of u and goes at each
+free of u. Which all-gather's buffer a compute op reads, and which one a free releases, is
+`gathers_read` and `gather_freed`: the graph's needs (what a free waits for, what a compute
+op waits for; passes/fsdp.py) and the checker's use-after-free (passes/buffers.py, with
+vector clocks) both read them.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from schedc.ir.op import COMPUTE, Kind, Op
+from schedc.ir.op import COMPUTE, Kind, Op, Phase
 from schedc.ir.plan import Action, Plan
 from schedc.ir.sizes import batches_bytes, bucket_numel, layer_acts, padded, unit_numel
-from schedc.ir.spec import Dtype, Spec, Strategy
+from schedc.ir.spec import Dtype, Spec, Strategy, UnitSpec
 from schedc.model.arch import FP32
 
 
@@ -123,6 +129,35 @@ def effect(spec: Spec, op: Op) -> Effect:
     if op.kind is Kind.STEP:
         return Effect(reads=tuple(shard_grad(u.name) for u in fs.units))
     return NONE
+
+
+# -- gathered units: whose buffer each compute op reads and each free releases -------------------
+
+
+def gather_of(spec: Spec, unit: UnitSpec, mb: int, phase: Phase) -> Op:
+    """The all-gather whose buffer `unit`'s use in micro-step `mb`'s `phase` reads: that use's
+    own; forward's, for backward, when the unit is not resharded after forward; the step's
+    one gather, for a unit kept gathered."""
+    if unit.keep:
+        return Op(Kind.ALLGATHER, unit.name, 0, Phase.FWD)
+    if phase is Phase.BWD and not spec.fsdp.reshard_after_forward:
+        phase = Phase.FWD
+    return Op(Kind.ALLGATHER, unit.name, mb, phase)
+
+
+def gathers_read(spec: Spec, op: Op) -> tuple[Op, ...]:
+    """The all-gathers whose buffers a compute op reads (FSDP): one per unit of its layer.
+    A recompute reads backward's, like the backward it precedes."""
+    if spec.kind is not Strategy.FSDP or op.kind not in (Kind.FWD, Kind.RECOMPUTE, Kind.BWD):
+        return ()
+    phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
+    return tuple(gather_of(spec, u, op.mb, phase) for u in spec.fsdp.units if op.target in u.layers)
+
+
+def gather_freed(spec: Spec, op: Op) -> Op:
+    """The all-gather whose buffer a free releases."""
+    unit = next(u for u in spec.fsdp.units if u.name == op.target)
+    return gather_of(spec, unit, op.mb, op.phase or Phase.BWD)
 
 
 @dataclass(frozen=True)

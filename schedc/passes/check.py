@@ -7,18 +7,18 @@ Rules, each with its code (errors.CODES):
 * the run graph is acyclic; no op waits on its own stream's future   [cycle] [deadlock]
 * every need holds in the run graph: activations and saved tensors [out-of-order],
   cross-stream needs by an event [missing-event], reductions after the last gradient
-  write [early-reduce], the optimizer after every reduction [optimizer-wait], a unit's
-  parameters only while gathered [use-after-free]
-* a recompute reruns its layer's forward with the layer's unit gathered [recompute-gather],
-  is complete before its layer's backward [recompute-late] (which releases what the
-  layer kept), and is of a layer declared `recompute`, whose forward kept its input: any
-  other forward saved activations and freed its input [recompute-freed]
+  write [early-reduce], the optimizer after every reduction [optimizer-wait]
+* a recompute is complete before its layer's backward [recompute-late] (which releases
+  what the layer kept), and is of a layer declared `recompute`, whose forward kept its
+  input: any other forward saved activations and freed its input [recompute-freed]
 * every rank issues the same collectives in the same order on each stream   [spmd]
-* the predicted peak memory fits the declared budget   [memory-budget]
 
-And one invariant of every lowered plan, which no schedule can break (a broken one is a bug
-in schedc, reported as an internal error with its code): every buffer an op reads that
-another stream allocated is kept alive on the reading stream (ir/effects.py)   [keep-alive]
+and the lifetime rules of passes/buffers.py, the plan's effects read with vector clocks: a
+unit's parameters read only while gathered [use-after-free] (a recompute's too
+[recompute-gather]), the predicted peak within the declared budget [memory-budget], and one
+invariant of every lowered plan, which no schedule can break (a broken one is a bug in
+schedc, reported as an internal error with its code): every buffer an op reads that another
+stream allocated is kept alive on the reading stream   [keep-alive]
 
 Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
 streams of compute ops) are judged earlier, in lang/resolve/.
@@ -26,16 +26,18 @@ streams of compute ops) are judged earlier, in lang/resolve/.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import networkx as nx
 
-from schedc.ir.effects import missing_keeps
 from schedc.ir.op import REDUCTIONS, Kind, Op
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
-from schedc.ir.spec import Spec, Strategy
+from schedc.ir.spec import Spec
 from schedc.lang.diagnostics import Diagnostics, Note
+from schedc.passes.buffers import Finding, gathered_findings, memory_budget, plan_invariants
 from schedc.passes.graph import ScheduleGraph
-from schedc.passes.memory import MemoryReport, fmt_bytes
+from schedc.passes.memory import MemoryReport
 from schedc.passes.payloads import Need, Sync, said
 
 
@@ -68,7 +70,7 @@ def check_plans(
         for rank, report in memory.items():
             if rank is None and _everyone_has_a_program(spec, graphs):
                 continue  # no rank runs the common plan
-            _memory(spec, report, diag, rank)
+            memory_budget(spec, report, diag, rank)
 
 
 def _everyone_has_a_program(spec: Spec, graphs) -> bool:
@@ -215,19 +217,29 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
 
 
 def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
-    unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
+    unmet: dict[tuple[Op, str], tuple[int, Finding]] = {}
+    for found in [*_unmet_needs(sg), *gathered_findings(sg)]:
+        # one finding per op and rule: the producer that comes last is the one to wait for
+        seq = sg.node(found.cause).seq or 0
+        key = (found.op, found.code)
+        if key not in unmet or unmet[key][0] < seq:
+            unmet[key] = (seq, found)
+    for _, found in unmet.values():
+        diag.error(found.code, found.message + _who(sg), sg.node(found.op).span, hint=found.hint)
+
+
+# what gathered parameters need (their gather first, their free last) the lifetime rules judge
+_LIFETIMES = {Need.PARAMS, Need.LAST_USE}
+
+
+def _unmet_needs(sg: ScheduleGraph) -> Iterator[Finding]:
     for u, v, whys in sg.needs():
         if not sg.node(u).placed or not sg.node(v).placed:
             continue  # reported as missing
-        if sg.ordered(u, v):
+        if set(whys) <= _LIFETIMES or sg.ordered(u, v):
             continue
         code, msg, hint = _unmet(sg, u, v, whys)
-        # one finding per op and rule: the producer that comes last is the one to wait for
-        seq = sg.node(u).seq or 0
-        if (v, code) not in unmet or unmet[(v, code)][0] < seq:
-            unmet[(v, code)] = (seq, msg, hint)
-    for (v, code), (_, msg, hint) in unmet.items():
-        diag.error(code, msg + _who(sg), sg.node(v).span, hint=hint)
+        yield Finding(v, code, u, msg, hint)
 
 
 def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[Need]) -> tuple[str, str, str]:
@@ -251,30 +263,11 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[Need]) -> tuple[str, str,
             f"{v} can start before {u} has written its gradients{tied}",
             wait if cross else f"place {v} after {u}",
         )
-    if Need.LAST_USE in whys:
-        return (
-            "use-after-free",
-            f"{v} releases '{v.target}' while {u} may still read it",
-            f"free a unit only after its last reader: place {v} after {u}"
-            + (" or wait for it" if cross else ""),
-        )
-    if v.kind is Kind.RECOMPUTE and Need.PARAMS in whys:
-        return (
-            "recompute-gather",
-            f"{v} reruns {v.target}'s forward before {u} gathers '{u.target}'",
-            wait if cross else f"place {u} before {v}",
-        )
     if v.kind is Kind.BWD and u.kind is Kind.RECOMPUTE:
         return (
             "recompute-late",
             f"{v} reads the activations {u} rebuilds, but can start before it",
             f"place {u} right before {v}",
-        )
-    if Need.PARAMS in whys and not cross:
-        return (
-            "use-after-free",
-            f"{v} reads '{u.target}' before {u} gathers it",
-            f"place {u} before {v}",
         )
     if cross:
         return (
@@ -401,56 +394,3 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         hint="a collective finishes on every rank at once; order the waits the same "
         "way on every rank",
     )
-
-
-def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | None) -> None:
-    if report.peak > spec.memory:
-        who = "" if rank is None else f" on rank {rank}"
-        hint = "raise `memory`"
-        if spec.kind is Strategy.FSDP:
-            hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
-        if report.largest == "activations":
-            hint = "recompute layers (`recompute h.0 .. h.N`), use a smaller `micro`, or raise " + (
-                "`memory`"
-            )
-        at = f"at {report.peak_at}" if report.peak_at else "model states alone"
-        parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in report.parts)
-        diag.error(
-            "memory-budget",
-            f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
-            f"exceeds the budget of {fmt_bytes(spec.memory)}; the largest part is "
-            f"{report.largest} ({parts})",
-            spec.where.get("memory"),
-            hint=hint,
-        )
-
-
-# -- invariants of a lowered plan ----------------------------------------------------------------
-
-
-class PlanInvariantError(AssertionError):
-    """A lowered plan breaks a rule that no schedule can break, only a bug in schedc's
-    lowering (or a plan changed after it): an internal error, with the rule's code."""
-
-    def __init__(self, code: str, plan: Plan, index: int, message: str):
-        self.code, self.plan, self.index = code, plan, index
-        who = "every rank" if plan.rank is None else f"rank {plan.rank}"
-        super().__init__(
-            f"plan for {who}, instruction {index} ({plan.instrs[index]}): {message}  [{code}]"
-        )
-
-
-def plan_invariants(spec: Spec, plan: Plan) -> None:
-    """[keep-alive]: every buffer an op reads that another stream allocated is kept alive
-    on the reading stream until that op's work is done (ir/effects.py): otherwise the
-    caching allocator may hand its block to new work on the allocating stream while the
-    reader still reads it (HSDP's replicate all-reduce on its own stream reading the
-    reduce-scatter's output, as FSDP2's `_fsdp_collectives.py` warns)."""
-    for m in missing_keeps(spec, plan.instrs):
-        raise PlanInvariantError(
-            "keep-alive",
-            plan,
-            m.index,
-            f"reads {m.buffer}, allocated on stream '{m.allocated_on}', without keeping it "
-            f"alive on '{m.read_on}'",
-        )

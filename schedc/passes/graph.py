@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from schedc.ir.effects import gather_freed, gathers_read
 from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd, recompute
 from schedc.ir.source import Span
 from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
@@ -206,10 +207,6 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     compute = _compute_order(spec)
     uses, prev_of = _unit_uses(fs, compute, reads)
     anchored = _gather_anchors(fs, uses, prev_of)
-    source_gather = _source_gathers(uses, prev_of)
-    use_at = {
-        (use.unit.name, i): m for m, use in enumerate(uses) for i in range(use.first, use.last + 1)
-    }  # (unit, compute index) -> use
     ends_at: dict[int, list[int]] = defaultdict(list)
     for m, use in enumerate(uses):
         ends_at[use.last].append(m)
@@ -217,7 +214,7 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     keep_gather = {u.name: Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in keep}
     unit_writers = {u.name: spec.writers(u.params) for u in fs.units}
     rs_after = _reduce_scatter_points(spec, fs, compute, unit_writers)
-    readers = _readers_since_gather(compute, uses, prev_of)
+    readers: dict[Op, list[Op]] = defaultdict(list)  # gather -> its buffer's readers so far
 
     seq = _Seq()
 
@@ -241,11 +238,9 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
     emit_gathers(-1)
     for i, op in enumerate(compute):
         needs = _compute_needs(spec, op)
-        for u in reads[op.target]:
-            if u.keep:
-                needs.append((keep_gather[u.name], Need.PARAMS))
-            else:
-                needs.append((source_gather[use_at[(u.name, i)]], Need.PARAMS))
+        for gather in gathers_read(spec, op):
+            needs.append((gather, Need.PARAMS))
+            readers[gather].append(op)
         seq.emit(op, needs, _span_of_compute(spec, op))
         for u in rs_after.get(i, []):
             writers = unit_writers[u.name]
@@ -259,18 +254,13 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
                 seq.emit(Op(Kind.ALLREDUCE, u.name, op.mb), [(rs, Need.GRADS)], u.span)
         for m in ends_at.get(i, []):
             if uses[m].free:
-                seq.emit(
-                    _free_op(uses[m]), [(r, Need.LAST_USE) for r in readers[m]], uses[m].unit.span
-                )
+                free = _free_op(uses[m])
+                seq.emit(free, _last_uses(spec, free, readers), uses[m].unit.span)
         emit_gathers(i)
     last = spec.accum - 1
     for u in keep:
-        final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
-        seq.emit(
-            Op(Kind.FREE, u.name, last, Phase.BWD),
-            [(r, Need.LAST_USE) for r in final_readers],
-            u.span,
-        )
+        free = Op(Kind.FREE, u.name, last, Phase.BWD)
+        seq.emit(free, _last_uses(spec, free, readers), u.span)
     final = Kind.ALLREDUCE if spec.hsdp else Kind.REDUCESCATTER  # a unit's last reduction
     seq.emit(
         STEP,
@@ -278,6 +268,12 @@ def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
         spec.where.get("optimizer", spec.where.get("model")),
     )
     return seq
+
+
+def _last_uses(spec: Spec, free: Op, readers: dict[Op, list[Op]]) -> list[tuple[Op, Need]]:
+    """A free waits for the readers of the buffer it releases in its own micro-step (those
+    of earlier micro-steps come before them on the compute stream)."""
+    return [(r, Need.LAST_USE) for r in readers[gather_freed(spec, free)] if r.mb == free.mb]
 
 
 def _span_of_compute(spec: Spec, op: Op) -> Span | None:
@@ -350,14 +346,6 @@ def _gather_anchors(fs: FSDPSpec, uses: list[_Use], prev_of) -> dict[int, list[_
     return anchored
 
 
-def _source_gathers(uses: list[_Use], prev_of) -> dict[int, Op]:
-    """The live gather of each use (a bwd use without a gather reads the fwd use's buffer)."""
-    source: dict[int, Op] = {}
-    for m, use in enumerate(uses):
-        source[m] = _gather_op(use) if use.gather else source[prev_of[m].index]
-    return source
-
-
 def _reduce_scatter_points(
     spec: Spec, fs: FSDPSpec, compute: list[Op], unit_writers
 ) -> dict[int, list[UnitSpec]]:
@@ -375,16 +363,6 @@ def _reduce_scatter_points(
         if spec.communicates(j):
             rs_after[i].append(by_name[uname])
     return rs_after
-
-
-def _readers_since_gather(compute: list[Op], uses: list[_Use], prev_of) -> dict[int, list[Op]]:
-    """For each use, the compute ops that read its buffer since it was gathered (a free
-    waits for all of them)."""
-    readers = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
-    for m, use in enumerate(uses):
-        if use.free and not use.gather:
-            readers[m] = readers[prev_of[m].index] + readers[m]
-    return readers
 
 
 def _gather_op(use: _Use) -> Op:
