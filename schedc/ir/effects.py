@@ -347,22 +347,10 @@ class _Walk:
             if op.kind is Kind.ALLREDUCE and self.spec.kind is Strategy.DDP and self.r != FP32:
                 comm = bucket_numel(self.spec, op.target) * self.r  # bf16_compress_hook's cast
             return self.compute(op, comm)
-        # a plan the checker refuses (a free before its gather, a gather of a unit gathered)
-        # still gets a walk, for the memory budget's diagnostic: what is not there is not freed
-        gathered = f"gathered[{op.target}]"
         if op.kind is Kind.ALLGATHER:
-            n, g = self.numel[op.target], self.g
-            steps: list[Step] = []
-            if gathered not in self.gathered:
-                self.gathered.add(gathered)
-                steps.append(Alloc(gathered, Part.GATHERED, n * g))
-            # the shard cast for the gather (one rank casts straight into the gathered buffer)
-            comm = n // self.D * g if g != FP32 and self.D > 1 else 0
-            return steps + self.compute(op, comm)
+            return self.gather(op)
         if op.kind is Kind.FREE:
-            freed = [Free(gathered)] if gathered in self.gathered else []
-            self.gathered.discard(gathered)
-            return [*freed, *self.compute(op)]
+            return self.free(op)
         if op.kind is Kind.REDUCESCATTER:
             return self.reduce_scatter(op, stream)
         if op.kind is Kind.ALLREDUCE:  # HSDP's: it reads the reduce-scatter's output, if any
@@ -371,15 +359,39 @@ class _Walk:
                 self.outs.discard(out)
                 self.held.setdefault(stream, []).append((op, out))
             return self.compute(op)
-        steps = []
-        if op.kind is Kind.BWD:  # the unsharded gradients its parameters write into
-            for u, ws in self.writers.items():
-                name = f"grad[{u}]@mb{grad_key(self.spec, op.mb)}"
-                if op.target in ws and name not in self.grads:
-                    self.grads.add(name)
-                    steps.append(Alloc(name, Part.GRADS, self.numel[u] * self.g))
+        return self.backward(op) if op.kind is Kind.BWD else self.compute(op)
+
+    # a plan the checker refuses (a free before its gather, a gather of a unit gathered) still
+    # gets a walk, for the memory budget's diagnostic: what is not there is not freed
+
+    def gather(self, op: Op) -> list[Step]:
+        gathered = f"gathered[{op.target}]"
+        n, g = self.numel[op.target], self.g
+        steps: list[Step] = []
+        if gathered not in self.gathered:
+            self.gathered.add(gathered)
+            steps.append(Alloc(gathered, Part.GATHERED, n * g))
+        # the shard cast for the gather (one rank casts straight into the gathered buffer)
+        comm = n // self.D * g if g != FP32 and self.D > 1 else 0
+        return steps + self.compute(op, comm)
+
+    def free(self, op: Op) -> list[Step]:
+        gathered = f"gathered[{op.target}]"
+        freed = [Free(gathered)] if gathered in self.gathered else []
+        self.gathered.discard(gathered)
+        return [*freed, *self.compute(op)]
+
+    def backward(self, op: Op) -> list[Step]:
+        """FSDP's backward: the unsharded gradients its parameters write into come into being
+        (under the upcast, folded into the accumulator after it)."""
+        steps: list[Step] = []
+        for u, ws in self.writers.items():
+            name = f"grad[{u}]@mb{grad_key(self.spec, op.mb)}"
+            if op.target in ws and name not in self.grads:
+                self.grads.add(name)
+                steps.append(Alloc(name, Part.GRADS, self.numel[u] * self.g))
         steps += self.compute(op)
-        if op.kind is Kind.BWD and self.upcast:
+        if self.upcast:
             steps += self.fold(op)
         return steps
 

@@ -72,6 +72,13 @@ class ScheduleGraph:
     def stream_of(self, op: Op) -> str | None:
         return self.node(op).stream
 
+    def on(self, op: Op) -> str:
+        """The stream a placed op runs on."""
+        stream = self.node(op).stream
+        if stream is None:
+            raise AssertionError(f"internal: {op} is on no stream")
+        return stream
+
     def placed(self) -> list[Op]:
         return [op for ops in self.programs.values() for op in ops]
 

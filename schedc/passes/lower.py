@@ -28,6 +28,42 @@ from schedc.passes.graph import ScheduleGraph
 
 def lower(sg: ScheduleGraph) -> Plan:
     """The run graph in issue order, with a record/wait pair for every cross-stream edge."""
+    order = _issue_order(sg)
+    event_of, consumers = _events(sg, order)
+    waits_for: dict[Op, list[int]] = {}
+    for e, vs in consumers.items():
+        for v in vs:
+            waits_for.setdefault(v, []).append(e)
+    instrs: list[Instr] = []
+    streams = tuple(s for s, ops in sg.programs.items() if ops)
+    comm_streams = [s for s in streams if s != COMPUTE]
+    start = len(event_of) if comm_streams else None
+    if start is not None:
+        instrs.append(Instr(Action.RECORD, COMPUTE, event=start))
+        instrs += [Instr(Action.WAIT, s, event=start) for s in comm_streams]
+    for op in order:
+        stream = sg.on(op)
+        for e in sorted(waits_for.get(op, [])):
+            instrs.append(Instr(Action.WAIT, stream, event=e))
+        instrs.append(Instr(Action.RUN, stream, op=op))
+        if op in event_of:
+            instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
+    # what each op reads that another stream allocated, kept alive on its own (ir/effects.py)
+    for k, keeps in required_keeps(sg.spec, instrs).items():
+        instrs[k] = replace(instrs[k], keeps=keeps)
+    return Plan(
+        sg.rank,
+        streams,
+        tuple(instrs),
+        {e: op for op, e in event_of.items()},
+        {e: tuple(vs) for e, vs in consumers.items()},
+        step_start=start,
+    )
+
+
+def _issue_order(sg: ScheduleGraph) -> list[Op]:
+    """A topological order of the run graph that prefers the canonical sequence (an op a
+    file wrote that the step lacks sorts right after the op before it on its stream)."""
     runs = sg.syncs()
     key: dict[Op, float] = {}
     for ops in sg.programs.values():
@@ -50,7 +86,11 @@ def lower(sg: ScheduleGraph) -> Plan:
                 heapq.heappush(heap, (key[nxt], str(nxt), nxt))
     if len(order) != len(indeg):
         raise ValueError("the run graph has a cycle; check the schedule first")
+    return order
 
+
+def _events(sg: ScheduleGraph, order: list[Op]) -> tuple[dict[Op, int], dict[int, list[Op]]]:
+    """Each producer's event, numbered in issue order, and each event's consumers."""
     event_of: dict[Op, int] = {}
     consumers: dict[int, list[Op]] = {}
     at = {op: i for i, op in enumerate(order)}
@@ -58,33 +98,4 @@ def lower(sg: ScheduleGraph) -> Plan:
         if u not in event_of:
             event_of[u] = len(event_of)
         consumers.setdefault(event_of[u], []).append(v)
-    waits_for: dict[Op, list[int]] = {}
-    for e, vs in consumers.items():
-        for v in vs:
-            waits_for.setdefault(v, []).append(e)
-
-    instrs: list[Instr] = []
-    streams = tuple(s for s, ops in sg.programs.items() if ops)
-    comm_streams = [s for s in streams if s != COMPUTE]
-    start = len(event_of) if comm_streams else None
-    if start is not None:
-        instrs.append(Instr(Action.RECORD, COMPUTE, event=start))
-        instrs += [Instr(Action.WAIT, s, event=start) for s in comm_streams]
-    for op in order:
-        stream = sg.node(op).stream
-        for e in sorted(waits_for.get(op, [])):
-            instrs.append(Instr(Action.WAIT, stream, event=e))
-        instrs.append(Instr(Action.RUN, stream, op=op))
-        if op in event_of:
-            instrs.append(Instr(Action.RECORD, stream, event=event_of[op]))
-    # what each op reads that another stream allocated, kept alive on its own (ir/effects.py)
-    for k, keeps in required_keeps(sg.spec, instrs).items():
-        instrs[k] = replace(instrs[k], keeps=keeps)
-    return Plan(
-        sg.rank,
-        streams,
-        tuple(instrs),
-        {e: op for op, e in event_of.items()},
-        {e: tuple(vs) for e, vs in consumers.items()},
-        step_start=start,
-    )
+    return event_of, consumers

@@ -8,6 +8,7 @@ collectives as coloured hexagons. Repeated micro-steps fold into one node per st
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -118,16 +119,28 @@ def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = 
 def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested: bool) -> list[str]:
     sg = c.graph(rank)
     folded = range(0) if unfold else folded_microsteps(c, rank)
-    ids: dict[Op, str] = {}
-    lines: list[str] = []
     pad = "    " if nested else "  "
+    lines: list[str] = []
     if nested:
         lines.append(f"  subgraph cluster_s{index} {{")
         lines.append(
             f"    label={q(f'{Path(c.source.path).name}: {describe(c)}')}; "
             'fontsize=14; style=rounded; color="#adb5bd";'
         )
-    n = 0
+    ids = _clusters(c, sg, index, folded, pad, lines)
+    lines += _edges(sg, ids, folded, pad)
+    if nested:
+        lines.append("  }")
+    return lines
+
+
+def _clusters(
+    c: Compiled, sg: ScheduleGraph, index: int, folded: range, pad: str, lines: list[str]
+) -> dict[Op, str]:
+    """One cluster per stream into `lines`, its ops in program order (the folded micro-steps
+    one node); each op's node id."""
+    ids: dict[Op, str] = {}
+    numbers = itertools.count()
     for stream, ops in sg.programs.items():
         if not ops:
             continue
@@ -139,24 +152,28 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
         fold_id = None
         fold_ops = [op for op in ops if op.mb in folded]
         for op in ops:
-            if op.mb in folded:
-                if fold_id is None:
-                    fold_id = f"s{index}n{n}"
-                    n += 1
-                    style = attrs(
-                        label=q(_fold_label(fold_ops, folded)),
-                        shape="box3d",
-                        style="filled",
-                        fillcolor=q("#fff9db"),
-                        color=q("#f08c00"),
-                    )
-                    lines.append(f"{pad}  {fold_id} {style};")
-                ids[op] = fold_id
+            if op.mb not in folded:
+                ids[op] = f"s{index}n{next(numbers)}"
+                lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
                 continue
-            ids[op] = f"s{index}n{n}"
-            n += 1
-            lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
+            if fold_id is None:
+                fold_id = f"s{index}n{next(numbers)}"
+                style = attrs(
+                    label=q(_fold_label(fold_ops, folded)),
+                    shape="box3d",
+                    style="filled",
+                    fillcolor=q("#fff9db"),
+                    color=q("#f08c00"),
+                )
+                lines.append(f"{pad}  {fold_id} {style};")
+            ids[op] = fold_id
         lines.append(f"{pad}}}")
+    return ids
+
+
+def _edges(sg: ScheduleGraph, ids: dict[Op, str], folded: range, pad: str) -> list[str]:
+    """Program order, `after` waits and events between the nodes drawn: one edge per pair
+    of nodes, drawn as the strongest wait between them, labelled with what events carry."""
     edges: dict[tuple[str, str], tuple[Sync, set[str]]] = {}
     rank_of = {Sync.ORDER: 0, Sync.AFTER: 1, Sync.EVENT: 2}
     for u, v, d in sorted(sg.deps(), key=lambda e: (_pos(sg, e[1]), _pos(sg, e[0]))):
@@ -170,6 +187,7 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
             edges[key] = (kind, why | (old[1] if old else set()))
         else:
             old[1].update(why)
+    lines = []
     for (a, b), (kind, why) in edges.items():
         if kind is Sync.EVENT:
             label = q(", ".join(sorted(why))) if why else None
@@ -185,8 +203,6 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
             lines.append(f"{pad}{a} -> {b} {attrs(style='dotted', color=q('#495057'))};")
         else:
             lines.append(f"{pad}{a} -> {b} {attrs(color=q('#adb5bd'))};")
-    if nested:
-        lines.append("  }")
     return lines
 
 
