@@ -107,7 +107,7 @@ def effect(spec: Spec, op: Op) -> Effect:
     """The cross-stream buffers `op` writes and reads (module docstring)."""
     if spec.kind is not Strategy.FSDP:
         return NONE
-    fs = spec.strategy
+    fs = spec.fsdp
     if op.kind is Kind.BWD:
         writes = []
         for u in fs.units:
@@ -272,7 +272,7 @@ class _Walk:
         self.acts = {layer: layer_acts(spec, layer) for layer in spec.model.layers}
         self.saved: dict[tuple[str, int], int] = {}  # (layer, mb) -> bytes it holds now
         if self.fsdp:
-            fs, D = spec.strategy, spec.mesh.shard  # units shard over the shard dimension
+            fs, D = spec.fsdp, spec.mesh.shard  # units shard over the shard dimension
             self.D = D
             self.numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P
             self.writers = {u.name: spec.writers(u.params) for u in fs.units}
@@ -306,12 +306,12 @@ class _Walk:
         stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
         steps = []
         for ins in plan.instrs:
-            if ins.kind is Action.WAIT and ins.event != plan.step_start:
+            if ins.kind is Action.WAIT and ins.event is not None and ins.event != plan.step_start:
                 # a wait retires its stream's queue up to the op it waits for (FIFO); the step
                 # start has no producer op (comm streams wait for compute: nothing to retire)
                 producer = plan.producers[ins.event]
                 steps.append(tuple(self.retire(stream_of[producer], producer)))
-            elif ins.kind is Action.RUN:
+            elif ins.kind is Action.RUN and ins.op is not None:
                 self.issued[ins.op] = len(self.issued)
                 steps.append(tuple(self.op(ins.op, ins.stream)))
             else:

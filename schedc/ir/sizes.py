@@ -29,7 +29,7 @@ def unit_numel(spec: Spec, unit: UnitSpec) -> int:
 
 
 def bucket_numel(spec: Spec, name: str) -> int:
-    b = next(b for b in spec.strategy.buckets if b.name == name)
+    b = next(b for b in spec.buckets if b.name == name)
     return sum(spec.model.param(p).numel for p in b.params)
 
 
@@ -41,7 +41,7 @@ def op_bytes(spec: Spec, op: Op) -> int:
     if op.kind is Kind.ALLREDUCE and spec.kind is Strategy.DDP:
         return bucket_numel(spec, op.target) * num.reduce.nbytes
     if op.is_collective:
-        u = next(u for u in spec.strategy.units if u.name == op.target)
+        u = next(u for u in spec.fsdp.units if u.name == op.target)
         S = spec.mesh.shard
         dtype = num.gather if op.kind is Kind.ALLGATHER else num.reduce
         full = padded(unit_numel(spec, u), S) * dtype.nbytes

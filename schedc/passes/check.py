@@ -30,10 +30,10 @@ from collections.abc import Iterator
 
 import networkx as nx
 
-from schedc.ir.op import REDUCTIONS, Kind, Op
+from schedc.ir.op import REDUCTIONS, Kind, Op, Phase
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
-from schedc.ir.spec import Spec
+from schedc.ir.spec import Spec, Strategy
 from schedc.lang.diagnostics import Diagnostics, Note
 from schedc.passes.buffers import Finding, gathered_findings, memory_budget, plan_invariants
 from schedc.passes.graph import ScheduleGraph
@@ -161,21 +161,20 @@ def _missing_message(sg: ScheduleGraph, op: Op) -> str:
         return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
     if op.kind is Kind.REDUCESCATTER:
         return f"unit '{op.target}' is never reduce-scattered in micro-step {op.mb}{who}"
-    if op.kind is Kind.ALLGATHER:
+    if op.kind is Kind.ALLGATHER and op.phase is not None:
         return f"unit '{op.target}' is never gathered for its {op.phase.value} in mb{op.mb}{who}"
     return f"{op} is missing from the written program{who}"
 
 
 def _why_not(sg: ScheduleGraph, op: Op) -> str:
-    spec, fs = sg.spec, sg.spec.strategy
+    spec = sg.spec
     if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
         return f" (no_sync keeps mb{op.mb} local; only mb{spec.accum - 1} communicates)"
     if (
         op.kind is Kind.ALLGATHER
-        and op.phase
-        and op.phase.value == "bwd"
-        and fs is not None
-        and not getattr(fs, "reshard_after_forward", True)
+        and op.phase is Phase.BWD
+        and spec.kind is Strategy.FSDP
+        and not spec.fsdp.reshard_after_forward
     ):
         return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
     return ""

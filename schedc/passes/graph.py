@@ -119,7 +119,7 @@ def build_graphs(spec: Spec) -> dict[int | None, ScheduleGraph]:
     """One graph for every rank, plus one per rank that has programs of its own."""
     seq = canonical(spec)
     ranks = sorted({p.rank for p in spec.programs if p.rank is not None})
-    out = {None: _build(spec, seq, None)}
+    out: dict[int | None, ScheduleGraph] = {None: _build(spec, seq, None)}
     for r in ranks:
         out[r] = _build(spec, seq, r)
     return out

@@ -123,7 +123,7 @@ class _Ledger:
     """The interpreter of a plan's lifetimes (ir/effects.py) with byte sizes: what is live
     at each measure, the peaks of each part, and the largest total and what it is made of."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.live: dict[str, tuple[Part, int]] = {}
         self.by_part = dict.fromkeys(Part, 0)
         self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations

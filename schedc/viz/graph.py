@@ -26,12 +26,11 @@ def describe(c: Compiled) -> str:
     s = c.spec
     k = f"{s.accum} micro-step{'s' if s.accum != 1 else ''} of {s.micro} x {s.seq_len} tokens"
     if s.kind is Strategy.DDP:
-        st = s.strategy
-        how = count(len(st.buckets), "bucket")
+        how = count(len(s.buckets), "bucket")
         sync = ", no_sync" if s.no_sync and s.accum > 1 else ""
         return f"DDP, world {s.world}, {k}, {how}{sync}"
     if s.kind is Strategy.FSDP:
-        st = s.strategy
+        st = s.fsdp
         what = f"HSDP, mesh {s.mesh} (replicate x shard)" if s.hsdp else "FSDP"
         return (
             f"{what}, world {s.world}, {k}, {count(len(st.units), 'unit')}, prefetch forward "
