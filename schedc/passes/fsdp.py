@@ -59,7 +59,8 @@ class _FsdpStep:
         for use in self.uses:
             self.ends_at[use.last].append(use)
         self.keep = [u for u in fs.units if u.keep]
-        self.rs_after = _reduce_scatter_points(spec, self.compute)
+        self.writers = {u.name: spec.writers(u.params) for u in fs.units}  # unit -> layers
+        self.rs_after = _reduce_scatter_points(spec, self.compute, self.writers)
         self.readers: dict[Op, list[Op]] = defaultdict(list)  # gather -> its readers so far
         self.seq = OpSequence()
 
@@ -111,7 +112,7 @@ class _FsdpStep:
     def reduce(self, u: UnitSpec, mb: int) -> None:
         """Unit u's reduce-scatter of micro-step mb (and HSDP's all-reduce after it)."""
         spec = self.spec
-        writers = spec.writers(u.params)
+        writers = self.writers[u.name]
         needs = [(bwd(w, mb), Need.GRADS) for w in spec.model.layers if w in writers]
         if mb and not spec.no_sync:
             needs.append((Op(Kind.REDUCESCATTER, u.name, mb - 1), Need.REUSE))
@@ -174,11 +175,12 @@ def _gather_anchors(fs: FSDPSpec, uses: list[_Use]) -> dict[int, list[_Use]]:
     return anchored
 
 
-def _reduce_scatter_points(spec: Spec, compute: list[Op]) -> dict[int, list[UnitSpec]]:
+def _reduce_scatter_points(
+    spec: Spec, compute: list[Op], writers: dict[str, frozenset[str]]
+) -> dict[int, list[UnitSpec]]:
     """Compute index -> the reduce-scatters right after it: a unit's, in micro-step j, after
     the last backward of j that writes its gradients (when j communicates)."""
     units = spec.fsdp.units
-    writers = {u.name: spec.writers(u.params) for u in units}
     last_writer: dict[tuple[str, int], int] = {}
     for i, op in enumerate(compute):
         if op.kind is Kind.BWD:

@@ -1,7 +1,8 @@
 """Spec -> the schedule graph: one networkx node per op, edges for what each op needs.
 
 Every node carries an `OpNode` (its stream, its place in the canonical sequence and in its
-program, its source line) and every edge a `Dep`, with two kinds of fact in one DiGraph:
+program, its source line) and every edge a `Dep` (passes/payloads.py), with two kinds of
+fact in one DiGraph:
 
 * `needs`: why the consumer cannot run before the producer (an activation, a saved
   tensor, gathered parameters, complete gradients, a buffer about to be reused, memory
@@ -10,10 +11,11 @@ program, its source line) and every edge a `Dep`, with two kinds of fact in one 
   `event` for a wait across streams. Only these run.
 
 The generator lays the step out in one canonical sequence (the order a host would issue
-it in: fwd, bwd, and each collective the moment its inputs are complete), then projects it
-onto streams; every need that crosses streams becomes an event, minus those another
-event already implies. A `program` block written in the .sched file replaces the
-generated program of its stream and brings exactly the waits it names (`after`).
+it in: fwd, bwd, and each collective the moment its inputs are complete; passes/ddp.py,
+passes/fsdp.py), then projects it onto streams; every need that crosses streams becomes an
+event, minus those another event already implies (passes/clocks.py). A `program` block
+written in the .sched file replaces the generated program of its stream and brings exactly
+the waits it names (`after`).
 """
 
 from __future__ import annotations

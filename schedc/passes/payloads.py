@@ -100,9 +100,13 @@ def dep_of(g: nx.DiGraph, u: Op, v: Op) -> Dep:
 def add_dep(g: nx.DiGraph, u: Op, v: Op) -> Dep:
     """The edge u -> v's payload, for adding to; the edge is made, saying nothing yet, if it
     is not there."""
-    if not g.has_edge(u, v):
-        g.add_edge(u, v, **{_DEP: Dep()})
-    return dep_of(g, u, v)
+    d = g.get_edge_data(u, v)
+    if d is not None:
+        dep: Dep = d[_DEP]
+        return dep
+    dep = Dep()
+    g.add_edge(u, v, **{_DEP: dep})
+    return dep
 
 
 def deps(g: nx.DiGraph) -> Iterator[tuple[Op, Op, Dep]]:
