@@ -201,6 +201,7 @@ STAGES = {
     "lang/parse.py": "parse",
     "lang/resolve": "resolve",  # a package: its modules together
     "passes/check.py": "check",
+    "passes/buffers.py": "check",  # the lifetime rules the check runs
     "passes/agree.py": "compare",
 }
 BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
@@ -214,7 +215,9 @@ def stage_text(path: Path) -> str:
 
 
 def codes_table() -> str:
-    sources = {stage: stage_text(REPO / "schedc" / f) for f, stage in STAGES.items()}
+    sources: dict[str, str] = {}
+    for f, stage in STAGES.items():
+        sources[stage] = sources.get(stage, "") + stage_text(REPO / "schedc" / f)
     warnings = {
         c for text in sources.values() for c in re.findall(r'\.warning\(\s*"([\w-]+)"', text)
     }

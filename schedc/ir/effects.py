@@ -33,10 +33,16 @@ FSDP2 documents the same aliasing, the reduce-scatter output that the all-reduce
 reads, in `_fsdp_collectives.py`). `effect(spec, op)` names the cross-stream buffers an op
 writes (the first write allocates, on its stream) and reads; `required_keeps` derives the
 keeps every read on another stream needs; the lowering writes them into each instruction
-(`Instr.keeps`); the checker proves that a plan carries every one (passes/check.py,
+(`Instr.keeps`); the checker proves that a plan carries every one (passes/buffers.py,
 `[keep-alive]`); the executor keeps exactly those alive. Gathered units are released
 through the plan's `free` and its mark, which the allocating stream waits for before the
 storage goes back (exec/executor.py `_reclaim`).
+
+Gathered units: `gathered[u]` comes into being at each all-gather of u and goes at each
+free of u. Which all-gather's buffer a compute op reads, and which one a free releases, is
+`gathers_read` and `gather_freed`: the graph's needs (what a free waits for, what a compute
+op waits for; passes/fsdp.py) and the checker's use-after-free (passes/buffers.py, with
+vector clocks) both read them.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from schedc.ir.op import COMPUTE, Kind, Op
+from schedc.ir.op import COMPUTE, Kind, Op, Phase
 from schedc.ir.plan import Action, Plan
 from schedc.ir.sizes import batches_bytes, bucket_numel, layer_acts, padded, unit_numel
-from schedc.ir.spec import Dtype, Spec, Strategy
+from schedc.ir.spec import Dtype, Spec, Strategy, UnitSpec
 from schedc.model.arch import FP32
 
 
@@ -101,7 +107,7 @@ def effect(spec: Spec, op: Op) -> Effect:
     """The cross-stream buffers `op` writes and reads (module docstring)."""
     if spec.kind is not Strategy.FSDP:
         return NONE
-    fs = spec.strategy
+    fs = spec.fsdp
     if op.kind is Kind.BWD:
         writes = []
         for u in fs.units:
@@ -123,6 +129,35 @@ def effect(spec: Spec, op: Op) -> Effect:
     if op.kind is Kind.STEP:
         return Effect(reads=tuple(shard_grad(u.name) for u in fs.units))
     return NONE
+
+
+# -- gathered units: whose buffer each compute op reads and each free releases -------------------
+
+
+def gather_of(spec: Spec, unit: UnitSpec, mb: int, phase: Phase) -> Op:
+    """The all-gather whose buffer `unit`'s use in micro-step `mb`'s `phase` reads: that use's
+    own; forward's, for backward, when the unit is not resharded after forward; the step's
+    one gather, for a unit kept gathered."""
+    if unit.keep:
+        return Op(Kind.ALLGATHER, unit.name, 0, Phase.FWD)
+    if phase is Phase.BWD and not spec.fsdp.reshard_after_forward:
+        phase = Phase.FWD
+    return Op(Kind.ALLGATHER, unit.name, mb, phase)
+
+
+def gathers_read(spec: Spec, op: Op) -> tuple[Op, ...]:
+    """The all-gathers whose buffers a compute op reads (FSDP): one per unit of its layer.
+    A recompute reads backward's, like the backward it precedes."""
+    if spec.kind is not Strategy.FSDP or op.kind not in (Kind.FWD, Kind.RECOMPUTE, Kind.BWD):
+        return ()
+    phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
+    return tuple(gather_of(spec, u, op.mb, phase) for u in spec.fsdp.units if op.target in u.layers)
+
+
+def gather_freed(spec: Spec, op: Op) -> Op:
+    """The all-gather whose buffer a free releases."""
+    unit = next(u for u in spec.fsdp.units if u.name == op.target)
+    return gather_of(spec, unit, op.mb, op.phase or Phase.BWD)
 
 
 @dataclass(frozen=True)
@@ -237,7 +272,7 @@ class _Walk:
         self.acts = {layer: layer_acts(spec, layer) for layer in spec.model.layers}
         self.saved: dict[tuple[str, int], int] = {}  # (layer, mb) -> bytes it holds now
         if self.fsdp:
-            fs, D = spec.strategy, spec.mesh.shard  # units shard over the shard dimension
+            fs, D = spec.fsdp, spec.mesh.shard  # units shard over the shard dimension
             self.D = D
             self.numel = {u.name: padded(unit_numel(spec, u), D) for u in fs.units}  # P
             self.writers = {u.name: spec.writers(u.params) for u in fs.units}
@@ -271,12 +306,12 @@ class _Walk:
         stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
         steps = []
         for ins in plan.instrs:
-            if ins.kind is Action.WAIT and ins.event != plan.step_start:
+            if ins.kind is Action.WAIT and ins.event is not None and ins.event != plan.step_start:
                 # a wait retires its stream's queue up to the op it waits for (FIFO); the step
                 # start has no producer op (comm streams wait for compute: nothing to retire)
                 producer = plan.producers[ins.event]
                 steps.append(tuple(self.retire(stream_of[producer], producer)))
-            elif ins.kind is Action.RUN:
+            elif ins.kind is Action.RUN and ins.op is not None:
                 self.issued[ins.op] = len(self.issued)
                 steps.append(tuple(self.op(ins.op, ins.stream)))
             else:
@@ -312,22 +347,10 @@ class _Walk:
             if op.kind is Kind.ALLREDUCE and self.spec.kind is Strategy.DDP and self.r != FP32:
                 comm = bucket_numel(self.spec, op.target) * self.r  # bf16_compress_hook's cast
             return self.compute(op, comm)
-        # a plan the checker refuses (a free before its gather, a gather of a unit gathered)
-        # still gets a walk, for the memory budget's diagnostic: what is not there is not freed
-        gathered = f"gathered[{op.target}]"
         if op.kind is Kind.ALLGATHER:
-            n, g = self.numel[op.target], self.g
-            steps: list[Step] = []
-            if gathered not in self.gathered:
-                self.gathered.add(gathered)
-                steps.append(Alloc(gathered, Part.GATHERED, n * g))
-            # the shard cast for the gather (one rank casts straight into the gathered buffer)
-            comm = n // self.D * g if g != FP32 and self.D > 1 else 0
-            return steps + self.compute(op, comm)
+            return self.gather(op)
         if op.kind is Kind.FREE:
-            freed = [Free(gathered)] if gathered in self.gathered else []
-            self.gathered.discard(gathered)
-            return [*freed, *self.compute(op)]
+            return self.free(op)
         if op.kind is Kind.REDUCESCATTER:
             return self.reduce_scatter(op, stream)
         if op.kind is Kind.ALLREDUCE:  # HSDP's: it reads the reduce-scatter's output, if any
@@ -336,15 +359,39 @@ class _Walk:
                 self.outs.discard(out)
                 self.held.setdefault(stream, []).append((op, out))
             return self.compute(op)
-        steps = []
-        if op.kind is Kind.BWD:  # the unsharded gradients its parameters write into
-            for u, ws in self.writers.items():
-                name = f"grad[{u}]@mb{grad_key(self.spec, op.mb)}"
-                if op.target in ws and name not in self.grads:
-                    self.grads.add(name)
-                    steps.append(Alloc(name, Part.GRADS, self.numel[u] * self.g))
+        return self.backward(op) if op.kind is Kind.BWD else self.compute(op)
+
+    # a plan the checker refuses (a free before its gather, a gather of a unit gathered) still
+    # gets a walk, for the memory budget's diagnostic: what is not there is not freed
+
+    def gather(self, op: Op) -> list[Step]:
+        gathered = f"gathered[{op.target}]"
+        n, g = self.numel[op.target], self.g
+        steps: list[Step] = []
+        if gathered not in self.gathered:
+            self.gathered.add(gathered)
+            steps.append(Alloc(gathered, Part.GATHERED, n * g))
+        # the shard cast for the gather (one rank casts straight into the gathered buffer)
+        comm = n // self.D * g if g != FP32 and self.D > 1 else 0
+        return steps + self.compute(op, comm)
+
+    def free(self, op: Op) -> list[Step]:
+        gathered = f"gathered[{op.target}]"
+        freed = [Free(gathered)] if gathered in self.gathered else []
+        self.gathered.discard(gathered)
+        return [*freed, *self.compute(op)]
+
+    def backward(self, op: Op) -> list[Step]:
+        """FSDP's backward: the unsharded gradients its parameters write into come into being
+        (under the upcast, folded into the accumulator after it)."""
+        steps: list[Step] = []
+        for u, ws in self.writers.items():
+            name = f"grad[{u}]@mb{grad_key(self.spec, op.mb)}"
+            if op.target in ws and name not in self.grads:
+                self.grads.add(name)
+                steps.append(Alloc(name, Part.GRADS, self.numel[u] * self.g))
         steps += self.compute(op)
-        if op.kind is Kind.BWD and self.upcast:
+        if self.upcast:
             steps += self.fold(op)
         return steps
 

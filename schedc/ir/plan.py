@@ -59,21 +59,19 @@ class Plan:
 
     @property
     def ops(self) -> list[Op]:
-        return [i.op for i in self.instrs if i.kind is Action.RUN]
+        return [i.op for i in self.instrs if i.op is not None]  # the runs'
 
     def collectives(self, stream: str | None = None) -> list[Op]:
         return [
             i.op
             for i in self.instrs
-            if i.kind is Action.RUN
-            and i.op.is_collective
-            and (stream is None or i.stream == stream)
+            if i.op is not None and i.op.is_collective and (stream is None or i.stream == stream)
         ]
 
     def collective_digest(self) -> str:
         """Hash of each stream's collective sequence: ranks compare it before step 1."""
         text = "\n".join(
-            f"{i.stream} {i.op}" for i in self.instrs if i.kind is Action.RUN and i.op.is_collective
+            f"{i.stream} {i.op}" for i in self.instrs if i.op is not None and i.op.is_collective
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -91,10 +89,9 @@ class Plan:
             text = f"{k:5d}  {ins}"
             if ins.event is not None and ins.event == self.step_start:
                 text += "    # step start" if ins.kind is Action.RECORD else "    # for step start"
-            elif ins.kind is Action.RECORD:
-                text += f"    # after {self.producers[ins.event]}"
-            elif ins.kind is Action.WAIT:
-                text += f"    # for {self.producers[ins.event]}"
+            elif ins.event is not None:
+                after = "after" if ins.kind is Action.RECORD else "for"  # a record, a wait
+                text += f"    # {after} {self.producers[ins.event]}"
             if k == mark:
                 text += "    <-- ERROR HERE"
             lines.append(text)

@@ -29,7 +29,7 @@ def unit_numel(spec: Spec, unit: UnitSpec) -> int:
 
 
 def bucket_numel(spec: Spec, name: str) -> int:
-    b = next(b for b in spec.strategy.buckets if b.name == name)
+    b = next(b for b in spec.buckets if b.name == name)
     return sum(spec.model.param(p).numel for p in b.params)
 
 
@@ -41,7 +41,7 @@ def op_bytes(spec: Spec, op: Op) -> int:
     if op.kind is Kind.ALLREDUCE and spec.kind is Strategy.DDP:
         return bucket_numel(spec, op.target) * num.reduce.nbytes
     if op.is_collective:
-        u = next(u for u in spec.strategy.units if u.name == op.target)
+        u = next(u for u in spec.fsdp.units if u.name == op.target)
         S = spec.mesh.shard
         dtype = num.gather if op.kind is Kind.ALLGATHER else num.reduce
         full = padded(unit_numel(spec, u), S) * dtype.nbytes
@@ -60,50 +60,83 @@ class LayerActs:
 
 
 def layer_acts(spec: Spec, layer: str) -> LayerActs:
-    """What autograd saves for one layer of GPT-2 in one micro-step, in bytes.
+    """What autograd saves for one layer of GPT-2 in one micro-step, in bytes, and the
+    transients of its forward and backward (measured on the CPU heap, rounded up to whole
+    tensors).
 
-    N = micro x seq_len tokens, C = n_embd, H = n_head, V = vocab, fp32 compute (the
-    tensors autograd saves, read with saved_tensors_hooks on torch 2.13's CPU kernels;
-    views of one storage count once):
+    N = micro x seq_len tokens, C = n_embd, H = n_head, V = vocab, fp32 compute unless
+    said (the tensors autograd saves, read with saved_tensors_hooks on torch 2.13's CPU
+    kernels; views of one storage count once). A recomputing layer keeps only its input
+    during forward (a block: N C in the compute dtype's residual stream, fp32; embed:
+    nothing beyond the batch; head: N C), and holds `saved` again from its recompute to
+    its backward.
+    """
+    if layer == "embed":
+        # the position indices, 8 T bytes (int64); the token ids are the batch's. Its
+        # forward and backward each hold its output (or its gradient), N C
+        N, C = spec.micro * spec.seq_len, spec.model.n_embd
+        return LayerActs(8 * spec.seq_len, 0, N * C * FP32, N * C * FP32)
+    if layer == "head" and spec.numerics.loss_chunk is not None:
+        return _chunked_head_acts(spec, spec.numerics.loss_chunk)
+    if layer == "head":
+        return _head_acts(spec)
+    return _block_acts(spec)
 
-    block h.i   16 C + 4 + H per token, fp32:
-                ln_1: its input x (C) and mean, rstd (1 + 1); c_attn: ln_1's output (C);
-                scaled_dot_product_attention (the CPU flash kernel, chosen for causal
-                attention without dropout in fp32 and bf16; CUDA's flash and efficient
-                kernels save the same): q, k, v (views of c_attn's output, 3 C), its output
-                (C, laid out (B, T, H, hs), so the transpose back is a view that attn.c_proj
-                saves for free) and the log-sum-exp (H); ln_2: x + attn (C) and mean, rstd;
-                c_fc: ln_2's output (C); GELU: c_fc's output (4 C); mlp.c_proj: GELU's
-                output (4 C). The residual adds save nothing.
-    embed       the position indices, 8 T bytes (int64); the token ids are the batch's.
-    head        2 C + 2 + V per token: ln_f's input and output, mean and rstd, and
-                log_softmax's output (cross_entropy = log_softmax + nll_loss, which saves
-                the targets: the batch's). The logits themselves are not saved.
 
-    bf16 autocast (`compute = bf16`) saves the bf16 copies its matmuls read: per block 14 C
-    bf16 + 2 C fp32 (the LayerNorms' inputs) + 4 + H fp32 per token, plus the bf16 casts
-    of the block's weights (12 C^2 x 2 bytes, made again by every forward); the head the
-    bf16 logits (V x 2) besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
+def _block_acts(spec: Spec) -> LayerActs:
+    """Block h.i: 16 C + 4 + H per token, fp32: ln_1: its input x (C) and mean, rstd (1 + 1);
+    c_attn: ln_1's output (C); scaled_dot_product_attention (the CPU flash kernel, chosen
+    for causal attention without dropout in fp32 and bf16; CUDA's flash and efficient
+    kernels save the same): q, k, v (views of c_attn's output, 3 C), its output (C, laid out
+    (B, T, H, hs), so the transpose back is a view that attn.c_proj saves for free) and the
+    log-sum-exp (H); ln_2: x + attn (C) and mean, rstd; c_fc: ln_2's output (C); GELU: c_fc's
+    output (4 C); mlp.c_proj: GELU's output (4 C). The residual adds save nothing.
 
-    head, `loss chunk K` (model/gpt2.py ChunkedLinearCE, which makes the loss and its
-                gradients in one pass over the logits): ln_f's input, mean and rstd (C + 2
-                fp32 per token) and the Function's two gradients, grad h (N C fp32) and grad
-                weight (V C in the weight's dtype: fp32, or the gather dtype under FSDP),
-                kept from forward to backward in place of h. No logits and no log_softmax
-                output are kept. A recomputing head's first forward runs without autograd and
-                makes no gradients; its recompute makes them.
+    bf16 autocast (`compute = bf16`) saves the bf16 copies its matmuls read: 14 C bf16 +
+    2 C fp32 (the LayerNorms' inputs) + 4 + H fp32 per token, plus the bf16 casts of the
+    block's weights (12 C^2 x 2 bytes, made again by every forward).
 
-    A recomputing layer keeps only its input during forward (a block: N C in the compute
-    dtype's residual stream, fp32; embed: nothing beyond the batch; head: N C), and holds
-    `saved` again from its recompute to its backward.
+    Transients: forward, the attention projection and MLP outputs before their residual adds
+    (2 C); backward, the gradients of the 4 C hidden and its input (about 4 C + 4 C + 2 C).
+    """
+    cfg, N = spec.model, spec.micro * spec.seq_len
+    C, H = cfg.n_embd, cfg.n_head
+    c = spec.numerics.compute.nbytes
+    if spec.numerics.compute is not Dtype.FP32:
+        saved = N * (14 * C * c + (2 * C + 4 + H) * FP32) + 12 * C * C * c
+    else:
+        saved = N * (16 * C + 4 + H) * FP32
+    return LayerActs(saved, N * C * FP32, N * 2 * C * FP32, N * 10 * C * FP32)
 
-    Transients, on top while the op runs (measured on the CPU heap, rounded up to whole
-    tensors): a block's forward, the attention projection and MLP outputs before their
-    residual adds (2 C); its backward, the gradients of the 4 C hidden and its input (about
-    4 C + 4 C + 2 C); the head's forward, the logits (V); its backward, the gradient of
-    log_softmax's output and of the logits (2 V) and of its input (C); embed's backward the
-    gradient of its output (C).
-    Chunked, with K = min(chunk, N): forward holds ln_f's output h (N C) and one chunk's
+
+def _head_acts(spec: Spec) -> LayerActs:
+    """head: 2 C + 2 + V per token: ln_f's input and output, mean and rstd, and
+    log_softmax's output (cross_entropy = log_softmax + nll_loss, which saves the targets:
+    the batch's). The logits themselves are not saved. bf16: the bf16 logits (V x 2)
+    besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
+
+    Transients: forward, the logits (V); backward, the gradient of log_softmax's output
+    and of the logits (2 V) and of its input (C).
+    """
+    cfg, N = spec.model, spec.micro * spec.seq_len
+    C, V = cfg.n_embd, cfg.vocab_size
+    c = spec.numerics.compute.nbytes
+    if spec.numerics.compute is not Dtype.FP32:
+        saved = N * ((C + 2 + V) * FP32 + (C + V) * c)
+    else:
+        saved = N * (2 * C + 2 + V) * FP32
+    return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)
+
+
+def _chunked_head_acts(spec: Spec, chunk: int) -> LayerActs:
+    """head, `loss chunk K` (model/gpt2.py ChunkedLinearCE, which makes the loss and its
+    gradients in one pass over the logits): ln_f's input, mean and rstd (C + 2 fp32 per
+    token) and the Function's two gradients, grad h (N C fp32) and grad weight (V C in the
+    weight's dtype: fp32, or the gather dtype under FSDP), kept from forward to backward in
+    place of h. No logits and no log_softmax output are kept. A recomputing head's first
+    forward runs without autograd and makes no gradients; its recompute makes them.
+
+    Transients, with K = min(chunk, N): forward holds ln_f's output h (N C) and one chunk's
     logits and log-softmax (2 K V fp32; the softmax and the logits' gradient are made in
     place of the log-softmax); bf16: K V bf16 logits, their fp32 copy and log-softmax, the
     bf16 gradient of the logits, the bf16 casts of h and the weight (N C + V C), a chunk's
@@ -113,29 +146,17 @@ def layer_acts(spec: Spec, layer: str) -> LayerActs:
     gradients on: its transient is ln_f's gradient of its input (N C fp32).
     """
     cfg, N = spec.model, spec.micro * spec.seq_len
-    C, H, V = cfg.n_embd, cfg.n_head, cfg.vocab_size
-    bf16 = spec.numerics.compute is not Dtype.FP32
+    C, V = cfg.n_embd, cfg.vocab_size
     c = spec.numerics.compute.nbytes
-    if layer == "embed":
-        return LayerActs(8 * spec.seq_len, 0, N * C * FP32, N * C * FP32)
-    if layer == "head" and spec.numerics.loss_chunk is not None:
-        K = min(spec.numerics.loss_chunk, N)
-        w = spec.numerics.gather.nbytes if spec.kind is Strategy.FSDP else FP32
-        saved = N * (2 * C + 2) * FP32 + V * C * w  # ln_f's, grad h, grad weight
-        fwd = N * C * FP32 + 2 * K * V * FP32  # h, one chunk's logits and log-softmax
-        if bf16:
-            casts = (N * C + V * C) * c
-            fwd = N * C * FP32 + K * V * (2 * c + 2 * FP32) + casts + V * C * c + N * C * c
-            fwd += V * C * FP32 if w != FP32 else 0
-        return LayerActs(saved, N * C * FP32, fwd, N * C * FP32)
-    if layer == "head":
-        saved = N * ((2 * C + 2 + V) * FP32 if not bf16 else (C + 2 + V) * FP32 + (C + V) * c)
-        return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)
-    if bf16:
-        saved = N * (14 * C * c + (2 * C + 4 + H) * FP32) + 12 * C * C * c
-    else:
-        saved = N * (16 * C + 4 + H) * FP32
-    return LayerActs(saved, N * C * FP32, N * 2 * C * FP32, N * 10 * C * FP32)
+    K = min(chunk, N)
+    w = spec.numerics.gather.nbytes if spec.kind is Strategy.FSDP else FP32
+    saved = N * (2 * C + 2) * FP32 + V * C * w  # ln_f's, grad h, grad weight
+    fwd = N * C * FP32 + 2 * K * V * FP32  # h, one chunk's logits and log-softmax
+    if spec.numerics.compute is not Dtype.FP32:
+        casts = (N * C + V * C) * c
+        fwd = N * C * FP32 + K * V * (2 * c + 2 * FP32) + casts + V * C * c + N * C * c
+        fwd += V * C * FP32 if w != FP32 else 0
+    return LayerActs(saved, N * C * FP32, fwd, N * C * FP32)
 
 
 def batches_bytes(spec: Spec) -> int:

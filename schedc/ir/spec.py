@@ -327,6 +327,18 @@ class Spec:
         return Strategy.of(self.strategy)
 
     @property
+    def fsdp(self) -> FSDPSpec:
+        """The FSDP strategy (its units, prefetch, resharding); only FSDP schedules have one."""
+        if not isinstance(self.strategy, FSDPSpec):
+            raise TypeError(f"{self.kind.a_label} schedule has no FSDP units")
+        return self.strategy
+
+    @property
+    def buckets(self) -> tuple[BucketSpec, ...]:
+        """DDP's buckets, in launch order (none without DDP)."""
+        return self.strategy.buckets if isinstance(self.strategy, DDPSpec) else ()
+
+    @property
     def no_sync(self) -> bool:
         return bool(self.strategy and self.strategy.no_sync)
 

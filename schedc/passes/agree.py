@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
 
@@ -52,11 +52,39 @@ def sequence_weights(spec: Spec) -> dict[int, Fraction]:
 
 
 def compare(a: Spec, b: Spec) -> Agreement:
-    out: list[Diagnostic] = []
+    found = _Differences(a, b)
+    if a.model != b.model:
+        found.differ("the models differ", _model(a), _model(b), "model")
+    found.batches()
+    if a.data != b.data:  # both resolved (DataConfig.resolved): meaning, not spelling
+        found.differ("the data sources differ", _data(a), _data(b), "data")
+    found.optimizers()
+    if a.seed != b.seed:
+        found.differ("the seeds differ (so do the initial weights)", a.seed, b.seed, "seed")
+    if a.steps != b.steps and not (a.optim.decay_steps and b.optim.decay_steps):
+        found.differ(
+            "the run lengths differ, and with them the cosine LR schedule",
+            a.steps,
+            b.steps,
+            "steps",
+            hint="give both the same `steps`, or fix `decay_steps` in the optimizer",
+        )
+    numerics = a.numerics.effective(a.kind).differences(b.numerics.effective(b.kind))
+    return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(found.out), tuple(numerics))
 
-    def differ(what: str, va, vb, key: str, hint: str | None = None) -> None:
+
+@dataclass
+class _Differences:
+    """What `compare` finds, one diagnostic per difference, at b's line with a note at a's."""
+
+    a: Spec
+    b: Spec
+    out: list[Diagnostic] = field(default_factory=list)
+
+    def differ(self, what: str, va: object, vb: object, key: str, hint: str | None = None) -> None:
+        a, b = self.a, self.b
         span_b, span_a = b.where.get(key), a.where.get(key)
-        out.append(
+        self.out.append(
             Diagnostic(
                 "disagree",
                 f"{what}: {vb} here, {va} in {a.source.path}",
@@ -67,51 +95,41 @@ def compare(a: Spec, b: Spec) -> Agreement:
             )
         )
 
-    if a.model != b.model:
-        differ("the models differ", _model(a), _model(b), "model")
-    if (a.seqs, a.seq_len) != (b.seqs, b.seq_len):
-        differ(
-            "the global batches differ",
-            f"{a.seqs} x {a.seq_len}",
-            f"{b.seqs} x {b.seq_len}",
-            "batch",
-            hint="an update must see the same sequences: same sequences x tokens",
-        )
-    else:
+    def batches(self) -> None:
+        """The same sequences, each with the same weight in the loss."""
+        a, b = self.a, self.b
+        if (a.seqs, a.seq_len) != (b.seqs, b.seq_len):
+            self.differ(
+                "the global batches differ",
+                f"{a.seqs} x {a.seq_len}",
+                f"{b.seqs} x {b.seq_len}",
+                "batch",
+                hint="an update must see the same sequences: same sequences x tokens",
+            )
+            return
         wa, wb = sequence_weights(a), sequence_weights(b)
         if wa != wb:
-            diff = sorted(n for n in set(wa) | set(wb) if wa.get(n) != wb.get(n))
-            n = diff[0]
-            differ(
+            n = min(n for n in set(wa) | set(wb) if wa.get(n) != wb.get(n))
+            self.differ(
                 f"sequence {n} of the global batch is weighted differently",
                 wa.get(n, 0),
                 wb.get(n, 0),
                 "micro",
             )
-    if a.data != b.data:  # both resolved (DataConfig.resolved): meaning, not spelling
-        differ("the data sources differ", _data(a), _data(b), "data")
-    if a.optim != b.optim:
+
+    def optimizers(self) -> None:
+        oa, ob = self.a.optim, self.b.optim
+        if oa == ob:
+            return
         fields = [
-            f for f in a.optim.__dataclass_fields__ if getattr(a.optim, f) != getattr(b.optim, f)
+            f.name for f in dataclasses.fields(oa) if getattr(oa, f.name) != getattr(ob, f.name)
         ]
-        differ(
+        self.differ(
             "the optimizers differ in " + ", ".join(fields),
-            ", ".join(f"{f}={getattr(a.optim, f)}" for f in fields),
-            ", ".join(f"{f}={getattr(b.optim, f)}" for f in fields),
+            ", ".join(f"{f}={getattr(oa, f)}" for f in fields),
+            ", ".join(f"{f}={getattr(ob, f)}" for f in fields),
             "optimizer",
         )
-    if a.seed != b.seed:
-        differ("the seeds differ (so do the initial weights)", a.seed, b.seed, "seed")
-    if a.steps != b.steps and not (a.optim.decay_steps and b.optim.decay_steps):
-        differ(
-            "the run lengths differ, and with them the cosine LR schedule",
-            a.steps,
-            b.steps,
-            "steps",
-            hint="give both the same `steps`, or fix `decay_steps` in the optimizer",
-        )
-    numerics = a.numerics.effective(a.kind).differences(b.numerics.effective(b.kind))
-    return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(out), tuple(numerics))
 
 
 def _model(s: Spec) -> str:

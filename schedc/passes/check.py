@@ -7,18 +7,18 @@ Rules, each with its code (errors.CODES):
 * the run graph is acyclic; no op waits on its own stream's future   [cycle] [deadlock]
 * every need holds in the run graph: activations and saved tensors [out-of-order],
   cross-stream needs by an event [missing-event], reductions after the last gradient
-  write [early-reduce], the optimizer after every reduction [optimizer-wait], a unit's
-  parameters only while gathered [use-after-free]
-* a recompute reruns its layer's forward with the layer's unit gathered [recompute-gather],
-  is complete before its layer's backward [recompute-late] (which releases what the
-  layer kept), and is of a layer declared `recompute`, whose forward kept its input: any
-  other forward saved activations and freed its input [recompute-freed]
+  write [early-reduce], the optimizer after every reduction [optimizer-wait]
+* a recompute is complete before its layer's backward [recompute-late] (which releases
+  what the layer kept), and is of a layer declared `recompute`, whose forward kept its
+  input: any other forward saved activations and freed its input [recompute-freed]
 * every rank issues the same collectives in the same order on each stream   [spmd]
-* the predicted peak memory fits the declared budget   [memory-budget]
 
-And one invariant of every lowered plan, which no schedule can break (a broken one is a bug
-in schedc, reported as an internal error with its code): every buffer an op reads that
-another stream allocated is kept alive on the reading stream (ir/effects.py)   [keep-alive]
+and the lifetime rules of passes/buffers.py, the plan's effects read with vector clocks: a
+unit's parameters read only while gathered [use-after-free] (a recompute's too
+[recompute-gather]), the predicted peak within the declared budget [memory-budget], and one
+invariant of every lowered plan, which no schedule can break (a broken one is a bug in
+schedc, reported as an internal error with its code): every buffer an op reads that another
+stream allocated is kept alive on the reading stream   [keep-alive]
 
 Rules about what the schedule declares (names, coverage, batch arithmetic, tied weights,
 streams of compute ops) are judged earlier, in lang/resolve/.
@@ -26,24 +26,19 @@ streams of compute ops) are judged earlier, in lang/resolve/.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import networkx as nx
 
-from schedc.ir.effects import missing_keeps
-from schedc.ir.op import REDUCTIONS, Kind, Op
+from schedc.ir.op import REDUCTIONS, Kind, Op, Phase
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
 from schedc.ir.spec import Spec, Strategy
 from schedc.lang.diagnostics import Diagnostics, Note
-from schedc.passes.graph import (
-    GRADS,
-    LAST_USE,
-    PARAMS,
-    UPDATE,
-    ScheduleGraph,
-    happens_before,
-    ordered,
-)
-from schedc.passes.memory import MemoryReport, fmt_bytes
+from schedc.passes.buffers import Finding, gathered_findings, memory_budget, plan_invariants
+from schedc.passes.graph import ScheduleGraph
+from schedc.passes.memory import MemoryReport
+from schedc.passes.payloads import Need, Sync, said
 
 
 def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph], diag: Diagnostics) -> bool:
@@ -75,7 +70,7 @@ def check_plans(
         for rank, report in memory.items():
             if rank is None and _everyone_has_a_program(spec, graphs):
                 continue  # no rank runs the common plan
-            _memory(spec, report, diag, rank)
+            memory_budget(spec, report, diag, rank)
 
 
 def _everyone_has_a_program(spec: Spec, graphs) -> bool:
@@ -97,42 +92,43 @@ def _who(sg: ScheduleGraph) -> str:
 
 
 def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
-    spec, g, ok = sg.spec, sg.g, True
-    for op, d in g.nodes(data=True):
-        if d.get("again") is not None:
+    spec, ok = sg.spec, True
+    for op in sg.g:
+        d = sg.node(op)
+        if d.again is not None:
             diag.error(
                 "duplicate-op",
                 f"{op} is written twice{_who(sg)}",
-                d["again"],
+                d.again,
                 hint="each op runs once per step; delete one",
-                notes=(Note("first written here", d["span"]),),
+                notes=(Note("first written here", d.span),),
             )
             ok = False
-        if d.get("stream") is None and d.get("required"):
+        if not d.placed and d.required:
             where = spec.streams[op.kind]
             diag.error(
                 "missing-op",
                 _missing_message(sg, op),
-                _program_span(sg, where) or d.get("span"),
+                _program_span(sg, where) or d.span,
                 hint=f"add `{op}` to `program {where}` (with the `after` it needs)",
             )
             ok = False
-        if d.get("stream") is None and not d.get("required"):
+        if not d.placed and not d.required:
             # named only by an `after`: no program runs it, so nothing can wait for it
             diag.error(
                 "unexpected-op",
                 f"this waits for {op}, which is not part of this schedule{_why_not(sg, op)}",
-                d.get("span"),
+                d.span,
                 hint="`schedc check --dump program` prints the ops it has",
             )
             ok = False
-        if d.get("stream") is not None and not d.get("required"):
+        if d.placed and not d.required:
             if op.kind is Kind.RECOMPUTE and op.target not in spec.recompute:
                 diag.error(
                     "recompute-freed",
                     f"{op} reruns {op.target}'s forward from its input, but {op.target} does "
                     f"not recompute: its forward saved activations and freed its input",
-                    d["span"],
+                    d.span,
                     hint=f"declare `recompute {op.target}` (a top-level statement), or drop {op}",
                 )
             elif op.is_collective and spec.no_sync and not spec.communicates(op.mb):
@@ -140,14 +136,14 @@ def _placement(sg: ScheduleGraph, diag: Diagnostics) -> bool:
                     "nosync-comm",
                     f"{op} communicates in micro-step {op.mb}, but no_sync "
                     f"keeps gradients local until the last (mb{spec.accum - 1})",
-                    d["span"],
+                    d.span,
                     hint=f"move it to mb{spec.accum - 1}, or set `no_sync off`",
                 )
             else:
                 diag.error(
                     "unexpected-op",
                     f"{op} is not part of this schedule{_why_not(sg, op)}",
-                    d["span"],
+                    d.span,
                     hint="`schedc check --dump program` prints the ops it has",
                 )
             ok = False
@@ -165,21 +161,20 @@ def _missing_message(sg: ScheduleGraph, op: Op) -> str:
         return f"bucket '{op.target}' is never all-reduced in micro-step {op.mb}{who}"
     if op.kind is Kind.REDUCESCATTER:
         return f"unit '{op.target}' is never reduce-scattered in micro-step {op.mb}{who}"
-    if op.kind is Kind.ALLGATHER:
+    if op.kind is Kind.ALLGATHER and op.phase is not None:
         return f"unit '{op.target}' is never gathered for its {op.phase.value} in mb{op.mb}{who}"
     return f"{op} is missing from the written program{who}"
 
 
 def _why_not(sg: ScheduleGraph, op: Op) -> str:
-    spec, fs = sg.spec, sg.spec.strategy
+    spec = sg.spec
     if op.is_collective and spec.no_sync and not spec.communicates(op.mb):
         return f" (no_sync keeps mb{op.mb} local; only mb{spec.accum - 1} communicates)"
     if (
         op.kind is Kind.ALLGATHER
-        and op.phase
-        and op.phase.value == "bwd"
-        and fs is not None
-        and not getattr(fs, "reshard_after_forward", True)
+        and op.phase is Phase.BWD
+        and spec.kind is Strategy.FSDP
+        and not spec.fsdp.reshard_after_forward
     ):
         return f" (reshard_after_forward is off, so {op.target} stays gathered for backward)"
     return ""
@@ -189,14 +184,13 @@ def _why_not(sg: ScheduleGraph, op: Op) -> str:
 
 
 def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
-    g, ok = sg.g, True
-    for u, v, d in g.edges(data=True):
-        if d.get("sync") == "after" and g.nodes[u]["pos"] >= g.nodes[v]["pos"]:
+    ok = True
+    for u, v, d in sg.deps():
+        if d.sync is Sync.AFTER and sg.node(u).pos >= sg.node(v).pos:
             diag.error(
                 "deadlock",
-                f"{v} waits for {u}, which comes later on stream "
-                f"'{g.nodes[v]['stream']}'{_who(sg)}",
-                d.get("span") or g.nodes[v]["span"],
+                f"{v} waits for {u}, which comes later on stream '{sg.node(v).stream}'{_who(sg)}",
+                d.span or sg.node(v).span,
                 hint=f"a stream runs in order: move {u} before {v}, or drop the wait",
             )
             ok = False
@@ -209,48 +203,55 @@ def _acyclic(sg: ScheduleGraph, diag: Diagnostics) -> bool:
         return True
     path = [u for u, _ in cycle] + [cycle[0][0]]
     # point at a wait the file wrote (an `after`) if there is one, else at an event
-    written = [(u, v) for u, v in cycle if g.edges[u, v].get("span") is not None]
-    events = [(u, v) for u, v in cycle if g.edges[u, v].get("sync") == "event"]
+    written = [(u, v) for u, v in cycle if sg.dep(u, v).span is not None]
+    events = [(u, v) for u, v in cycle if sg.dep(u, v).sync is Sync.EVENT]
     u, v = (written or events or cycle)[0]
     diag.error(
         "cycle",
         f"the schedule waits in a circle{_who(sg)}: " + " -> ".join(str(op) for op in path),
-        g.edges[u, v].get("span") or g.nodes[v]["span"],
+        sg.dep(u, v).span or sg.node(v).span,
         hint="each arrow is program order or an `after`; break one of the waits",
     )
     return False
 
 
 def _needs(sg: ScheduleGraph, diag: Diagnostics) -> None:
-    g = sg.g
-    clock = happens_before(sg)
-    unmet: dict[tuple[Op, str], tuple[int, str, str]] = {}
+    unmet: dict[tuple[Op, str], tuple[int, Finding]] = {}
+    for found in [*_unmet_needs(sg), *gathered_findings(sg)]:
+        # one finding per op and rule: the producer that comes last is the one to wait for
+        seq = sg.node(found.cause).seq or 0
+        key = (found.op, found.code)
+        if key not in unmet or unmet[key][0] < seq:
+            unmet[key] = (seq, found)
+    for _, found in unmet.values():
+        diag.error(found.code, found.message + _who(sg), sg.node(found.op).span, hint=found.hint)
+
+
+# what gathered parameters need (their gather first, their free last) the lifetime rules judge
+_LIFETIMES = {Need.PARAMS, Need.LAST_USE}
+
+
+def _unmet_needs(sg: ScheduleGraph) -> Iterator[Finding]:
     for u, v, whys in sg.needs():
-        if g.nodes[u].get("stream") is None or g.nodes[v].get("stream") is None:
+        if not sg.node(u).placed or not sg.node(v).placed:
             continue  # reported as missing
-        if ordered(sg, clock, u, v):
+        if set(whys) <= _LIFETIMES or sg.ordered(u, v):
             continue
         code, msg, hint = _unmet(sg, u, v, whys)
-        # one finding per op and rule: the producer that comes last is the one to wait for
-        seq = g.nodes[u].get("seq") or 0
-        if (v, code) not in unmet or unmet[(v, code)][0] < seq:
-            unmet[(v, code)] = (seq, msg, hint)
-    for (v, code), (_, msg, hint) in unmet.items():
-        diag.error(code, msg + _who(sg), g.nodes[v]["span"], hint=hint)
+        yield Finding(v, code, u, msg, hint)
 
 
-def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, str]:
-    g = sg.g
-    su, sv = g.nodes[u]["stream"], g.nodes[v]["stream"]
+def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[Need]) -> tuple[str, str, str]:
+    su, sv = sg.node(u).stream, sg.node(v).stream
     cross = su != sv
     wait = f"write `{v} after {u}`"
-    if v.kind is Kind.STEP and UPDATE in whys:
+    if v.kind is Kind.STEP and Need.UPDATE in whys:
         return (
             "optimizer-wait",
             f"the optimizer step does not wait for {u}",
             f"{wait}: the update must read reduced gradients",
         )
-    if v.kind in REDUCTIONS and GRADS in whys:
+    if v.kind in REDUCTIONS and Need.GRADS in whys:
         tied = (
             " (the tied wte/lm_head weight gets its last gradient from bwd[embed])"
             if (u.target == "embed")
@@ -261,41 +262,22 @@ def _unmet(sg: ScheduleGraph, u: Op, v: Op, whys: list[str]) -> tuple[str, str, 
             f"{v} can start before {u} has written its gradients{tied}",
             wait if cross else f"place {v} after {u}",
         )
-    if LAST_USE in whys:
-        return (
-            "use-after-free",
-            f"{v} releases '{v.target}' while {u} may still read it",
-            f"free a unit only after its last reader: place {v} after {u}"
-            + (" or wait for it" if cross else ""),
-        )
-    if v.kind is Kind.RECOMPUTE and PARAMS in whys:
-        return (
-            "recompute-gather",
-            f"{v} reruns {v.target}'s forward before {u} gathers '{u.target}'",
-            wait if cross else f"place {u} before {v}",
-        )
     if v.kind is Kind.BWD and u.kind is Kind.RECOMPUTE:
         return (
             "recompute-late",
             f"{v} reads the activations {u} rebuilds, but can start before it",
             f"place {u} right before {v}",
         )
-    if PARAMS in whys and not cross:
-        return (
-            "use-after-free",
-            f"{v} reads '{u.target}' before {u} gathers it",
-            f"place {u} before {v}",
-        )
     if cross:
         return (
             "missing-event",
             f"{v} on stream '{sv}' needs {u} on stream '{su}' "
-            f"({', '.join(whys)}) but nothing makes it wait",
+            f"({said(whys)}) but nothing makes it wait",
             wait,
         )
     return (
         "out-of-order",
-        f"{v} comes before {u} on stream '{sv}', but needs its {', '.join(whys)}",
+        f"{v} comes before {u} on stream '{sv}', but needs its {said(whys)}",
         f"place {u} first",
     )
 
@@ -375,6 +357,7 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         labels.insert(0, None)
     mesh = spec.mesh
     together = nx.DiGraph()
+    ranks: dict[tuple, list[int | None]] = {}  # edge -> the ranks whose waits make it
     for label in labels:
         sg = graphs.get(label, graphs[None])
         index = {}
@@ -391,7 +374,7 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         together.add_nodes_from(key(op) for op in runs)
         for u, v in runs.edges:
             together.add_edge(key(u), key(v))
-            together.edges[key(u), key(v)].setdefault("ranks", []).append(label)
+            ranks.setdefault((key(u), key(v)), []).append(label)
     try:
         cycle = nx.find_cycle(together)
     except nx.NetworkXNoCycle:
@@ -400,10 +383,8 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
     def who(label) -> str:
         return "the other ranks" if label is None else f"rank {label}"
 
-    steps = [f"{v[1]} after {u[1]} on {who(together.edges[u, v]['ranks'][0])}" for u, v in cycle]
-    rank = next(
-        (r for u, v in cycle for r in together.edges[u, v]["ranks"] if r is not None), labels[-1]
-    )
+    steps = [f"{v[1]} after {u[1]} on {who(ranks[u, v][0])}" for u, v in cycle]
+    rank = next((r for u, v in cycle for r in ranks[u, v] if r is not None), labels[-1])
     span = next(p.span for p in spec.programs if p.rank == rank)
     diag.error(
         "spmd",
@@ -412,56 +393,3 @@ def _across_ranks(spec: Spec, graphs, diag: Diagnostics) -> None:
         hint="a collective finishes on every rank at once; order the waits the same "
         "way on every rank",
     )
-
-
-def _memory(spec: Spec, report: MemoryReport, diag: Diagnostics, rank: int | None) -> None:
-    if report.peak > spec.memory:
-        who = "" if rank is None else f" on rank {rank}"
-        hint = "raise `memory`"
-        if spec.kind is Strategy.FSDP:
-            hint = "lower `prefetch forward`/`prefetch backward`, use smaller units, or " + hint
-        if report.largest == "activations":
-            hint = "recompute layers (`recompute h.0 .. h.N`), use a smaller `micro`, or raise " + (
-                "`memory`"
-            )
-        at = f"at {report.peak_at}" if report.peak_at else "model states alone"
-        parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in report.parts)
-        diag.error(
-            "memory-budget",
-            f"predicted peak {fmt_bytes(report.peak)} per rank{who} ({at}) "
-            f"exceeds the budget of {fmt_bytes(spec.memory)}; the largest part is "
-            f"{report.largest} ({parts})",
-            spec.where.get("memory"),
-            hint=hint,
-        )
-
-
-# -- invariants of a lowered plan ----------------------------------------------------------------
-
-
-class PlanInvariantError(AssertionError):
-    """A lowered plan breaks a rule that no schedule can break, only a bug in schedc's
-    lowering (or a plan changed after it): an internal error, with the rule's code."""
-
-    def __init__(self, code: str, plan: Plan, index: int, message: str):
-        self.code, self.plan, self.index = code, plan, index
-        who = "every rank" if plan.rank is None else f"rank {plan.rank}"
-        super().__init__(
-            f"plan for {who}, instruction {index} ({plan.instrs[index]}): {message}  [{code}]"
-        )
-
-
-def plan_invariants(spec: Spec, plan: Plan) -> None:
-    """[keep-alive]: every buffer an op reads that another stream allocated is kept alive
-    on the reading stream until that op's work is done (ir/effects.py): otherwise the
-    caching allocator may hand its block to new work on the allocating stream while the
-    reader still reads it (HSDP's replicate all-reduce on its own stream reading the
-    reduce-scatter's output, as FSDP2's `_fsdp_collectives.py` warns)."""
-    for m in missing_keeps(spec, plan.instrs):
-        raise PlanInvariantError(
-            "keep-alive",
-            plan,
-            m.index,
-            f"reads {m.buffer}, allocated on stream '{m.allocated_on}', without keeping it "
-            f"alive on '{m.read_on}'",
-        )

@@ -13,6 +13,7 @@ from schedc.ir.source import Span
 from schedc.lang.diagnostics import count
 from schedc.lang.syntax import Schedule
 from schedc.passes.graph import ScheduleGraph
+from schedc.passes.payloads import Sync, said
 
 
 def dump_ast(ast: Schedule) -> str:
@@ -63,25 +64,23 @@ def dump_graph(sg: ScheduleGraph) -> str:
     for stream, ops in sg.programs.items():
         for op in ops:
             lines.append(f"{stream:<8} {op}")
-            for p in sorted(g.predecessors(op), key=lambda p: g.nodes[p].get("seq") or 0):
-                d = g.edges[p, op]
-                why = ", ".join(d.get("needs", [])) or "order"
-                mark = "  <- event" if d.get("sync") == "event" else ""
-                if d.get("needs") or d.get("sync") == "event":
+            for p, d in sorted(sg.preds(op), key=lambda pd: sg.node(pd[0]).seq or 0):
+                why = said(d.needs) or "order"
+                mark = "  <- event" if d.sync is Sync.EVENT else ""
+                if d.needs or d.sync is Sync.EVENT:
                     lines.append(f"{'':<8}   needs {p} ({why}){mark}")
     return "\n".join(lines)
 
 
 def dump_program(sg: ScheduleGraph) -> str:
     """The graph's streams as `program` blocks, waits written as `after`."""
-    g = sg.g
     out = []
     for stream, ops in sg.programs.items():
         if not ops:
             continue
         out.append(f"program {stream} {{")
         for op in ops:
-            waits = [p for p in g.predecessors(op) if g.edges[p, op].get("sync") == "event"]
+            waits = [p for p, d in sg.preds(op) if d.sync is Sync.EVENT]
             after = f" after {', '.join(str(p) for p in waits)}" if waits else ""
             out.append(f"  {op}{after}")
         out.append("}")

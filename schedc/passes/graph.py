@@ -1,6 +1,8 @@
 """Spec -> the schedule graph: one networkx node per op, edges for what each op needs.
 
-Two kinds of edge live in one DiGraph, as edge attributes:
+Every node carries an `OpNode` (its stream, its place in the canonical sequence and in its
+program, its source line) and every edge a `Dep` (passes/payloads.py), with two kinds of
+fact in one DiGraph:
 
 * `needs`: why the consumer cannot run before the producer (an activation, a saved
   tensor, gathered parameters, complete gradients, a buffer about to be reused, memory
@@ -9,34 +11,40 @@ Two kinds of edge live in one DiGraph, as edge attributes:
   `event` for a wait across streams. Only these run.
 
 The generator lays the step out in one canonical sequence (the order a host would issue
-it in: fwd, bwd, and each collective the moment its inputs are complete), then projects it
-onto streams; every need that crosses streams becomes an event, minus those another
-event already implies. A `program` block written in the .sched file replaces the
-generated program of its stream and brings exactly the waits it names (`after`).
+it in: fwd, bwd, and each collective the moment its inputs are complete; passes/ddp.py,
+passes/fsdp.py), then projects it onto streams; every need that crosses streams becomes an
+event, minus those another event already implies (passes/clocks.py). A `program` block
+written in the .sched file replaces the generated program of its stream and brings exactly
+the waits it names (`after`).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import networkx as nx
 
-from schedc.ir.op import STEP, Kind, Op, Phase, bwd, fwd, recompute
+from schedc.ir.op import Op
 from schedc.ir.source import Span
-from schedc.ir.spec import DDPSpec, FSDPSpec, ProgramSpec, Spec, Strategy, UnitSpec
-
-# why a consumer needs its producer
-ACT = "activation"  # fwd[L] reads fwd[L-1]'s output
-GRAD_IN = "output gradient"  # bwd[L] reads the gradient bwd[L+1] produced
-SAVED = "saved activations"  # bwd[L] reads what fwd[L] (or recompute[L]) saved
-INPUT = "kept input"  # recompute[L] reruns forward from the input fwd[L] kept
-PARAMS = "gathered parameters"  # compute reads a unit's full parameters
-GRADS = "complete gradients"  # a reduction reads gradients its writers produced
-REUSE = "buffer reuse"  # a write into a buffer a collective is still reading
-LAST_USE = "last use"  # a free releases parameters only after their last reader
-WINDOW = "prefetch window"  # a gather waits for memory to come free
-UPDATE = "reduced gradients"  # the optimizer reads every reduction
+from schedc.ir.spec import ProgramSpec, Spec, Strategy
+from schedc.passes.clocks import Clock, ordered, walk
+from schedc.passes.ddp import ddp_sequence
+from schedc.passes.fsdp import fsdp_sequence
+from schedc.passes.payloads import (
+    Dep,
+    Need,
+    OpNode,
+    Sync,
+    add_dep,
+    add_op,
+    dep_of,
+    deps,
+    node_of,
+    preds,
+    run_graph,
+)
+from schedc.passes.sequence import OpSequence
 
 
 @dataclass
@@ -45,332 +53,65 @@ class ScheduleGraph:
 
     spec: Spec
     rank: int | None
-    g: nx.DiGraph
+    g: nx.DiGraph  # Op nodes with an OpNode, edges with a Dep (passes/payloads.py)
     programs: dict[str, list[Op]]  # stream -> ops in program order
     written: set[str] = field(default_factory=set)  # streams whose program the file wrote
+    # every placed op's vector clock (passes/clocks.py); None: the run graph has a cycle
+    clock: dict[Op, Clock] | None = None
+
+    def node(self, op: Op) -> OpNode:
+        return node_of(self.g, op)
+
+    def dep(self, u: Op, v: Op) -> Dep:
+        return dep_of(self.g, u, v)
+
+    def deps(self) -> Iterator[tuple[Op, Op, Dep]]:
+        return deps(self.g)
+
+    def preds(self, op: Op) -> Iterator[tuple[Op, Dep]]:
+        return preds(self.g, op)
 
     def stream_of(self, op: Op) -> str | None:
-        return self.g.nodes[op].get("stream")
+        return self.node(op).stream
+
+    def on(self, op: Op) -> str:
+        """The stream a placed op runs on."""
+        stream = self.node(op).stream
+        if stream is None:
+            raise AssertionError(f"internal: {op} is on no stream")
+        return stream
 
     def placed(self) -> list[Op]:
         return [op for ops in self.programs.values() for op in ops]
 
-    def needs(self):
+    def needs(self) -> Iterator[tuple[Op, Op, list[Need]]]:
         """(producer, consumer, reasons) for every need."""
-        for u, v, d in self.g.edges(data=True):
-            if d.get("needs"):
-                yield u, v, d["needs"]
+        for u, v, d in self.deps():
+            if d.needs:
+                yield u, v, d.needs
 
     def syncs(self) -> nx.DiGraph:
         """The graph that runs: program order and events, placed ops only."""
-        h = nx.DiGraph()
-        h.add_nodes_from(self.placed())
-        # an `after` may name an op no program holds; nothing runs it (the checker says so)
-        h.add_edges_from(
-            (u, v, d) for u, v, d in self.g.edges(data=True) if d.get("sync") and u in h and v in h
-        )
-        return h
+        return run_graph(self.g, self.placed())
 
     def events(self) -> list[tuple[Op, Op]]:
-        return [(u, v) for u, v, d in self.g.edges(data=True) if d.get("sync") == "event"]
+        return [(u, v) for u, v, d in self.deps() if d.sync is Sync.EVENT]
 
     def span_of(self, op: Op) -> Span | None:
-        return self.g.nodes[op].get("span") if op in self.g else None
+        return self.node(op).span if op in self.g else None
+
+    def ordered(self, u: Op, v: Op) -> bool:
+        """Whether u is complete before v starts, by the run graph (both placed; no cycle)."""
+        if self.clock is None:
+            raise AssertionError("internal: the run graph has a cycle; nothing is ordered")
+        return ordered(self.g, self.clock, u, v)
 
 
-# -- the canonical sequence -----------------------------------------------------------------------
-
-
-@dataclass
-class _Seq:
-    """Ops in canonical order, each with its needs and the source line it comes from."""
-
-    ops: list[Op] = field(default_factory=list)
-    needs: dict[Op, list[tuple[Op, str]]] = field(default_factory=lambda: defaultdict(list))
-    span: dict[Op, Span | None] = field(default_factory=dict)
-
-    def emit(self, op: Op, needs=(), span: Span | None = None) -> Op:
-        self.ops.append(op)
-        self.needs[op].extend(needs)
-        self.span[op] = span
-        return op
-
-
-def canonical(spec: Spec) -> _Seq:
-    """The whole step in the order a host issues it; dispatches on the strategy."""
+def canonical(spec: Spec) -> OpSequence:
+    """The whole step in the order a host issues it (passes/sequence.py), by strategy."""
     if spec.kind is Strategy.FSDP:
-        return _fsdp(spec, spec.strategy)
-    return _ddp(spec, spec.strategy)
-
-
-def _compute_needs(spec: Spec, op: Op) -> list[tuple[Op, str]]:
-    layers = spec.model.layers
-    i = layers.index(op.target)
-    if op.kind is Kind.FWD:
-        return [(fwd(layers[i - 1], op.mb), ACT)] if i else []
-    if op.kind is Kind.RECOMPUTE:
-        return [(fwd(op.target, op.mb), INPUT)]
-    maker = recompute if op.target in spec.recompute else fwd
-    needs = [(maker(op.target, op.mb), SAVED)]
-    if i + 1 < len(layers):
-        needs.insert(0, (bwd(layers[i + 1], op.mb), GRAD_IN))
-    return needs
-
-
-def _ddp(spec: Spec, ddp: DDPSpec | None) -> _Seq:
-    """fwd all layers, bwd in reverse; each bucket all-reduced once it and all before it fill."""
-    seq, cfg = _Seq(), spec.model
-    model_span = spec.where.get("model")
-    buckets = ddp.buckets if ddp else ()
-    bucket_writers = [spec.writers(b.params) for b in buckets]
-    bucket_of_layer: dict[str, list[int]] = defaultdict(list)
-    for i, ws in enumerate(bucket_writers):
-        for w in ws:
-            bucket_of_layer[w].append(i)
-    for j in range(spec.accum):
-        for layer in cfg.layers:
-            op = fwd(layer, j)
-            seq.emit(op, _compute_needs(spec, op), model_span)
-        done: set[str] = set()
-        launched = 0
-        for layer in reversed(cfg.layers):
-            if layer in spec.recompute:  # right before its backward: the shortest lifetime
-                again = recompute(layer, j)
-                seq.emit(again, _compute_needs(spec, again), _span_of_compute(spec, again))
-            op = bwd(layer, j)
-            needs = _compute_needs(spec, op)
-            if j and spec.communicates(j - 1):
-                # this backward writes into buckets the previous all-reduce may still read
-                needs += [
-                    (Op(Kind.ALLREDUCE, buckets[b].name, j - 1), REUSE)
-                    for b in bucket_of_layer[layer]
-                ]
-            seq.emit(op, needs, model_span)
-            done.add(layer)
-            if not spec.communicates(j):
-                continue
-            # launch in the compiled bucket order, never first-ready: every rank must agree
-            while launched < len(buckets) and bucket_writers[launched] <= done:
-                b = buckets[launched]
-                seq.emit(
-                    Op(Kind.ALLREDUCE, b.name, j),
-                    [(bwd(w, j), GRADS) for w in sorted(bucket_writers[launched])],
-                    b.span or spec.where.get("ddp"),
-                )
-                launched += 1
-    last = spec.accum - 1
-    if buckets:
-        step_needs = [(Op(Kind.ALLREDUCE, b.name, last), UPDATE) for b in buckets]
-    else:
-        step_needs = [(bwd(layer, last), GRADS) for layer in cfg.layers]
-    seq.emit(STEP, step_needs, spec.where.get("optimizer", model_span))
-    return seq
-
-
-@dataclass
-class _Use:
-    """A run of compute ops (one micro-step, one pass) that needs one unit gathered."""
-
-    unit: UnitSpec
-    mb: int
-    phase: Phase
-    first: int  # index into the compute sequence
-    last: int
-    gather: bool = False
-    free: bool = False
-    index: int = -1  # position in the step's list of uses
-
-
-def _fsdp(spec: Spec, fs: FSDPSpec) -> _Seq:
-    """Gather, compute, free per unit; prefetch at the declared depth; reduce-scatter grads."""
-    cfg = spec.model
-    reads = {layer: [u for u in fs.units if layer in u.layers] for layer in cfg.layers}
-    compute = _compute_order(spec)
-    uses, prev_of = _unit_uses(fs, compute, reads)
-    anchored = _gather_anchors(fs, uses, prev_of)
-    source_gather = _source_gathers(uses, prev_of)
-    use_at = {
-        (use.unit.name, i): m for m, use in enumerate(uses) for i in range(use.first, use.last + 1)
-    }  # (unit, compute index) -> use
-    ends_at: dict[int, list[int]] = defaultdict(list)
-    for m, use in enumerate(uses):
-        ends_at[use.last].append(m)
-    keep = [u for u in fs.units if u.keep]
-    keep_gather = {u.name: Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in keep}
-    unit_writers = {u.name: spec.writers(u.params) for u in fs.units}
-    rs_after = _reduce_scatter_points(spec, fs, compute, unit_writers)
-    readers = _readers_since_gather(compute, uses, prev_of)
-
-    seq = _Seq()
-
-    def emit_gathers(index: int) -> None:
-        for use in anchored.get(index, []):
-            m = use.index
-            needs = []
-            prev = prev_of[m]
-            if prev is not None:
-                needs.append((_free_op(prev), REUSE))
-            depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
-            if m - depth - 1 >= 0:
-                w = uses[m - depth - 1]
-                release = _free_op(w) if w.free else compute[w.last]
-                if prev is None or release != _free_op(prev):
-                    needs.append((release, WINDOW))
-            seq.emit(_gather_op(use), needs, use.unit.span)
-
-    for u in keep:
-        seq.emit(keep_gather[u.name], [], u.span)
-    emit_gathers(-1)
-    for i, op in enumerate(compute):
-        needs = _compute_needs(spec, op)
-        for u in reads[op.target]:
-            if u.keep:
-                needs.append((keep_gather[u.name], PARAMS))
-            else:
-                needs.append((source_gather[use_at[(u.name, i)]], PARAMS))
-        seq.emit(op, needs, _span_of_compute(spec, op))
-        for u in rs_after.get(i, []):
-            writers = unit_writers[u.name]
-            rs_needs = [(bwd(w, op.mb), GRADS) for w in cfg.layers if w in writers]
-            if op.mb and not spec.no_sync:
-                rs_needs.append((Op(Kind.REDUCESCATTER, u.name, op.mb - 1), REUSE))
-            rs = seq.emit(Op(Kind.REDUCESCATTER, u.name, op.mb), rs_needs, u.span)
-            if spec.hsdp:
-                # HSDP: the shard this rank reduced over its shard group is then averaged
-                # over the replicate group (FSDP2's all-reduce after the reduce-scatter)
-                seq.emit(Op(Kind.ALLREDUCE, u.name, op.mb), [(rs, GRADS)], u.span)
-        for m in ends_at.get(i, []):
-            if uses[m].free:
-                seq.emit(_free_op(uses[m]), [(r, LAST_USE) for r in readers[m]], uses[m].unit.span)
-        emit_gathers(i)
-    last = spec.accum - 1
-    for u in keep:
-        final_readers = [c for c in compute if c.mb == last and c.target in u.layers]
-        seq.emit(
-            Op(Kind.FREE, u.name, last, Phase.BWD), [(r, LAST_USE) for r in final_readers], u.span
-        )
-    final = Kind.ALLREDUCE if spec.hsdp else Kind.REDUCESCATTER  # a unit's last reduction
-    seq.emit(
-        STEP,
-        [(Op(final, u.name, last), UPDATE) for u in fs.units],
-        spec.where.get("optimizer", spec.where.get("model")),
-    )
-    return seq
-
-
-def _span_of_compute(spec: Spec, op: Op) -> Span | None:
-    if op.kind is Kind.RECOMPUTE:
-        return spec.where.get("recompute") or spec.where.get("fsdp.recompute")
-    return spec.where.get("model")
-
-
-def _compute_order(spec: Spec) -> list[Op]:
-    """Every fwd, recompute and bwd of the step, in the order the compute stream runs them."""
-    layers = spec.model.layers
-    return [
-        op
-        for j in range(spec.accum)
-        for op in [fwd(layer, j) for layer in layers]
-        + [
-            again
-            for layer in reversed(layers)
-            for again in (
-                [recompute(layer, j), bwd(layer, j)] if layer in spec.recompute else [bwd(layer, j)]
-            )
-        ]
-    ]
-
-
-def _unit_uses(fs: FSDPSpec, compute: list[Op], reads) -> tuple[list[_Use], dict[int, _Use | None]]:
-    """The uses of units not kept gathered, in compute order; which gather and which free,
-    and each use's previous use of the same unit."""
-    uses: list[_Use] = []
-    open_use: dict[str, _Use] = {}
-    for i, op in enumerate(compute):
-        phase = Phase.FWD if op.kind is Kind.FWD else Phase.BWD
-        for u in reads[op.target]:
-            if u.keep:
-                continue
-            cur = open_use.get(u.name)
-            if cur and cur.mb == op.mb and cur.phase is phase and cur.last == i - 1:
-                cur.last = i
-            else:
-                open_use[u.name] = _Use(u, op.mb, phase, i, i)
-                uses.append(open_use[u.name])
-        # the resolve pass proved units contiguous, so each (mb, phase) has one use per unit
-    uses.sort(key=lambda x: (x.first, fs.units.index(x.unit)))
-    prev_of: dict[int, _Use | None] = {}
-    last_seen: dict[str, _Use] = {}
-    for m, use in enumerate(uses):
-        use.index = m
-        prev = last_seen.get(use.unit.name)
-        prev_of[m] = prev
-        use.gather = prev is None or prev.free
-        use.free = use.phase is Phase.BWD or fs.reshard_after_forward
-        last_seen[use.unit.name] = use
-    return uses, prev_of
-
-
-def _gather_anchors(fs: FSDPSpec, uses: list[_Use], prev_of) -> dict[int, list[_Use]]:
-    """Compute index -> the gathers issued after it: after the release of the use depth+1
-    before (the prefetch window) and the previous free of their own buffer, never after
-    their own first reader."""
-    anchored: dict[int, list[_Use]] = defaultdict(list)
-    for m, use in enumerate(uses):
-        if not use.gather:
-            continue
-        depth = fs.prefetch_forward if use.phase is Phase.FWD else fs.prefetch_backward
-        anchor = uses[m - depth - 1].last if m - depth - 1 >= 0 else -1
-        prev = prev_of[m]
-        if prev is not None:
-            anchor = max(anchor, prev.last)
-        anchored[min(anchor, use.first - 1)].append(use)
-    return anchored
-
-
-def _source_gathers(uses: list[_Use], prev_of) -> dict[int, Op]:
-    """The live gather of each use (a bwd use without a gather reads the fwd use's buffer)."""
-    source: dict[int, Op] = {}
-    for m, use in enumerate(uses):
-        source[m] = _gather_op(use) if use.gather else source[prev_of[m].index]
-    return source
-
-
-def _reduce_scatter_points(
-    spec: Spec, fs: FSDPSpec, compute: list[Op], unit_writers
-) -> dict[int, list[UnitSpec]]:
-    """Compute index -> the reduce-scatters right after it: a unit's, in micro-step j, after
-    the last backward of j that writes its gradients (when j communicates)."""
-    last_writer: dict[tuple[str, int], int] = {}
-    for i, op in enumerate(compute):
-        if op.kind is Kind.BWD:
-            for u in fs.units:
-                if op.target in unit_writers[u.name]:
-                    last_writer[(u.name, op.mb)] = i
-    by_name = {u.name: u for u in fs.units}
-    rs_after: dict[int, list[UnitSpec]] = defaultdict(list)
-    for (uname, j), i in last_writer.items():
-        if spec.communicates(j):
-            rs_after[i].append(by_name[uname])
-    return rs_after
-
-
-def _readers_since_gather(compute: list[Op], uses: list[_Use], prev_of) -> dict[int, list[Op]]:
-    """For each use, the compute ops that read its buffer since it was gathered (a free
-    waits for all of them)."""
-    readers = {m: compute[u.first : u.last + 1] for m, u in enumerate(uses)}
-    for m, use in enumerate(uses):
-        if use.free and not use.gather:
-            readers[m] = readers[prev_of[m].index] + readers[m]
-    return readers
-
-
-def _gather_op(use: _Use) -> Op:
-    return Op(Kind.ALLGATHER, use.unit.name, use.mb, use.phase)
-
-
-def _free_op(use: _Use) -> Op:
-    return Op(Kind.FREE, use.unit.name, use.mb, use.phase)
+        return fsdp_sequence(spec)
+    return ddp_sequence(spec)
 
 
 # -- streams, programs and events -----------------------------------------------------------------
@@ -380,7 +121,7 @@ def build_graphs(spec: Spec) -> dict[int | None, ScheduleGraph]:
     """One graph for every rank, plus one per rank that has programs of its own."""
     seq = canonical(spec)
     ranks = sorted({p.rank for p in spec.programs if p.rank is not None})
-    out = {None: _build(spec, seq, None)}
+    out: dict[int | None, ScheduleGraph] = {None: _build(spec, seq, None)}
     for r in ranks:
         out[r] = _build(spec, seq, r)
     return out
@@ -397,17 +138,8 @@ def _programs_for(spec: Spec, rank: int | None) -> dict[str, ProgramSpec]:
     return chosen
 
 
-def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
-    g = nx.DiGraph()
-    order = {op: i for i, op in enumerate(seq.ops)}
-    for op in seq.ops:
-        g.add_node(op, stream=None, seq=order[op], span=seq.span[op], required=True)
-        for producer, why in seq.needs[op]:
-            if producer not in g:  # the canonical order lists producers first
-                raise AssertionError(f"internal: {op} needs {producer}, which comes later")
-            g.add_edge(producer, op)
-            g.edges[producer, op].setdefault("needs", []).append(why)
-
+def _build(spec: Spec, seq: OpSequence, rank: int | None) -> ScheduleGraph:
+    g = _needs_graph(seq)
     written = _programs_for(spec, rank)
     moved = {ins.op for p in written.values() for ins in p.instrs}
     programs: dict[str, list[Op]] = {s: [] for s in spec.stream_names()}
@@ -415,128 +147,63 @@ def _build(spec: Spec, seq: _Seq, rank: int | None) -> ScheduleGraph:
         s = spec.streams[op.kind]
         if s not in written and op not in moved:
             programs.setdefault(s, []).append(op)
-    explicit_waits: list[tuple[Op, Op, Span]] = []
+    waits = _place_written(g, written, programs)
+    for s, ops in programs.items():
+        for i, op in enumerate(ops):
+            node = node_of(g, op)
+            node.stream, node.pos = s, i
+            if i:
+                _sync(g, ops[i - 1], op, Sync.ORDER)
+    for a, op, a_span in waits:
+        if a not in g:
+            add_op(g, a, OpNode(a_span))
+        if node_of(g, a).stream == node_of(g, op).stream:
+            _sync(g, a, op, Sync.AFTER, a_span)  # same-stream wait: order, or a deadlock if later
+        else:
+            _sync(g, a, op, Sync.EVENT, a_span)
+    found = walk(g, programs, set(written))
+    for producer, consumer in found.events:
+        _sync(g, producer, consumer, Sync.EVENT)
+    return ScheduleGraph(spec, rank, g, programs, set(written), found.clock)
+
+
+def _needs_graph(seq: OpSequence) -> nx.DiGraph:
+    """Every op of the canonical sequence, with its needs; nothing placed yet."""
+    g = nx.DiGraph()
+    for i, op in enumerate(seq.ops):
+        add_op(g, op, OpNode(seq.span[op], seq=i))
+        for producer, why in seq.needs[op]:
+            if producer not in g:  # the canonical order lists producers first
+                raise AssertionError(f"internal: {op} needs {producer}, which comes later")
+            add_dep(g, producer, op).needs.append(why)
+    return g
+
+
+def _place_written(
+    g: nx.DiGraph, written: dict[str, ProgramSpec], programs: dict[str, list[Op]]
+) -> list[tuple[Op, Op, Span]]:
+    """The written programs into `programs` (an op the step lacks joins the graph, to be
+    reported); the waits they name, as (producer, consumer, the `after`'s span)."""
+    waits: list[tuple[Op, Op, Span]] = []
     for s, prog in written.items():
         programs[s] = []
         for ins in prog.instrs:
             if ins.op not in g:
-                g.add_node(ins.op, stream=None, seq=None, span=ins.span, required=False)
-            if g.nodes[ins.op].get("stream") is not None:
-                g.nodes[ins.op]["again"] = ins.span  # written twice; the checker reports it
+                add_op(g, ins.op, OpNode(ins.span))
+            node = node_of(g, ins.op)
+            if node.stream is not None:
+                node.again = ins.span  # written twice; the checker reports it
                 continue
             programs[s].append(ins.op)
-            g.nodes[ins.op]["span"] = ins.span
-            g.nodes[ins.op]["stream"] = s
-            for a, a_span in zip(ins.after, ins.after_spans):
-                explicit_waits.append((a, ins.op, a_span))
-    for s, ops in programs.items():
-        for i, op in enumerate(ops):
-            g.nodes[op]["stream"] = s
-            g.nodes[op]["pos"] = i
-            if i:
-                _sync(g, ops[i - 1], op, "order")
-    for a, op, a_span in explicit_waits:
-        if a not in g:
-            g.add_node(a, stream=None, seq=None, span=a_span, required=False)
-        if g.nodes[a].get("stream") == g.nodes[op]["stream"]:
-            _sync(g, a, op, "after", a_span)  # same-stream wait: order, or a deadlock if later
-        else:
-            _sync(g, a, op, "event", a_span)
-    sg = ScheduleGraph(spec, rank, g, {s: ops for s, ops in programs.items()}, set(written))
-    for producer, consumer in _needed_events(sg):
-        _sync(g, producer, consumer, "event")
-    return sg
+            node.span, node.stream = ins.span, s
+            waits += [(a, ins.op, a_span) for a, a_span in zip(ins.after, ins.after_spans)]
+    return waits
 
 
-def _sync(g: nx.DiGraph, u: Op, v: Op, kind: str, span: Span | None = None) -> None:
-    g.add_edge(u, v)
-    d = g.edges[u, v]
-    if d.get("sync") in ("order", "event") and kind == "after":
+def _sync(g: nx.DiGraph, u: Op, v: Op, kind: Sync, span: Span | None = None) -> None:
+    d = add_dep(g, u, v)
+    if d.sync in (Sync.ORDER, Sync.EVENT) and kind is Sync.AFTER:
         return
-    d["sync"] = kind
+    d.sync = kind
     if span is not None:
-        d["span"] = span
-
-
-def _needed_events(sg: ScheduleGraph) -> list[tuple[Op, Op]]:
-    """The cross-stream waits every generated op's needs call for, and no more.
-
-    A wait is skipped when an earlier wait on the same stream already covers it (vector
-    clocks over the streams), so the plan records and waits as few events as it can.
-    """
-    g = sg.g
-    streams = list(sg.programs)
-    # order by what runs and by what will be waited for, so producers come first
-    placed = set(sg.placed())
-    ahead = nx.DiGraph()
-    ahead.add_nodes_from(placed)
-    ahead.add_edges_from(
-        (u, v)
-        for u, v, d in g.edges(data=True)
-        if u in placed and v in placed and (d.get("sync") or d.get("needs"))
-    )
-    try:
-        topo = list(nx.topological_sort(ahead))
-    except nx.NetworkXUnfeasible:  # written programs contradict a need: order by what runs
-        try:
-            topo = list(nx.topological_sort(sg.syncs()))
-        except nx.NetworkXUnfeasible:
-            return []  # the checker reports the cycle
-    events: list[tuple[Op, Op]] = []
-    generated = {op for s, ops in sg.programs.items() if s not in sg.written for op in ops}
-    clock: dict[Op, dict[str, int]] = {}
-    for op in topo:
-        vc = {s: -1 for s in streams}
-        for p in g.predecessors(op):
-            if g.edges[p, op].get("sync") and p in clock:
-                for s, v in clock[p].items():
-                    vc[s] = max(vc[s], v)
-        if op in generated:
-            mine = g.nodes[op]["stream"]
-            wanted = [
-                p
-                for p in g.predecessors(op)
-                if g.edges[p, op].get("needs") and g.nodes[p].get("stream") not in (None, mine)
-            ]
-            wanted.sort(key=lambda p: -g.nodes[p]["pos"])
-            for p in wanted:
-                ps = g.nodes[p]["stream"]
-                if vc[ps] >= g.nodes[p]["pos"]:
-                    continue  # already ordered by an earlier wait
-                events.append((p, op))
-                for s, v in clock.get(p, {}).items():
-                    vc[s] = max(vc[s], v)
-        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
-        clock[op] = vc
-    return events
-
-
-def happens_before(sg: ScheduleGraph) -> dict[Op, dict[str, int]] | None:
-    """Vector clock of every placed op: per stream, the last position known done before it
-    starts (its own stream: its own position). None when the run graph has a cycle."""
-    g, runs = sg.g, sg.syncs()
-    try:
-        topo = list(nx.topological_sort(runs))
-    except nx.NetworkXUnfeasible:
-        return None
-    clock: dict[Op, dict[str, int]] = {}
-    for op in topo:
-        vc: dict[str, int] = defaultdict(lambda: -1)
-        for p in runs.predecessors(op):
-            for s, v in clock[p].items():
-                vc[s] = max(vc[s], v)
-        vc[g.nodes[op]["stream"]] = g.nodes[op]["pos"]
-        clock[op] = vc
-    return clock
-
-
-def ordered(sg: ScheduleGraph, clock, u: Op, v: Op) -> bool:
-    """Whether u is complete before v starts, by the run graph (u placed, v placed)."""
-    su = sg.g.nodes[u]["stream"]
-    if u == v:
-        return False
-    if su == sg.g.nodes[v]["stream"]:
-        return sg.g.nodes[u]["pos"] < sg.g.nodes[v]["pos"]
-    # v's clock counts v itself on its own stream; u on another stream is done before v
-    # starts iff some wait of v (or of something before v) reached u's position
-    return clock[v].get(su, -1) >= sg.g.nodes[u]["pos"]
+        d.span = span

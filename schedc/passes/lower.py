@@ -28,42 +28,12 @@ from schedc.passes.graph import ScheduleGraph
 
 def lower(sg: ScheduleGraph) -> Plan:
     """The run graph in issue order, with a record/wait pair for every cross-stream edge."""
-    g = sg.g
-    runs = sg.syncs()
-    key: dict[Op, float] = {}
-    for ops in sg.programs.values():
-        prev = -1.0
-        for op in ops:
-            seq = g.nodes[op].get("seq")
-            k = float(seq) if seq is not None else prev + 0.5
-            key[op] = k
-            prev = k
-    indeg = {op: runs.in_degree(op) for op in runs}
-    heap = [(key[op], str(op), op) for op, d in indeg.items() if d == 0]
-    heapq.heapify(heap)
-    order: list[Op] = []
-    while heap:
-        _, _, op = heapq.heappop(heap)
-        order.append(op)
-        for nxt in runs.successors(op):
-            indeg[nxt] -= 1
-            if indeg[nxt] == 0:
-                heapq.heappush(heap, (key[nxt], str(nxt), nxt))
-    if len(order) != len(indeg):
-        raise ValueError("the run graph has a cycle; check the schedule first")
-
-    event_of: dict[Op, int] = {}
-    consumers: dict[int, list[Op]] = {}
-    at = {op: i for i, op in enumerate(order)}
-    for u, v in sorted(sg.events(), key=lambda e: (at[e[0]], at[e[1]])):
-        if u not in event_of:
-            event_of[u] = len(event_of)
-        consumers.setdefault(event_of[u], []).append(v)
+    order = _issue_order(sg)
+    event_of, consumers = _events(sg, order)
     waits_for: dict[Op, list[int]] = {}
     for e, vs in consumers.items():
         for v in vs:
             waits_for.setdefault(v, []).append(e)
-
     instrs: list[Instr] = []
     streams = tuple(s for s, ops in sg.programs.items() if ops)
     comm_streams = [s for s in streams if s != COMPUTE]
@@ -72,7 +42,7 @@ def lower(sg: ScheduleGraph) -> Plan:
         instrs.append(Instr(Action.RECORD, COMPUTE, event=start))
         instrs += [Instr(Action.WAIT, s, event=start) for s in comm_streams]
     for op in order:
-        stream = g.nodes[op]["stream"]
+        stream = sg.on(op)
         for e in sorted(waits_for.get(op, [])):
             instrs.append(Instr(Action.WAIT, stream, event=e))
         instrs.append(Instr(Action.RUN, stream, op=op))
@@ -89,3 +59,43 @@ def lower(sg: ScheduleGraph) -> Plan:
         {e: tuple(vs) for e, vs in consumers.items()},
         step_start=start,
     )
+
+
+def _issue_order(sg: ScheduleGraph) -> list[Op]:
+    """A topological order of the run graph that prefers the canonical sequence (an op a
+    file wrote that the step lacks sorts right after the op before it on its stream)."""
+    runs = sg.syncs()
+    key: dict[Op, float] = {}
+    for ops in sg.programs.values():
+        prev = -1.0
+        for op in ops:
+            seq = sg.node(op).seq
+            k = float(seq) if seq is not None else prev + 0.5
+            key[op] = k
+            prev = k
+    indeg = {op: runs.in_degree(op) for op in runs}
+    heap = [(key[op], str(op), op) for op, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    order: list[Op] = []
+    while heap:
+        _, _, op = heapq.heappop(heap)
+        order.append(op)
+        for nxt in runs.successors(op):
+            indeg[nxt] -= 1
+            if indeg[nxt] == 0:
+                heapq.heappush(heap, (key[nxt], str(nxt), nxt))
+    if len(order) != len(indeg):
+        raise ValueError("the run graph has a cycle; check the schedule first")
+    return order
+
+
+def _events(sg: ScheduleGraph, order: list[Op]) -> tuple[dict[Op, int], dict[int, list[Op]]]:
+    """Each producer's event, numbered in issue order, and each event's consumers."""
+    event_of: dict[Op, int] = {}
+    consumers: dict[int, list[Op]] = {}
+    at = {op: i for i, op in enumerate(order)}
+    for u, v in sorted(sg.events(), key=lambda e: (at[e[0]], at[e[1]])):
+        if u not in event_of:
+            event_of[u] = len(event_of)
+        consumers.setdefault(event_of[u], []).append(v)
+    return event_of, consumers

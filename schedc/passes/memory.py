@@ -67,7 +67,7 @@ over the collective's mesh dimension (`traffic` sums them per dimension; the exe
 * the update allocates nothing of size: the global norm is one norm per gradient tensor
   (`torch._foreach_norm`), clipping multiplies in place, and fused AdamW updates in place
   (measured on a CPU: 0.0002 bytes a parameter, against foreach AdamW's 4 for sqrt(v)).
-* activations (issue 16): what autograd saves per layer per micro-step, derived in
+* activations: what autograd saves per layer per micro-step, derived in
   `layer_acts` from GPT-2's ops at the model's shapes, micro size and compute dtype;
   added at each fwd (a recomputing layer adds only its input), added back at its
   recompute and released at its bwd, with each op's transient on top while it runs.
@@ -123,7 +123,7 @@ class _Ledger:
     """The interpreter of a plan's lifetimes (ir/effects.py) with byte sizes: what is live
     at each measure, the peaks of each part, and the largest total and what it is made of."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.live: dict[str, tuple[Part, int]] = {}
         self.by_part = dict.fromkeys(Part, 0)
         self.peaks = [0, 0, 0, 0]  # gathered, grads, comm, activations

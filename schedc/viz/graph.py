@@ -8,6 +8,7 @@ collectives as coloured hexagons. Repeated micro-steps fold into one node per st
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
 from schedc.lang.diagnostics import count
+from schedc.passes.graph import ScheduleGraph
+from schedc.passes.payloads import Sync
 from schedc.viz.dot import EVENT_COLOR, FONT, attrs, colors_of, html, q
 
 
@@ -23,12 +26,11 @@ def describe(c: Compiled) -> str:
     s = c.spec
     k = f"{s.accum} micro-step{'s' if s.accum != 1 else ''} of {s.micro} x {s.seq_len} tokens"
     if s.kind is Strategy.DDP:
-        st = s.strategy
-        how = count(len(st.buckets), "bucket")
+        how = count(len(s.buckets), "bucket")
         sync = ", no_sync" if s.no_sync and s.accum > 1 else ""
         return f"DDP, world {s.world}, {k}, {how}{sync}"
     if s.kind is Strategy.FSDP:
-        st = s.strategy
+        st = s.fsdp
         what = f"HSDP, mesh {s.mesh} (replicate x shard)" if s.hsdp else "FSDP"
         return (
             f"{what}, world {s.world}, {k}, {count(len(st.units), 'unit')}, prefetch forward "
@@ -115,18 +117,29 @@ def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = 
 
 def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested: bool) -> list[str]:
     sg = c.graph(rank)
-    g = sg.g
     folded = range(0) if unfold else folded_microsteps(c, rank)
-    ids: dict[Op, str] = {}
-    lines: list[str] = []
     pad = "    " if nested else "  "
+    lines: list[str] = []
     if nested:
         lines.append(f"  subgraph cluster_s{index} {{")
         lines.append(
             f"    label={q(f'{Path(c.source.path).name}: {describe(c)}')}; "
             'fontsize=14; style=rounded; color="#adb5bd";'
         )
-    n = 0
+    ids = _clusters(c, sg, index, folded, pad, lines)
+    lines += _edges(sg, ids, folded, pad)
+    if nested:
+        lines.append("  }")
+    return lines
+
+
+def _clusters(
+    c: Compiled, sg: ScheduleGraph, index: int, folded: range, pad: str, lines: list[str]
+) -> dict[Op, str]:
+    """One cluster per stream into `lines`, its ops in program order (the folded micro-steps
+    one node); each op's node id."""
+    ids: dict[Op, str] = {}
+    numbers = itertools.count()
     for stream, ops in sg.programs.items():
         if not ops:
             continue
@@ -138,39 +151,44 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
         fold_id = None
         fold_ops = [op for op in ops if op.mb in folded]
         for op in ops:
-            if op.mb in folded:
-                if fold_id is None:
-                    fold_id = f"s{index}n{n}"
-                    n += 1
-                    style = attrs(
-                        label=q(_fold_label(fold_ops, folded)),
-                        shape="box3d",
-                        style="filled",
-                        fillcolor=q("#fff9db"),
-                        color=q("#f08c00"),
-                    )
-                    lines.append(f"{pad}  {fold_id} {style};")
-                ids[op] = fold_id
+            if op.mb not in folded:
+                ids[op] = f"s{index}n{next(numbers)}"
+                lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
                 continue
-            ids[op] = f"s{index}n{n}"
-            n += 1
-            lines.append(f"{pad}  {ids[op]} {_node_style(op, c.spec)};")
+            if fold_id is None:
+                fold_id = f"s{index}n{next(numbers)}"
+                style = attrs(
+                    label=q(_fold_label(fold_ops, folded)),
+                    shape="box3d",
+                    style="filled",
+                    fillcolor=q("#fff9db"),
+                    color=q("#f08c00"),
+                )
+                lines.append(f"{pad}  {fold_id} {style};")
+            ids[op] = fold_id
         lines.append(f"{pad}}}")
-    edges: dict[tuple[str, str], tuple[str, set[str]]] = {}
-    rank_of = {"order": 0, "after": 1, "event": 2}
-    for u, v, d in sorted(g.edges(data=True), key=lambda e: (_pos(g, e[1]), _pos(g, e[0]))):
-        kind = d.get("sync")
+    return ids
+
+
+def _edges(sg: ScheduleGraph, ids: dict[Op, str], folded: range, pad: str) -> list[str]:
+    """Program order, `after` waits and events between the nodes drawn: one edge per pair
+    of nodes, drawn as the strongest wait between them, labelled with what events carry."""
+    edges: dict[tuple[str, str], tuple[Sync, set[str]]] = {}
+    rank_of = {Sync.ORDER: 0, Sync.AFTER: 1, Sync.EVENT: 2}
+    for u, v, d in sorted(sg.deps(), key=lambda e: (_pos(sg, e[1]), _pos(sg, e[0]))):
+        kind = d.sync
         if not kind or u not in ids or v not in ids or ids[u] == ids[v]:
             continue
         key = (ids[u], ids[v])
-        why = set(d.get("needs") or ()) if u.mb not in folded and v.mb not in folded else set()
+        why = {n.value for n in d.needs} if u.mb not in folded and v.mb not in folded else set()
         old = edges.get(key)
         if old is None or rank_of[kind] > rank_of[old[0]]:
             edges[key] = (kind, why | (old[1] if old else set()))
         else:
             old[1].update(why)
+    lines = []
     for (a, b), (kind, why) in edges.items():
-        if kind == "event":
+        if kind is Sync.EVENT:
             label = q(", ".join(sorted(why))) if why else None
             style = attrs(
                 style="dashed",
@@ -180,18 +198,16 @@ def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested:
                 label=label,
             )
             lines.append(f"{pad}{a} -> {b} {style};")
-        elif kind == "after":
+        elif kind is Sync.AFTER:
             lines.append(f"{pad}{a} -> {b} {attrs(style='dotted', color=q('#495057'))};")
         else:
             lines.append(f"{pad}{a} -> {b} {attrs(color=q('#adb5bd'))};")
-    if nested:
-        lines.append("  }")
     return lines
 
 
-def _pos(g, op: Op) -> tuple:
-    d = g.nodes[op]
-    return (d.get("seq") if d.get("seq") is not None else 1 << 30, d.get("pos") or 0, str(op))
+def _pos(sg: ScheduleGraph, op: Op) -> tuple[int, int, str]:
+    d = sg.node(op)
+    return (d.seq if d.seq is not None else 1 << 30, max(d.pos, 0), str(op))
 
 
 def _ident(text: str) -> str:

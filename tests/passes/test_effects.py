@@ -1,7 +1,7 @@
 """Buffers read across streams are kept alive: the plan says so, and the checker proves it.
 
 ir/effects.py says which cross-stream buffers each op writes and reads; the lowering writes
-the keeps every such read needs into its instruction; `plan_invariants` (passes/check.py)
+the keeps every such read needs into its instruction; `plan_invariants` (passes/buffers.py)
 rejects a plan that lacks one with `[keep-alive]`, as an internal error, since no schedule
 can cause it, only a broken lowering or a changed plan. The executor's side (it keeps alive
 exactly what the plan says, on the reading stream) is tests/exec/test_hsdp.py's split-stream
@@ -19,7 +19,7 @@ from schedc.compiler import compile_file, compile_text
 from schedc.ir.effects import required_keeps
 from schedc.ir.op import COMPUTE, Kind
 from schedc.lang.resources import bundled_schedules
-from schedc.passes.check import PlanInvariantError, plan_invariants
+from schedc.passes.buffers import PlanInvariantError, plan_invariants
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT = (REPO / "schedules" / "tiny_hsdp.sched").read_text() + "stream allreduce = ar\n"
