@@ -17,7 +17,7 @@ executor, schedc/exec/executor.py and exec/flat.py, allocates exactly these):
   reduce-scatter that consumes it is issued: the executor hands it to the collective
   (exec/flat.py `take_grad`), and from then on what the collective holds (below) lives until
   it is retired. The executor retires a stream's collectives in order when a wait reaches
-  one of them, and all before the update, nowhere else (exec/backends.py `wait`, `drain`: a
+  one of them, and all before the update, nowhere else (exec/cpu_backend.py `wait`, `drain`: a
   point the plan names, as FSDP2 drops a reduce-scatter's input when its wait completes;
   on CUDA the caching allocator may reuse the buffer sooner: there the count is an upper
   bound). Under no_sync with a reduce dtype wider than the gather dtype (bf16 gather,
