@@ -27,12 +27,12 @@ from schedc.analysis.cost import (
     ring_factor,
     spans_nodes,
 )
-from schedc.analysis.trace import (
+from schedc.analysis.trace.compare import against
+from schedc.analysis.trace.schema import (
     MAX_RANK,
     Trace,
     TracedOp,
     TraceError,
-    against,
     check_object,
     check_time,
     is_int,

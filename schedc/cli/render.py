@@ -17,7 +17,8 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, check_parameter
-from schedc.analysis.trace import Trace, load
+from schedc.analysis.trace.schema import Trace
+from schedc.analysis.trace.stream import load
 from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file

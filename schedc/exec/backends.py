@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import Timed
+from schedc.analysis.trace.write import Timed
 from schedc.ir.op import COMPUTE, Op
 
 # A collective is given its process group and returns the async work (or None when the

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import probe_event, thread_events
+from schedc.analysis.trace.write import probe_event, thread_events
 from schedc.model.gpt2 import GPT
 
 SIZES = (1 << 20, 4 << 20, 16 << 20)  # bytes of the full buffer

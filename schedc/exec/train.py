@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import trace_file
+from schedc.analysis.trace.write import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.backends import nccl_launch_order

@@ -20,7 +20,8 @@ from pathlib import Path
 from schedc.analysis.cost import CostModel
 from schedc.analysis.overlap import Overlap, overlap
 from schedc.analysis.simulate import Interval, Timeline, simulate
-from schedc.analysis.trace import Trace, measured
+from schedc.analysis.trace.compare import measured
+from schedc.analysis.trace.schema import Trace
 from schedc.analysis.units import fmt_time
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind, Op

@@ -14,7 +14,9 @@ import pytest
 from schedc.analysis.calibrate import _nnls, calibrate
 from schedc.analysis.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import chrome_trace, load, validate
+from schedc.analysis.trace.read import validate
+from schedc.analysis.trace.stream import load
+from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
@@ -238,7 +240,7 @@ def test_the_probe_prices_the_kind_the_schedule_never_runs():
 
 def test_a_malformed_probe_event_is_named():
     from schedc.analysis.calibrate import probes
-    from schedc.analysis.trace import TraceError
+    from schedc.analysis.trace.schema import TraceError
 
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
@@ -297,7 +299,7 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
 @pytest.mark.torch  # the probe's layout comes from exec/probe.py
 def test_a_compute_probe_of_another_model_or_malformed_is_named():
     from schedc.analysis.calibrate import compute_probes
-    from schedc.analysis.trace import TraceError
+    from schedc.analysis.trace.schema import TraceError
 
     c = sched("tiny_ddp_overlap")
     trace = chrome_trace(simulate(c, TRUE))
