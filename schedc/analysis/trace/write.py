@@ -146,7 +146,7 @@ def step_event(step: int, rank: int, tid: int, ts: float, dur: float) -> dict:
 
 def probe_event(name: str, rank: int, tid: int, ts: float, dur: float, args: dict) -> dict:
     """One timing of `--probe` (exec/probe.py) on the probe thread; read back by
-    analysis/calibrate.py's `probes` and `compute_probes`."""
+    analysis/probes.py."""
     return _slice(name, rank, tid, ts, dur, PROBE, args)
 
 
