@@ -28,7 +28,8 @@ from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.lang.resources import bundled_schedules
 from schedc.viz.graph import graph_dot
-from schedc.viz.timeline import Panel, panels_for, timeline_dot
+from schedc.viz.timeline import timeline_dot
+from schedc.viz.timeline.panels import Panel, panels_for
 from tests.goldens import GOLDEN, assert_golden
 
 REPO = Path(__file__).resolve().parents[2]
