@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import chrome_trace
+from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 
 

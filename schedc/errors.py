@@ -5,7 +5,7 @@ never with a traceback (schedc/cli/main.py catches the root, once, for every ver
 else that escapes a verb is a bug in schedc: "internal error", a traceback, exit 2.
 
 Each kind is defined beside the code that raises it: CompileError (a schedule's diagnostics,
-lang/diagnostics.py), TraceError (analysis/trace.py), GraphvizMissing (viz/dot.py),
+lang/diagnostics.py), TraceError (analysis/trace/schema.py), GraphvizMissing (viz/dot.py),
 CheckpointError (exec/checkpoint/layout.py), DataError (model/data.py). RunError is here because
 the CLI says it differently and must name it without importing torch.
 """

@@ -40,7 +40,7 @@ from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.files import read_limited
 from schedc.ir.op import Kind, Op
 from schedc.ir.sizes import op_bytes, padded, unit_numel
-from schedc.ir.spec import Dtype, Numerics, Spec, Strategy
+from schedc.ir.spec import Dtype, FSDPSpec, Numerics, Spec, Strategy
 from schedc.model.arch import FP32
 
 FP32_POLICY = Numerics()
@@ -305,7 +305,7 @@ def norm_per_param(kind: Strategy, clip: float) -> int:
 
 def optimizer_params(spec: Spec) -> float:
     """Parameters the optimizer step updates on one rank (FSDP: its shards only)."""
-    if spec.kind is Strategy.FSDP:
+    if isinstance(spec.strategy, FSDPSpec):  # spec.kind is Strategy.FSDP
         S = spec.mesh.shard  # a rank updates its shard of S
         return sum(padded(unit_numel(spec, u), S) for u in spec.strategy.units) / S
     return spec.model.numel

@@ -7,6 +7,7 @@ reached it. Durations come from the cost model (analysis/cost.py).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -75,53 +76,18 @@ def simulate(
     distinct = any(r is not None for r in compiled.plans)
     sim = list(range(spec.world)) if distinct else [0]
     g = nx.DiGraph()
-    runs: dict[int, list[tuple[str, Op, object]]] = {}
-
-    def node(rank: int, stream: str, op: Op):
-        return ("*", stream, op) if op.is_collective else (rank, op)
-
-    for r in sim:
-        plan = compiled.plan(r)
-        last: dict[str, object] = {}
-        waits: dict[str, list[object]] = {}
-        runs[r] = []
-        stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
-        for ins in plan.instrs:
-            if ins.kind is Action.WAIT and ins.event == plan.step_start:
-                continue  # the step starts at time 0: nothing to wait for in one step
-            if ins.kind is Action.WAIT:
-                p = plan.producers[ins.event]
-                waits.setdefault(ins.stream, []).append(node(r, stream_of[p], p))
-            elif ins.kind is Action.RUN:
-                n = node(r, ins.stream, ins.op)
-                g.add_node(n, length=duration(spec, ins.op, cost))
-                preds = waits.pop(ins.stream, []) + (
-                    [last[ins.stream]] if ins.stream in last else []
-                )
-                g.add_edges_from((p, n) for p in preds)
-                last[ins.stream] = n
-                runs[r].append((ins.stream, ins.op, n))
-    try:
-        order = list(nx.topological_sort(g))
-    except nx.NetworkXUnfeasible:
-        raise ValueError(
-            "the ranks issue their collectives in different orders: the "
-            "schedule would hang (schedc check reports where)"
-        ) from None
-    end: dict[object, float] = {}
-    start: dict[object, float] = {}
-    for n in order:
-        start[n] = max((end[p] for p in g.predecessors(n)), default=0.0)
-        end[n] = start[n] + g.nodes[n]["length"]
+    runs = {r: _program(g, compiled, r, cost) for r in sim}
+    start, end = _times(g)
     shown = (
         [r for r in sim if ranks is None or r in ranks]
         if distinct
         else [(ranks[0] if ranks else 0)]
     )
-    intervals = []
-    for r in shown:
-        for stream, op, n in runs[r if distinct else 0]:
-            intervals.append(Interval(r, stream, op, start[n], end[n]))
+    intervals = [
+        Interval(r, stream, op, start[n], end[n])
+        for r in shown
+        for stream, op, n in runs[r if distinct else 0]
+    ]
     streams = compiled.plan(shown[0] if distinct else None).streams
     return Timeline(
         spec,
@@ -132,6 +98,56 @@ def simulate(
         every_rank=not distinct and spec.world > 1,
         note=cost.describe(spec.numerics),
     )
+
+
+Node = Hashable  # (rank, op), or ("*", stream, op) for a collective: one node for every rank
+
+
+def _node(rank: int, stream: str, op: Op) -> Node:
+    return ("*", stream, op) if op.is_collective else (rank, op)
+
+
+def _program(
+    g: nx.DiGraph, compiled: Compiled, r: int, cost: CostModel
+) -> list[tuple[str, Op, Node]]:
+    """Rank `r`'s plan added to `g`: a node per op, its length the op's duration, an edge
+    from each op to the next on its stream and from each recorded event's op to the op
+    after its wait. The ops it runs, with their streams and nodes, in program order."""
+    spec, plan = compiled.spec, compiled.plan(r)
+    last: dict[str, Node] = {}
+    waits: dict[str, list[Node]] = {}
+    runs: list[tuple[str, Op, Node]] = []
+    stream_of = {i.op: i.stream for i in plan.instrs if i.kind is Action.RUN}
+    for ins in plan.instrs:
+        # the step starts at time 0: its start event is nothing to wait for in one step
+        if ins.kind is Action.WAIT and ins.event is not None and ins.event != plan.step_start:
+            p = plan.producers[ins.event]
+            waits.setdefault(ins.stream, []).append(_node(r, stream_of[p], p))
+        elif ins.kind is Action.RUN and ins.op is not None:
+            n = _node(r, ins.stream, ins.op)
+            g.add_node(n, length=duration(spec, ins.op, cost))
+            preds = waits.pop(ins.stream, []) + ([last[ins.stream]] if ins.stream in last else [])
+            g.add_edges_from((p, n) for p in preds)
+            last[ins.stream] = n
+            runs.append((ins.stream, ins.op, n))
+    return runs
+
+
+def _times(g: nx.DiGraph) -> tuple[dict[Node, float], dict[Node, float]]:
+    """When each node starts and ends: as soon as every predecessor has ended."""
+    try:
+        order = list(nx.topological_sort(g))
+    except nx.NetworkXUnfeasible:
+        raise ValueError(
+            "the ranks issue their collectives in different orders: the "
+            "schedule would hang (schedc check reports where)"
+        ) from None
+    end: dict[Node, float] = {}
+    start: dict[Node, float] = {}
+    for n in order:
+        start[n] = max((end[p] for p in g.predecessors(n)), default=0.0)
+        end[n] = start[n] + g.nodes[n]["length"]
+    return start, end
 
 
 def in_stream_order(intervals: list[Interval], streams) -> list[Interval]:

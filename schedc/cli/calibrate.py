@@ -10,7 +10,7 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel
-from schedc.analysis.trace import load
+from schedc.analysis.trace.stream import load
 from schedc.cli.common import check_distinct, check_output, overrides
 from schedc.compiler import compile_file
 from schedc.errors import UserError

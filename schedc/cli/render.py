@@ -5,7 +5,7 @@
     schedc render schedules/tiny_ddp_overlap.sched --trace t.json -o t.svg  # measured
     schedc render a.sched b.sched --view timeline -o pair.svg               # one time scale
 
-The views are drawn by schedc/viz/ (graph.py for `dot`, timeline.py for `neato -n2`).
+The views are drawn by schedc/viz/ (graph.py for `dot`, timeline/ for `neato -n2`).
 `-o X.dot` writes the DOT text and needs no Graphviz; svg/png/pdf need Graphviz's programs.
 """
 
@@ -17,14 +17,16 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, check_parameter
-from schedc.analysis.trace import Trace, load
+from schedc.analysis.trace.schema import Trace
+from schedc.analysis.trace.stream import load
 from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
 from schedc.viz.dot import ENGINE, FORMATS, write
 from schedc.viz.graph import graph_dot
-from schedc.viz.timeline import panels_for, timeline_dot
+from schedc.viz.timeline import timeline_dot
+from schedc.viz.timeline.panels import panels_for
 
 HELP = "draw the dependency graph or a predicted/measured timeline (Graphviz)"
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import Timed
+from schedc.analysis.trace.write import Timed
 from schedc.ir.op import Op
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import Timed
+from schedc.analysis.trace.write import Timed
 from schedc.exec.backends import DONE, Done, Launch, Work, copy_alone, now
 from schedc.ir.op import COMPUTE, Op
 

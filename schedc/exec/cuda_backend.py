@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import Timed
+from schedc.analysis.trace.write import Timed
 from schedc.exec.backends import DONE, Done, Launch, copy_alone, mesh_groups, now, stream_groups
 from schedc.ir.op import COMPUTE, Op
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schedc.analysis.trace import Timed, chrome_events
+from schedc.analysis.trace.write import Timed, chrome_events
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.backends import Backend, nccl_launch_order

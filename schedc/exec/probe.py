@@ -24,7 +24,7 @@ ops cannot say two things:
   micro, tokens and rep.
 Every timing is one Chrome "X" event on a `probe` thread, category `probe`, taken before
 step 0 with every rank doing the same work at once (as in a step, the ranks share the
-cores). schedc/analysis/calibrate.py `probes` and `compute_probes` read them back; calibrate fits a
+cores). schedc/analysis/probes.py `probes` and `compute_probes` read them back; calibrate fits a
 collective kind the schedule's ops lack from the first, and adds the second to its compute
 points.
 """
@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from schedc.analysis.trace import probe_event, thread_events
+from schedc.analysis.trace.write import probe_event, thread_events
 from schedc.model.gpt2 import GPT
 
 SIZES = (1 << 20, 4 << 20, 16 << 20)  # bytes of the full buffer

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from schedc.analysis.trace import trace_file
+from schedc.analysis.trace.write import trace_file
 from schedc.compiler import Compiled
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, StepStats

@@ -29,7 +29,8 @@ from pathlib import Path
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import TraceError, load
+from schedc.analysis.trace.schema import TraceError
+from schedc.analysis.trace.stream import load
 from schedc.compiler import compile_file
 from schedc.errors import UserError
 from schedc.tune.search import Candidate

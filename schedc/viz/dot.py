@@ -1,6 +1,6 @@
 """DOT for Graphviz: string quoting, schedc's palette, and writing a picture file.
 
-Both views (viz/graph.py, viz/timeline.py) build DOT text with these helpers; `write` turns
+Both views (viz/graph.py, viz/timeline/) build DOT text with these helpers; `write` turns
 it into the format the output's extension names (`.dot` is the text itself, no Graphviz).
 """
 

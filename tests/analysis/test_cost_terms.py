@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from schedc.analysis.calibrate import _nnls, calibrate
+from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, duration, grad_bytes, norm_per_param, optimizer_bytes
+from schedc.analysis.least_squares import nnls
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import chrome_trace, load, validate
+from schedc.analysis.trace.read import validate
+from schedc.analysis.trace.stream import load
+from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
@@ -107,9 +110,9 @@ def test_a_flops_only_trace_fits_no_extra_terms():
 def test_nnls_drops_a_column_whose_best_value_is_negative():
     rows = [(1.0, 1.0, 1.0), (2.0, 0.0, 1.0), (3.0, 1.0, 1.0), (4.0, 0.0, 1.0)]
     ts = [2 * r[0] - 0.5 * r[1] + 0.1 for r in rows]  # the second column's coefficient < 0
-    x = _nnls(rows, ts, required=(0,))
+    x = nnls(rows, ts, required=(0,))
     assert x[1] == 0 and x[0] > 0 and x[2] >= 0
-    exact = _nnls(rows, [2 * r[0] + 0.5 * r[1] + 0.1 for r in rows], required=(0,))
+    exact = nnls(rows, [2 * r[0] + 0.5 * r[1] + 0.1 for r in rows], required=(0,))
     assert exact == pytest.approx([2, 0.5, 0.1])
 
 
@@ -237,8 +240,8 @@ def test_the_probe_prices_the_kind_the_schedule_never_runs():
 
 
 def test_a_malformed_probe_event_is_named():
-    from schedc.analysis.calibrate import probes
-    from schedc.analysis.trace import TraceError
+    from schedc.analysis.probes import probes
+    from schedc.analysis.trace.schema import TraceError
 
     bad = {"traceEvents": [{"ph": "X", "cat": "probe", "ts": 1, "dur": 1, "args": {"kind": "x"}}]}
     with pytest.raises(TraceError, match=r"traceEvents\[0\]\.args: a probe needs kind"):
@@ -296,8 +299,8 @@ def test_the_compute_probe_sets_apart_a_micro_steps_cost_from_a_tokens():
 
 @pytest.mark.torch  # the probe's layout comes from exec/probe.py
 def test_a_compute_probe_of_another_model_or_malformed_is_named():
-    from schedc.analysis.calibrate import compute_probes
-    from schedc.analysis.trace import TraceError
+    from schedc.analysis.probes import compute_probes
+    from schedc.analysis.trace.schema import TraceError
 
     c = sched("tiny_ddp_overlap")
     trace = chrome_trace(simulate(c, TRUE))

@@ -9,7 +9,8 @@ import pytest
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, duration, spans_nodes
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import chrome_trace, validate
+from schedc.analysis.trace.read import validate
+from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind
 from tests.conftest import REPO

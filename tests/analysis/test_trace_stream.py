@@ -12,18 +12,13 @@ import random
 
 import pytest
 
-import schedc.analysis.trace as trace_mod
+import schedc.analysis.trace.stream as trace_mod
 from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import (
-    Trace,
-    TraceError,
-    _Stream,
-    _Unstreamable,
-    chrome_trace,
-    load,
-    validate,
-)
+from schedc.analysis.trace.read import validate
+from schedc.analysis.trace.schema import Trace, TraceError
+from schedc.analysis.trace.stream import _Stream, _Unstreamable, load
+from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from tests.conftest import REPO
 from tests.viz.test_trace_fuzz import mutate

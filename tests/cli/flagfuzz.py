@@ -227,7 +227,7 @@ class Fixtures:
 def simulated_trace(schedule: str) -> dict:
     """A trace as `schedc run --trace` writes one, of the schedule's simulated step (no torch)."""
     from schedc.analysis.simulate import simulate
-    from schedc.analysis.trace import chrome_trace
+    from schedc.analysis.trace.write import chrome_trace
     from schedc.compiler import compile_file
 
     return chrome_trace(simulate(compile_file(schedule)), path=schedule)

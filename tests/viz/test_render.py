@@ -18,14 +18,18 @@ from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel
 from schedc.analysis.overlap import overlap
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace import chrome_trace, load, measured, validate
+from schedc.analysis.trace.compare import measured
+from schedc.analysis.trace.read import validate
+from schedc.analysis.trace.stream import load
+from schedc.analysis.trace.write import chrome_trace
 from schedc.analysis.units import parse_rate, parse_time
 from schedc.cli.main import main
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.lang.resources import bundled_schedules
 from schedc.viz.graph import graph_dot
-from schedc.viz.timeline import Panel, panels_for, timeline_dot
+from schedc.viz.timeline import timeline_dot
+from schedc.viz.timeline.panels import Panel, panels_for
 from tests.goldens import GOLDEN, assert_golden
 
 REPO = Path(__file__).resolve().parents[2]
