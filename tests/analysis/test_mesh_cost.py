@@ -12,7 +12,7 @@ from schedc.analysis.simulate import simulate
 from schedc.analysis.trace import chrome_trace, validate
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind
-from tests.conftest import REPO
+from tests.goldens import REPO
 
 TWO_NODES = CostModel(bandwidth=100e9, inter_bandwidth=12.5e9, node_size=8)
 

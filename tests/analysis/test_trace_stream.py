@@ -25,7 +25,7 @@ from schedc.analysis.trace import (
     validate,
 )
 from schedc.compiler import compile_file
-from tests.conftest import REPO
+from tests.goldens import REPO
 from tests.viz.test_trace_fuzz import mutate
 
 
