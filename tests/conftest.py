@@ -1,4 +1,8 @@
-"""Shared test setup: the checkout's root, hypothesis profiles, and session-wide fixtures."""
+"""Shared test setup: hypothesis profiles, the tiers' marks, and session-wide fixtures.
+
+`pytest` works from anywhere without installing schedc: tests/ is a package, so pytest puts
+the checkout's root (tests/goldens.py `REPO`) first on sys.path before importing this file.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `pytest` works from anywhere without installing schedc
-    sys.path.insert(0, str(REPO))
+from tests.goldens import REPO
 
 # Hypothesis profiles (README, "Testing"). `ci` is derandomized (the same examples on
 # every run) and sized so the whole of .ci/run fits 10 minutes on 2 cores; `long` runs ten
@@ -71,6 +73,15 @@ def pytest_collection_modifyitems(config, items):
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
             item.add_marker(pytest.mark.torch)
             item.add_marker(pytest.mark.xdist_group("real_trace"))  # written once
+
+
+@pytest.fixture(autouse=True)
+def _reap_children():
+    """A process a test started through tests/ranks.py does not outlive the test."""
+    yield
+    ranks = sys.modules.get("tests.ranks")  # imported only by the tests that start processes
+    if ranks is not None:
+        ranks.reap()
 
 
 @pytest.fixture(scope="session")

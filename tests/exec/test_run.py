@@ -7,37 +7,18 @@ the session's pool of gloo ranks (tests/pool.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from schedc.compiler import compile_file, compile_text
 from schedc.ir.op import Op
 from tests.exec.test_equivalence import DDP_CASES, FSDP_CASES, fsdp
+from tests.goldens import REPO
 from tests.oracle import assert_matches
 from tests.pool import JobFailed
+from tests.ranks import finish, python, start_ranks, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEDULES = ROOT / "schedules"
-
-
-def torchrun(n: int, *args: str, timeout: float = 300, env: dict | None = None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={n}",
-        "-m",
-        "schedc",
-        "run",
-        *args,
-    ]
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=e)
+SCHEDULES = REPO / "schedules"
 
 
 def spans(events: list[dict], rank: int) -> dict[tuple[int, str], tuple[float, float, dict]]:
@@ -150,12 +131,7 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
     assert [x.split("dt ")[0] for x in loss] == [
         x.split("dt ")[0] for x in plain.stdout.splitlines() if x.startswith("step ")
     ]
-    fit = subprocess.run(
-        [sys.executable, "-m", "schedc", "calibrate", str(trace)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    fit = python("-m", "schedc", "calibrate", str(trace))
     assert fit.returncode == 0, fit.stderr
     assert "allgather: fitted to the probe's 3 sizes" in fit.stdout
     assert "reducescatter: fitted to the probe's 3 sizes" in fit.stdout
@@ -163,9 +139,7 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
 
 
 def test_probe_without_a_trace_is_refused():
-    r = subprocess.run(
-        [sys.executable, "-m", "schedc", "run", "--probe"], capture_output=True, text=True, cwd=ROOT
-    )
+    r = python("-m", "schedc", "run", "--probe")
     assert r.returncode != 0 and "--probe times collectives and layers for the trace" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -283,13 +257,7 @@ def test_a_failing_instruction_shows_the_plan(pool):
 
 
 def test_world_mismatch_without_torchrun_is_a_clear_error():
-    r = subprocess.run(
-        [sys.executable, "-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    r = python("-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched"), timeout=120)
     assert r.returncode == 1
     assert "world-2 schedule, but this job has 1 rank" in r.stderr
     assert "nproc_per_node=2" in r.stderr and "Traceback" not in r.stderr
@@ -316,29 +284,9 @@ def test_ranks_with_different_schedules_refuse_to_start(tmp_path):
         .replace("bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3")
         .replace("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.2 .. h.0, embed")
     )
-    env = {
-        **os.environ,
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29500 + os.getpid() % 1000),
-        "OMP_NUM_THREADS": "1",
-    }
     files = [SCHEDULES / "tiny_ddp_overlap.sched", other]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "schedc", "run", str(f), "--timeout", "60"],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r, f in enumerate(files)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 1, err
+    for code, out, err in finish(start_ranks([[str(f), "--timeout", "60"] for f in files]), 120):
+        assert code == 1, err
         assert "ranks disagree before step 1" in err
         assert "step    0" not in out
 
