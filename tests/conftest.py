@@ -38,6 +38,9 @@ settings.load_profile(os.environ.get("SCHEDC_PROFILE") or "ci")
 # `torch` here or in their module. `pytest -m "not torch"` is the torch-free tier: the
 # compiler, the pictures and the CLI, which must work on a machine without torch (CI runs it
 # in a venv without torch). `ranks` marks tests that start real torch.distributed ranks.
+# `faults` marks the tests that kill, stop or crash a rank or a save, or resume from what is
+# left (slow: they wait out timeouts and restarts); each needs torch, so `-m torch` runs them
+# and `-m "torch and not faults"` is the quick loop.
 TORCH_DIRS = ("exec", "model")
 TORCH_FREE = {"test_fuse.py"}  # exec/fuse.py groups ops; it never imports torch
 try:
@@ -65,6 +68,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
         if path.parent.name in TORCH_DIRS and path.name not in TORCH_FREE:
+            item.add_marker(pytest.mark.torch)
+        if item.get_closest_marker("faults"):
             item.add_marker(pytest.mark.torch)
         fixtures = set(getattr(item, "fixturenames", ()))
         if "pool" in fixtures:

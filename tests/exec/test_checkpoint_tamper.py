@@ -648,6 +648,7 @@ def test_a_short_key_file_is_refused(tmp_path):
         checkpoint.read_key(tmp_path / "k")
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "name",
     [

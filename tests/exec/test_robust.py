@@ -41,6 +41,7 @@ def run(world: int, *args: str, env: dict | None = None) -> list[tuple[int, str,
 # -- dead and stuck ranks ------------------------------------------------------------------------
 
 
+@pytest.mark.faults
 def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
     procs = launch(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
@@ -56,6 +57,7 @@ def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
     assert "Traceback" not in err
 
 
+@pytest.mark.faults
 def test_a_stuck_rank_is_named_after_the_timeout():
     procs = launch(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "8"
@@ -73,6 +75,7 @@ def test_a_stuck_rank_is_named_after_the_timeout():
     assert elapsed < 8 + 20, elapsed  # the timeout, plus the grace to hear from the others
 
 
+@pytest.mark.faults
 def test_torchrun_sees_the_failure():
     p = start_torchrun(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
@@ -127,6 +130,7 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
 def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
     f = str(SCHEDULES / sched)
@@ -187,6 +191,7 @@ def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.faults
 def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
     two = SCHEDULES / "tiny_fsdp_prefetch.sched"
     one = tmp_path / "one.sched"  # the same model, global batch and units, on one rank
@@ -247,6 +252,7 @@ def fresh(saved: Path, tmp_path: Path) -> Path:
     return ck
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("point", ["before-write", "after-write", "before-rename", "before-latest"])
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(saved, tmp_path, point):
     ck = fresh(saved, tmp_path)
@@ -294,6 +300,7 @@ def _corrupt(ck: Path, how: str) -> None:
         (path / "meta.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "how,message",
     [

@@ -27,6 +27,7 @@ BOUND_S = 30  # the issue's bound: the job ends within 30 s of the kill or stop
 
 pytestmark = [
     pytest.mark.ranks,
+    pytest.mark.faults,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 
