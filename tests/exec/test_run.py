@@ -12,6 +12,7 @@ import pytest
 
 from schedc.compiler import compile_file, compile_text
 from schedc.ir.op import Op
+from schedc.lang.resources import DEFAULT_SCHEDULE
 from tests.exec.test_equivalence import DDP_CASES, FSDP_CASES, fsdp
 from tests.goldens import REPO
 from tests.oracle import assert_matches
@@ -37,13 +38,24 @@ def overlap(a: tuple[float, float, dict], b: tuple[float, float, dict]) -> float
 # -- traces ----------------------------------------------------------------------------------------
 
 
-def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
-    trace = tmp_path / "ddp.json"
-    r = torchrun(
-        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "3", "--trace", str(trace)
-    )
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory) -> tuple[str, list[dict]]:
+    """The README's main command, `schedc run --trace`: the bundled default schedule
+    (tiny_ddp_overlap, 40 steps) on 2 CPU ranks; its stdout and trace events."""
+    trace = tmp_path_factory.mktemp("main") / "run.json"
+    r = torchrun(2, "--trace", str(trace))
     assert r.returncode == 0, r.stderr
-    events = json.loads(trace.read_text())["traceEvents"]
+    return r.stdout, json.loads(trace.read_text())["traceEvents"]
+
+
+def step_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.xdist_group("main_run")  # one run for the tests that read it
+def test_ddp_trace_shows_bucket_1_launched_during_backward(main_run):
+    assert DEFAULT_SCHEDULE == "tiny_ddp_overlap.sched"  # the main run's schedule
+    _, events = main_run
     names = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
     assert names == {(r, t) for r in (0, 1) for t in ("compute", "comm", "steps")}
     # one name per op on every rank: the same (step, IR text) spans on both, each parsing back
@@ -91,25 +103,22 @@ def test_fsdp_trace_shows_prefetch_overlapping_compute(tmp_path):
         assert fwd_hits > 0 and bwd_hits > 0, (rank, fwd_hits, bwd_hits)
 
 
-def test_main_command_trains_and_writes_a_trace(tmp_path):
+@pytest.mark.xdist_group("main_run")
+def test_main_command_trains_and_writes_a_trace(main_run):
     """The README's main job: the bundled default schedule on 2 CPU ranks; loss falls."""
-    trace = tmp_path / "run.json"
-    r = torchrun(2, "--trace", str(trace))
-    assert r.returncode == 0, r.stderr
-    losses = [
-        float(line.split("loss ")[1].split()[0])
-        for line in r.stdout.splitlines()
-        if line.startswith("step ")
-    ]
+    out, events = main_run
+    losses = [float(line.split("loss ")[1].split()[0]) for line in step_lines(out)]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses
-    assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
+    assert events
 
 
-def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
+@pytest.mark.xdist_group("main_run")
+def test_probe_times_every_collective_kind_for_calibrate(tmp_path, main_run):
     """`--probe`: a DDP schedule's trace also times all-gathers and reduce-scatters (on every
     rank, at each size, twice) and its layers at micro 1, and calibrate fits from them; the
-    probe's own model leaves the run's numbers as they are."""
+    probe's own model leaves the run's numbers as they are (step 0's loss, lr and norm are
+    the main run's: none of them depends on how many steps follow)."""
     from schedc.exec.probe import COMPUTE_LAYERS, REPS
 
     trace = tmp_path / "run.json"
@@ -125,12 +134,12 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
     micros = {e["args"]["micro"] for e in probe if "micro" in e["args"]}
     assert 1 in micros and len(micros) == 2
     assert len(probe) - len(comm) == 2 * len(COMPUTE_LAYERS) * 2 * 2 * REPS  # ranks, fwd/bwd
-    plain = torchrun(2, "--steps", "1")
-    assert plain.returncode == 0, plain.stderr
-    loss = [line for line in r.stdout.splitlines() if line.startswith("step ")]
-    assert [x.split("dt ")[0] for x in loss] == [
-        x.split("dt ")[0] for x in plain.stdout.splitlines() if x.startswith("step ")
-    ]
+
+    def numbers(line: str) -> str:  # `loss X | lr Y | norm Z`, without step i/N and times
+        return line.split(" | dt ")[0].split(" | ", 1)[1]
+
+    (probed,) = step_lines(r.stdout)
+    assert numbers(probed) == numbers(step_lines(main_run[0])[0])
     fit = python("-m", "schedc", "calibrate", str(trace))
     assert fit.returncode == 0, fit.stderr
     assert "allgather: fitted to the probe's 3 sizes" in fit.stdout
