@@ -242,7 +242,20 @@ class Pool:
                 c.send(job)
             except (BrokenPipeError, OSError):
                 self._fail(job, r, f"rank {r} was gone before the job started")
-        replies: dict[int, object] = {}
+        replies = self._replies(job, deadline, timeout)
+        outs = [replies[r] for r in range(world)]
+        return JobResult(
+            outs[0]["steps"],
+            [o["memory"] for o in outs],
+            [o["comm_bytes"] for o in outs],
+            [e for o in outs for e in o["trace"]],
+            [o["buffer_log"] for o in outs],
+        )
+
+    def _replies(self, job: Job, deadline: float, timeout: float) -> dict[int, dict]:
+        """Every job rank's reply by the deadline, or JobFailed saying which rank did not."""
+        world = job.world
+        replies: dict[int, dict] = {}
         pending = dict(enumerate(self.conns[:world]))
         while pending:
             left = deadline - time.monotonic()
@@ -272,14 +285,7 @@ class Pool:
             for s, r in sentinels.items():
                 if s in ready and r in pending:
                     self._fail(job, r, f"rank {r} died (exit code {self._exitcode(r)})")
-        outs = [replies[r] for r in range(world)]
-        return JobResult(
-            outs[0]["steps"],
-            [o["memory"] for o in outs],
-            [o["comm_bytes"] for o in outs],
-            [e for o in outs for e in o["trace"]],
-            [o["buffer_log"] for o in outs],
-        )
+        return replies
 
     def _dead(self, world: int) -> str:
         """'rank R died (exit code C); ' for each job rank that is gone: a failure on
@@ -323,6 +329,3 @@ def describe(job: Job, rank: int | None = None) -> str:
         f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
         f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}"
     )
-
-
-_describe = describe  # the old name
