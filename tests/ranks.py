@@ -32,7 +32,8 @@ from pathlib import Path
 
 from tests.goldens import REPO
 
-# what torchrun gives its workers: a child started here is never taken for one of ours
+# what torchrun gives its workers: left out of a child's environment, where it would make
+# the child a rank of whatever job this process may be part of
 JOB_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _started: list[subprocess.Popen] = []
 
