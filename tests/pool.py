@@ -50,6 +50,7 @@ class JobResult:
     comm_bytes: list[dict] = field(default_factory=list)  # per rank, last step
     trace: list[dict] = field(default_factory=list)  # chrome events of every rank
     buffer_log: list[list] = field(default_factory=list)  # per rank, with log_buffers
+    linears: int = 0  # rank 0's Linear forwards that ran on emulated TF32 (with tf32)
 
 
 class JobFailed(AssertionError):
@@ -127,7 +128,7 @@ def _run_job(job: Job, rank: int, groups):
     else:
         tf32 = contextlib.nullcontext()
     try:
-        with tf32:
+        with tf32 as em:
             stats = [ex.step() for _ in range(job.steps)]
     finally:
         ex.close()
@@ -140,6 +141,7 @@ def _run_job(job: Job, rank: int, groups):
         "comm_bytes": stats[-1].comm_bytes,
         "trace": ex.trace_events() if job.trace else [],
         "buffer_log": ex.buffer_log,
+        "linears": em.linears if job.tf32 else 0,
     }
 
 
@@ -250,6 +252,7 @@ class Pool:
             [o["comm_bytes"] for o in outs],
             [e for o in outs for e in o["trace"]],
             [o["buffer_log"] for o in outs],
+            outs[0]["linears"],
         )
 
     def _replies(self, job: Job, deadline: float, timeout: float) -> dict[int, dict]:
