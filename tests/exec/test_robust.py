@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -76,6 +77,7 @@ def test_a_stuck_rank_is_named_after_the_timeout():
 
 
 @pytest.mark.faults
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchrun_sees_the_failure():
     p = start_torchrun(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
