@@ -1,4 +1,8 @@
-"""Shared test setup: the checkout's root, hypothesis profiles, and session-wide fixtures."""
+"""Shared test setup: hypothesis profiles, the tiers' marks, and session-wide fixtures.
+
+`pytest` works from anywhere without installing schedc: tests/ is a package, so pytest puts
+the checkout's root (tests/goldens.py `REPO`) first on sys.path before importing this file.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `pytest` works from anywhere without installing schedc
-    sys.path.insert(0, str(REPO))
+from tests.goldens import REPO
 
 # Hypothesis profiles (README, "Testing"). `ci` is derandomized (the same examples on
 # every run) and sized so the whole of .ci/run fits 10 minutes on 2 cores; `long` runs ten
@@ -36,6 +38,9 @@ settings.load_profile(os.environ.get("SCHEDC_PROFILE") or "ci")
 # `torch` here or in their module. `pytest -m "not torch"` is the torch-free tier: the
 # compiler, the pictures and the CLI, which must work on a machine without torch (CI runs it
 # in a venv without torch). `ranks` marks tests that start real torch.distributed ranks.
+# `faults` marks the tests that kill, stop or crash a rank or a save, or resume from what is
+# left (slow: they wait out timeouts and restarts); each needs torch, so `-m torch` runs them
+# and `-m "torch and not faults"` is the quick loop.
 TORCH_DIRS = ("exec", "model")
 TORCH_FREE = {"test_fuse.py"}  # exec/fuse.py groups ops; it never imports torch
 try:
@@ -64,6 +69,8 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath))
         if path.parent.name in TORCH_DIRS and path.name not in TORCH_FREE:
             item.add_marker(pytest.mark.torch)
+        if item.get_closest_marker("faults"):
+            item.add_marker(pytest.mark.torch)
         fixtures = set(getattr(item, "fixturenames", ()))
         if "pool" in fixtures:
             item.add_marker(pytest.mark.ranks)
@@ -71,6 +78,15 @@ def pytest_collection_modifyitems(config, items):
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
             item.add_marker(pytest.mark.torch)
             item.add_marker(pytest.mark.xdist_group("real_trace"))  # written once
+
+
+@pytest.fixture(autouse=True)
+def _reap_children():
+    """A process a test started through tests/ranks.py does not outlive the test."""
+    yield
+    ranks = sys.modules.get("tests.ranks")  # imported only by the tests that start processes
+    if ranks is not None:
+        ranks.reap()
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ Where they run: on a CUDA device, or, with SCHEDC_GPU_REHEARSAL=1 (scripts/gpu_c
 --rehearse, in CI), as CPU twins: the same scripts, processes and tolerance logic on the
 CPU with gloo, skipping only what needs a device (the CUDA sanitizer, stream sleeps, the
 caching allocator's counters). `DEVICE` is the device they run on; `gpu_or_twin` and
-`needs_cuda` are their skip marks; `child_env` is the environment of the processes they
-start: this checkout first on PYTHONPATH, and whatever PYTHONPATH already held after it
-(on the GPU machine the site folder its wheels were installed into: lark and graphviz).
+`needs_cuda` are their skip marks. The processes they start get tests/ranks.py's
+environment: this checkout first on PYTHONPATH, then whatever it held (on the GPU machine
+the site folder its wheels were installed into: lark and graphviz).
 
 `world1_variant` turns any bundled schedule into a small world-1 schedule of the same shape
 (its units or buckets, prefetch, no_sync, streams and micro-step count; the nano model with
@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 REHEARSAL = os.environ.get("SCHEDC_GPU_REHEARSAL") == "1"
 
 
@@ -46,14 +45,6 @@ gpu_or_twin = pytest.mark.skipif(
     reason="needs a CUDA device (SCHEDC_GPU_REHEARSAL=1 runs its CPU twin)",
 )
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device, even rehearsed")
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """os.environ for a child process: this checkout first on PYTHONPATH, then what was
-    there (replacing it drops the wheels' site folder on the GPU machine: `import lark`
-    fails in the child)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def world1_variant(path: Path, max_micro_steps: int = 4) -> str:

@@ -20,61 +20,77 @@
     record-keeps              not a fault, an instrument: every keep_alive and all-reduce,
                               with the collective being launched, in ex.mem["keeps"]
 
-Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job.
+Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job: the
+fault's first word picks its function in FAULTS, which gets the words after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 
 def inject(ex, fault: str) -> None:
-    from schedc.exec.options import NonFinite
+    name, _, arg = fault.partition(" ")
+    if name not in FAULTS or bool(arg) != (name in TAKES_ARG):
+        raise ValueError(f"unknown fault {fault!r}")
+    FAULTS[name](ex, arg)
 
-    if fault == "skip-accum-scale":
-        ex.loss_scale = 1.0
-    elif fault == "skip-replicate-allreduce":
-        import dataclasses
 
-        from schedc.ir.op import Kind
-        from schedc.ir.plan import Action
+def _skip_accum_scale(ex, _: str) -> None:
+    ex.loss_scale = 1.0
 
-        def replicate(i) -> bool:
-            return i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE and bool(ex.units)
 
-        kept = tuple(i for i in ex.plan.instrs if not replicate(i))
-        ex.plan = dataclasses.replace(ex.plan, instrs=kept)
-    elif fault == "reduce-first-micro-step":
-        import dataclasses
+def _skip_replicate_allreduce(ex, _: str) -> None:
+    from schedc.ir.op import Kind
+    from schedc.ir.plan import Action
 
-        from schedc.ir.op import Kind
-        from schedc.ir.plan import Action
+    def replicate(i) -> bool:
+        return i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE and bool(ex.units)
 
-        instrs = list(ex.plan.instrs)
-        moved = [i for i in instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE]
-        if ex.spec.accum > 1 and moved:
-            last_bwd0 = max(
-                k
-                for k, i in enumerate(instrs)
-                if i.kind is Action.RUN and i.op.kind is Kind.BWD and i.op.mb == 0
-            )
-            rest = [i for i in instrs if i not in moved and i.kind is not Action.WAIT]
-            at = rest.index(instrs[last_bwd0]) + 1
-            ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
-    elif fault.startswith(("fail-at ", "die-at ", "hang-at ")):
-        how, target = fault.split(" ", 1)
+    kept = tuple(i for i in ex.plan.instrs if not replicate(i))
+    ex.plan = dataclasses.replace(ex.plan, instrs=kept)
+
+
+def _reduce_first_micro_step(ex, _: str) -> None:
+    from schedc.ir.op import Kind
+    from schedc.ir.plan import Action
+
+    instrs = list(ex.plan.instrs)
+    moved = [i for i in instrs if i.kind is Action.RUN and i.op.kind is Kind.ALLREDUCE]
+    if ex.spec.accum > 1 and moved:
+        last_bwd0 = max(
+            k
+            for k, i in enumerate(instrs)
+            if i.kind is Action.RUN and i.op.kind is Kind.BWD and i.op.mb == 0
+        )
+        rest = [i for i in instrs if i not in moved and i.kind is not Action.WAIT]
+        at = rest.index(instrs[last_bwd0]) + 1
+        ex.plan = dataclasses.replace(ex.plan, instrs=tuple(rest[:at] + moved + rest[at:]))
+
+
+def _trip(how: str, op, last: bool) -> None:
+    """What fail-at, die-at and hang-at do when their op is reached (die and hang on the
+    last rank only)."""
+    if how == "fail-at":
+        raise RuntimeError(f"injected failure in {op}")
+    if how == "die-at" and last:
+        os._exit(17)
+    if how == "hang-at" and last:
+        while True:
+            time.sleep(60)
+
+
+def _at(how: str):
+    """fail-at, die-at, hang-at OP: `_trip` when OP is reached."""
+
+    def apply(ex, target: str) -> None:
         run_op, compute, last = ex.run_op, ex.compute, ex.comm.rank == ex.comm.world - 1
 
         def trip(op) -> None:
             if str(op) == target:
-                if how == "fail-at":
-                    raise RuntimeError(f"injected failure in {op}")
-                if how == "die-at" and last:
-                    os._exit(17)
-                if how == "hang-at" and last:
-                    while True:
-                        time.sleep(60)
+                _trip(how, op, last)
 
         def broken(stream, op, *rest):
             trip(op)
@@ -86,111 +102,136 @@ def inject(ex, fault: str) -> None:
             compute(seg)
 
         ex.run_op, ex.compute = broken, broken_compute
-    elif fault.startswith("nan-grad "):
-        # a NaN in one gradient on the last rank at step N; "skip" runs with --nonfinite skip
-        words = fault.split()
-        at, compute = int(words[1].removeprefix("step")), ex.compute
-        if "skip" in words:
-            ex.opts.nonfinite = NonFinite.SKIP
 
-        def poisoned(seg):
-            compute(seg)
-            if (
-                ex.step_index == at
-                and ex.comm.rank == ex.comm.world - 1
-                and seg.kind.value == "bwd"
-            ):
-                next(iter(ex.params.values())).grad.view(-1)[0] = float("nan")
+    return apply
 
-        ex.compute = poisoned
-    elif fault == "reduce-in-bf16":
-        import torch
 
-        ex.strategy.reduce_dtype = torch.bfloat16
-    elif fault == "no-cast-back":
-        from schedc.ir.op import Kind
+def _nan_grad(ex, arg: str) -> None:
+    """A NaN in one gradient on the last rank at step N; "skip" runs with --nonfinite skip."""
+    from schedc.exec.options import NonFinite
 
-        collective = ex.backend.collective
+    words = arg.split()
+    at, compute = int(words[0].removeprefix("step")), ex.compute
+    if "skip" in words:
+        ex.opts.nonfinite = NonFinite.SKIP
 
-        def uncast(stream, op, launch, done, *rest):  # the all-reduce's completion dropped
-            collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done, *rest)
+    def poisoned(seg):
+        compute(seg)
+        if ex.step_index == at and ex.comm.rank == ex.comm.world - 1 and seg.kind.value == "bwd":
+            next(iter(ex.params.values())).grad.view(-1)[0] = float("nan")
 
-        ex.backend.collective = uncast
-    elif fault == "drop-gather-wait":
-        import dataclasses
+    ex.compute = poisoned
 
-        from schedc.ir.op import COMPUTE, Kind
-        from schedc.ir.plan import Action
 
-        plan = ex.plan
-        k = next(
-            k
-            for k, i in enumerate(plan.instrs)
-            if i.kind is Action.WAIT
-            and i.stream == COMPUTE
-            and i.event in plan.producers
-            and plan.producers[i.event].kind is Kind.ALLGATHER
-        )
-        ex.plan = dataclasses.replace(plan, instrs=plan.instrs[:k] + plan.instrs[k + 1 :])
-    elif fault.startswith("sleep "):
-        import torch
+def _reduce_in_bf16(ex, _: str) -> None:
+    import torch
 
-        which = fault.split()[1]
-        cycles = 2_000_000  # about a millisecond: longer than any nano kernel
-        backend = ex.backend
-        compute, collective = backend.compute, backend.collective
+    ex.strategy.reduce_dtype = torch.bfloat16
 
-        def nap(stream: str) -> None:
-            if stream == which:
-                with torch.cuda.stream(backend.streams[stream]):
-                    torch.cuda._sleep(cycles)
 
-        def slow_compute(stream, op, fn):
-            nap(stream)
-            compute(stream, op, fn)
+def _no_cast_back(ex, _: str) -> None:
+    from schedc.ir.op import Kind
 
-        def slow_collective(stream, op, launch, done, *rest):
-            nap(stream)
-            collective(stream, op, launch, done, *rest)
+    collective = ex.backend.collective
 
-        backend.compute, backend.collective = slow_compute, slow_collective
-    elif fault == "drop-keeps":
-        import dataclasses
+    def uncast(stream, op, launch, done, *rest):  # the all-reduce's completion dropped
+        collective(stream, op, launch, None if op.kind is Kind.ALLREDUCE else done, *rest)
 
-        instrs = tuple(dataclasses.replace(i, keeps=()) for i in ex.plan.instrs)
-        ex.plan = dataclasses.replace(ex.plan, instrs=instrs)
-    elif fault == "record-keeps":
-        backend, log = ex.backend, ex.mem.setdefault("keeps", [])
-        collective, keep_alive, all_reduce = (
-            backend.collective,
-            backend.keep_alive,
-            backend.all_reduce,
-        )
-        launching: list[str] = []  # the collective whose launch is running (it may be deferred)
+    ex.backend.collective = uncast
 
-        def ptr(t) -> int:
-            return t.untyped_storage().data_ptr()
 
-        def logged_collective(stream, op, launch, done, *rest):
-            def logged_launch(pg, launch=launch, op=op):
-                launching.append(str(op))
-                try:
-                    return launch(pg)
-                finally:
-                    launching.pop()
+def _drop_gather_wait(ex, _: str) -> None:
+    from schedc.ir.op import COMPUTE, Kind
+    from schedc.ir.plan import Action
 
-            collective(stream, op, logged_launch, done, *rest)
+    plan = ex.plan
+    k = next(
+        k
+        for k, i in enumerate(plan.instrs)
+        if i.kind is Action.WAIT
+        and i.stream == COMPUTE
+        and i.event in plan.producers
+        and plan.producers[i.event].kind is Kind.ALLGATHER
+    )
+    ex.plan = dataclasses.replace(plan, instrs=plan.instrs[:k] + plan.instrs[k + 1 :])
 
-        def logged_keep(t, stream):
-            where = launching[-1] if launching else "optimizer.step"
-            log.append(("keep", where, stream, ptr(t)))
-            keep_alive(t, stream)
 
-        def logged_all_reduce(t):
-            log.append(("allreduce", launching[-1] if launching else "", "", ptr(t)))
-            return all_reduce(t)
+def _sleep(ex, which: str) -> None:
+    import torch
 
-        backend.collective, backend.keep_alive = logged_collective, logged_keep
-        backend.all_reduce = logged_all_reduce
-    else:
-        raise ValueError(f"unknown fault {fault!r}")
+    cycles = 2_000_000  # about a millisecond: longer than any nano kernel
+    backend = ex.backend
+    compute, collective = backend.compute, backend.collective
+
+    def nap(stream: str) -> None:
+        if stream == which:
+            with torch.cuda.stream(backend.streams[stream]):
+                torch.cuda._sleep(cycles)
+
+    def slow_compute(stream, op, fn):
+        nap(stream)
+        compute(stream, op, fn)
+
+    def slow_collective(stream, op, launch, done, *rest):
+        nap(stream)
+        collective(stream, op, launch, done, *rest)
+
+    backend.compute, backend.collective = slow_compute, slow_collective
+
+
+def _drop_keeps(ex, _: str) -> None:
+    instrs = tuple(dataclasses.replace(i, keeps=()) for i in ex.plan.instrs)
+    ex.plan = dataclasses.replace(ex.plan, instrs=instrs)
+
+
+def _record_keeps(ex, _: str) -> None:
+    backend, log = ex.backend, ex.mem.setdefault("keeps", [])
+    collective, keep_alive, all_reduce = (
+        backend.collective,
+        backend.keep_alive,
+        backend.all_reduce,
+    )
+    launching: list[str] = []  # the collective whose launch is running (it may be deferred)
+
+    def ptr(t) -> int:
+        return t.untyped_storage().data_ptr()
+
+    def logged_collective(stream, op, launch, done, *rest):
+        def logged_launch(pg, launch=launch, op=op):
+            launching.append(str(op))
+            try:
+                return launch(pg)
+            finally:
+                launching.pop()
+
+        collective(stream, op, logged_launch, done, *rest)
+
+    def logged_keep(t, stream):
+        where = launching[-1] if launching else "optimizer.step"
+        log.append(("keep", where, stream, ptr(t)))
+        keep_alive(t, stream)
+
+    def logged_all_reduce(t):
+        log.append(("allreduce", launching[-1] if launching else "", "", ptr(t)))
+        return all_reduce(t)
+
+    backend.collective, backend.keep_alive = logged_collective, logged_keep
+    backend.all_reduce = logged_all_reduce
+
+
+FAULTS = {
+    "skip-accum-scale": _skip_accum_scale,
+    "reduce-first-micro-step": _reduce_first_micro_step,
+    "fail-at": _at("fail-at"),
+    "die-at": _at("die-at"),
+    "hang-at": _at("hang-at"),
+    "nan-grad": _nan_grad,
+    "reduce-in-bf16": _reduce_in_bf16,
+    "no-cast-back": _no_cast_back,
+    "drop-gather-wait": _drop_gather_wait,
+    "sleep": _sleep,
+    "skip-replicate-allreduce": _skip_replicate_allreduce,
+    "drop-keeps": _drop_keeps,
+    "record-keeps": _record_keeps,
+}
+TAKES_ARG = {"fail-at", "die-at", "hang-at", "nan-grad", "sleep"}

@@ -1,4 +1,5 @@
-"""Golden files: the one helper every golden test uses, and where the files live.
+"""Golden files: the one helper every golden test uses, and where the files live; and
+REPO, the checkout's root, which every test that reads the checkout imports from here.
 
 `SCHEDC_REGEN=1 python -m pytest ...` rewrites the files a test compares against; without it a
 difference fails the test with a unified diff.

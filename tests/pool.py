@@ -50,6 +50,7 @@ class JobResult:
     comm_bytes: list[dict] = field(default_factory=list)  # per rank, last step
     trace: list[dict] = field(default_factory=list)  # chrome events of every rank
     buffer_log: list[list] = field(default_factory=list)  # per rank, with log_buffers
+    linears: int = 0  # rank 0's Linear forwards that ran on emulated TF32 (with tf32)
 
 
 class JobFailed(AssertionError):
@@ -127,7 +128,7 @@ def _run_job(job: Job, rank: int, groups):
     else:
         tf32 = contextlib.nullcontext()
     try:
-        with tf32:
+        with tf32 as em:
             stats = [ex.step() for _ in range(job.steps)]
     finally:
         ex.close()
@@ -140,6 +141,7 @@ def _run_job(job: Job, rank: int, groups):
         "comm_bytes": stats[-1].comm_bytes,
         "trace": ex.trace_events() if job.trace else [],
         "buffer_log": ex.buffer_log,
+        "linears": em.linears if job.tf32 else 0,
     }
 
 
@@ -242,7 +244,21 @@ class Pool:
                 c.send(job)
             except (BrokenPipeError, OSError):
                 self._fail(job, r, f"rank {r} was gone before the job started")
-        replies: dict[int, object] = {}
+        replies = self._replies(job, deadline, timeout)
+        outs = [replies[r] for r in range(world)]
+        return JobResult(
+            outs[0]["steps"],
+            [o["memory"] for o in outs],
+            [o["comm_bytes"] for o in outs],
+            [e for o in outs for e in o["trace"]],
+            [o["buffer_log"] for o in outs],
+            outs[0]["linears"],
+        )
+
+    def _replies(self, job: Job, deadline: float, timeout: float) -> dict[int, dict]:
+        """Every job rank's reply by the deadline, or JobFailed saying which rank did not."""
+        world = job.world
+        replies: dict[int, dict] = {}
         pending = dict(enumerate(self.conns[:world]))
         while pending:
             left = deadline - time.monotonic()
@@ -272,14 +288,7 @@ class Pool:
             for s, r in sentinels.items():
                 if s in ready and r in pending:
                     self._fail(job, r, f"rank {r} died (exit code {self._exitcode(r)})")
-        outs = [replies[r] for r in range(world)]
-        return JobResult(
-            outs[0]["steps"],
-            [o["memory"] for o in outs],
-            [o["comm_bytes"] for o in outs],
-            [e for o in outs for e in o["trace"]],
-            [o["buffer_log"] for o in outs],
-        )
+        return replies
 
     def _dead(self, world: int) -> str:
         """'rank R died (exit code C); ' for each job rank that is gone: a failure on
@@ -323,6 +332,3 @@ def describe(job: Job, rank: int | None = None) -> str:
         f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
         f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}"
     )
-
-
-_describe = describe  # the old name

@@ -33,8 +33,8 @@ import pytest
 
 from schedc.cli.main import main
 from schedc.lang.diagnostics import CODES
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "diagnostics.md"
 REGEN = os.environ.get("SCHEDC_REGEN") == "1"
 

@@ -9,7 +9,6 @@ test of its own (tests/test_docs_diagnostics.py).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,8 @@ from schedc.compiler import compile_text
 from schedc.ir.op import Kind, Op
 from schedc.lang.diagnostics import CODES, CompileError
 from schedc.lang.parse import parser
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LANGUAGE = REPO / "docs" / "language.md"
 
 BLOCK = re.compile(

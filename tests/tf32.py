@@ -30,9 +30,9 @@ It patches the attribute `torch.nn.functional.linear` for the context's duration
 what nn.Linear.forward and schedc/model/gpt2.py call at run time (`F.linear`), so it works
 wherever those run in this process: a whole-model forward, and schedc's executor, which cuts the model per layer and calls each layer's forward and
 `autograd.backward` itself (the patched Linear is an autograd.Function; its backward runs
-wherever autograd runs it). Spawned rank processes enter it themselves (`run_ranks`
-here; tests/pool.py's workers with `Pool.run(..., tf32=mode)`). The oracle's reference
-never runs under it (tests/oracle.py computes it inside `suspended()`): it is fp32.
+wherever autograd runs it). Rank processes enter it themselves (tests/pool.py's workers
+with `Pool.run(..., tf32=mode)`). The oracle's reference never runs under it
+(tests/oracle.py computes it inside `suspended()`): it is fp32.
 A Linear under autocast, or on non-fp32 tensors, is left alone: TF32 applies to fp32
 matmuls only, and under bf16 autocast GPT-2 has none.
 
@@ -56,12 +56,8 @@ the cases tests/oracle.py's TF32 paragraph reports (worlds 1, 2 and 4, on gloo r
 from __future__ import annotations
 
 import contextlib
-import datetime
-import pickle
 import sys
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -172,56 +168,6 @@ def suspended():
 
 def active() -> bool:
     return bool(_active)
-
-
-# -- spawned CPU ranks (tests/cuda_ranks.py's pattern, on gloo and the CPU) -------------------
-
-
-def _rank_main(rank, world, text, steps, store_path, mode, q) -> None:
-    try:
-        import torch.distributed as dist
-
-        from schedc.compiler import compile_text
-        from schedc.exec.executor import Executor
-        from schedc.exec.options import Comm, RunOptions
-        from schedc.lang.resolve import Overrides
-
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=120)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        c = compile_text(text, f"tf32-ranks{world}.sched", Overrides(steps=steps))
-        ex = Executor(
-            c,
-            Comm(rank, world, None, timeout),
-            RunOptions(device="cpu", record=True, log=False),
-        )
-        ctx = emulate_tf32(mode) if mode else contextlib.nullcontext()
-        with ctx as em:
-            stats = [ex.step() for _ in range(steps)]
-        ex.close()
-        if rank != 0:
-            stats = []
-        # by value (plain pickle): the queue's own pickler would pass the tensors' storage as
-        # file descriptors, which die with this process, possibly before the parent reads
-        out = pickle.dumps({"steps": stats, "linears": em.linears if mode else 0})
-        q.put((rank, out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        q.put((rank, traceback.format_exc()))
-
-
-def run_ranks(
-    text: str, world: int, steps: int, store_dir: Path, mode: str | None = "truncate"
-) -> dict:
-    """`world` spawned processes (gloo, CPU) run the schedule with the executor, each inside
-    `emulate_tf32(mode)` (None: plain fp32). Rank 0's StepStats (full gradients and
-    parameters) and its count of emulated Linear forwards."""
-    from tests.cuda_ranks import spawn_ranks
-
-    store = str(store_dir / f"tf32-store{world}")
-    return spawn_ranks(_rank_main, world, (text, steps, store, mode))[0]  # unpickled there
 
 
 # -- the measurement behind TOL["tf32"] --------------------------------------------------------

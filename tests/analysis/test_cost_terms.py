@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -21,14 +20,13 @@ from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind, Op
 from schedc.ir.spec import Strategy
+from tests.goldens import REPO
 
 
 def traced(timeline):
     """A simulated timeline as `schedc run --trace` would have traced it, read back."""
     return validate(chrome_trace(timeline), "trace")
 
-
-REPO = Path(__file__).resolve().parents[2]
 
 TRUE = CostModel(
     flops=42e9,

@@ -13,7 +13,7 @@ from schedc.analysis.trace.read import validate
 from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
 from schedc.ir.op import Kind
-from tests.conftest import REPO
+from tests.goldens import REPO
 
 TWO_NODES = CostModel(bandwidth=100e9, inter_bandwidth=12.5e9, node_size=8)
 

@@ -20,7 +20,7 @@ from schedc.analysis.trace.schema import Trace, TraceError
 from schedc.analysis.trace.stream import _Stream, _Unstreamable, load
 from schedc.analysis.trace.write import chrome_trace
 from schedc.compiler import compile_file
-from tests.conftest import REPO
+from tests.goldens import REPO
 from tests.viz.test_trace_fuzz import mutate
 
 

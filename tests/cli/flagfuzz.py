@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.goldens import REPO
+from tests.ranks import python
+
 DDP, ONE = "tiny_ddp_overlap.sched", "tiny_1gpu.sched"  # copies, in the fuzz's own folder
 IN_PROCESS = ("check", "render", "calibrate", "tune")
 LIMIT_S = {"run": 120, "tune": 60}  # a case past its limit is a hang; others: 30 s
@@ -290,16 +292,9 @@ def run_in_process(case: Case, cwd: Path) -> Outcome:
 
 def run_in_child(case: Case, cwd: Path) -> Outcome:
     t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        r = subprocess.run(
-            [sys.executable, "-m", "schedc", *case.argv],
-            capture_output=True,
-            text=True,
-            timeout=LIMIT_S.get(case.verb, 30),
-            cwd=cwd,
-            env=dict(env, PYTHONPATH=str(REPO)),
-        )
+        limit = LIMIT_S.get(case.verb, 30)
+        r = python("-m", "schedc", *case.argv, env={"OMP_NUM_THREADS": "1"}, cwd=cwd, timeout=limit)
         code, err = r.returncode, r.stderr
     except subprocess.TimeoutExpired as e:
         code, err = None, (e.stderr or b"").decode(errors="replace")

@@ -10,14 +10,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import schedc.compiler
 from schedc.cli.main import EXIT_INTERNAL, EXIT_USER, main
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = "schedules/tiny_ddp_overlap.sched"
 FSDP = "schedules/tiny_fsdp_prefetch.sched"
 

@@ -9,20 +9,18 @@ line is skipped with the reason printed, so a new command is either run or expla
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from schedc.cli.main import main
+from tests.goldens import REPO
+from tests.ranks import python
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```(?:sh|bash|shell|console)\n(.*?)```", re.S)
 
 # Why a line is not run here: the first prefix that matches.
@@ -53,7 +51,7 @@ def commands() -> list[tuple[str, str]]:
             for k, line in enumerate(joined.splitlines()):
                 cmd = re.sub(r"\s+#\s.*$", "", line.strip()).removeprefix("$ ").strip()
                 if cmd and not cmd.startswith("#"):
-                    out.append((f"{doc.relative_to(ROOT)}:{line_no + k}", cmd))
+                    out.append((f"{doc.relative_to(REPO)}:{line_no + k}", cmd))
     return out
 
 
@@ -72,12 +70,12 @@ def classify(cmd: str) -> str | None:
         return "not a schedc command"
     if any(a.startswith("[") or a in ("FILE.sched", "RUN.json") for a in args):
         return "a synopsis, not a command"
-    if missing := [a for a in args if a.endswith(".sched") and not (ROOT / a).is_file()]:
+    if missing := [a for a in args if a.endswith(".sched") and not (REPO / a).is_file()]:
         return f"{missing[0]} is the text's own example, not a file in the repository"
     flags = OUTPUT_FLAGS | ({"--trace"} if args[:1] == ["run"] else set())  # render reads it
     outputs = {b for a, b in zip(args, args[1:]) if a in flags}
     inputs = [a for a in args if a.startswith("out/") and a not in outputs]
-    if missing := [a for a in inputs if not (ROOT / a).exists()]:
+    if missing := [a for a in inputs if not (REPO / a).exists()]:
         return f"reads {missing[0]}, which a command above it writes (a torchrun run)"
     if "--measure" in args:
         return "--measure runs the candidates under torchrun: minutes"
@@ -118,15 +116,9 @@ def test_a_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
     if why:
         pytest.skip(why)
     argv = outputs_to(shlex.split(cmd), tmp_path)
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(REPO)
     if argv[0] == "python":  # python -m schedc run ...: torch, a process of its own
-        r = subprocess.run(
-            [sys.executable, *argv[1:], "--steps", "2"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        )
+        r = python(*argv[1:], "--steps", "2", env={"OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, f"{where}: {cmd}\n{r.stderr}"
         assert "schedc: done: 2 steps" in r.stdout, r.stdout
         return

@@ -9,9 +9,6 @@ to start, on every rank, naming the field and the ranks that differ.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,12 @@ from schedc.cli.main import main
 from schedc.compiler import compile_text
 from schedc.lang.diagnostics import CompileError
 from schedc.passes.agree import meaning
+from tests.goldens import REPO
+from tests.ranks import finish, free_port, start_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEDULES = ROOT / "schedules"
+SCHEDULES = REPO / "schedules"
 DDP = str(SCHEDULES / "tiny_ddp_overlap.sched")
 ONE = str(SCHEDULES / "tiny_1gpu.sched")
-_port = [31700 + os.getpid() % 1500]
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -358,51 +355,10 @@ def test_meaning_names_each_numerics_setting(edit, field):
 # -- start-up agreement across ranks (real processes, gloo) ---------------------------------------
 
 
-def start(per_rank: list[list[str]], cwd: Path = ROOT) -> list[subprocess.Popen]:
-    """`schedc run ARGS[r]` as one process per rank, as torchrun starts them (its
-    environment; torchrun gives every rank the same args, here each its own)."""
-    _port[0] += 1
-    env = {
-        **os.environ,
-        "WORLD_SIZE": str(len(per_rank)),
-        "LOCAL_WORLD_SIZE": str(len(per_rank)),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port[0]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "schedc", "run", *args],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r, args in enumerate(per_rank)
-    ]
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
-    """Each rank's (exit code, stdout, stderr); every rank is killed if one outlives the
-    bound."""
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank did not exit within the bound") from None
-        out.append((p.returncode, o, e))
-    return out
-
-
-def launch(per_rank: list[list[str]], cwd: Path = ROOT) -> list[tuple[int, str, str]]:
-    """`schedc run ARGS[r]` as one process per rank; (exit code, stdout, stderr) of each."""
-    return finish(start(per_rank, cwd), timeout=180)
+def launch(per_rank: list[list[str]]) -> list[tuple[int, str, str]]:
+    """`schedc run ARGS[r]` as one process per rank, as torchrun starts them (torchrun
+    gives every rank the same args, here each its own); (exit code, stdout, stderr) of each."""
+    return finish(start_ranks(per_rank), timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -524,9 +480,10 @@ def _agree_on_ranks(rank, world, q) -> None:
 def differing(tmp_path_factory) -> dict[int, dict[str, str]]:
     from tests.cuda_ranks import spawn_ranks
 
-    _port[0] += 1
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port[0]))
-    return spawn_ranks(_agree_on_ranks, 2, (), timeout=180)
+    with pytest.MonkeyPatch.context() as env:  # read by the ranks' env:// rendezvous
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(free_port()))
+        return spawn_ranks(_agree_on_ranks, 2, (), timeout=180)
 
 
 @pytest.mark.torch

@@ -12,13 +12,11 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from schedc.cli.main import VERBS, build_parser
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.goldens import REPO
 
 
 def verb_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -77,7 +75,7 @@ def test_the_top_level_help_lists_every_verb_with_its_summary():
 
 
 def _bench_run():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -86,7 +84,7 @@ def _bench_run():
 def test_bench_help_describes_every_option_and_lists_every_case():
     bench = _bench_run()
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--help"],
+        [sys.executable, str(REPO / "bench" / "run.py"), "--help"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -103,7 +101,7 @@ def test_bench_help_describes_every_option_and_lists_every_case():
 
 def test_bench_refuses_an_unknown_case_naming_the_cases():
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--cases", "loop,nope"],
+        [sys.executable, str(REPO / "bench" / "run.py"), "--cases", "loop,nope"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -12,16 +12,15 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.goldens import REPO
+from tests.ranks import python, torchrun
+
 pytestmark = pytest.mark.torch
 
-ROOT = Path(__file__).resolve().parents[2]
-ONE = ROOT / "schedules" / "tiny_1gpu.sched"
+ONE = REPO / "schedules" / "tiny_1gpu.sched"
 STEPS = 3
 THREADS = 1  # schedc's own choice at world 1 is every core
 LINE = re.compile(
@@ -30,33 +29,13 @@ LINE = re.compile(
 )
 
 
-def python_m(*args: str, env: dict | None = None, cwd: Path = ROOT):
-    """`python -m ARGS` with this checkout's schedc, one thread unless env says otherwise."""
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
-    )
-
-
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     """tiny_1gpu for 3 steps with OMP_NUM_THREADS=1: at world 1 schedc by itself takes
     every core (torch caps OMP_NUM_THREADS at the cores, so a larger value would not show)."""
     log = tmp_path_factory.mktemp("run") / "log.jsonl"
-    r = python_m(
-        "schedc",
-        "run",
-        str(ONE),
-        "--steps",
-        str(STEPS),
-        "--log-json",
-        str(log),
-        env={"OMP_NUM_THREADS": str(THREADS)},
-    )
+    run = ["run", str(ONE), "--steps", str(STEPS), "--log-json", str(log)]
+    r = python("-m", "schedc", *run, env={"OMP_NUM_THREADS": str(THREADS)})
     assert r.returncode == 0, r.stderr
     records = [json.loads(x) for x in log.read_text().splitlines()]
     return r.stdout, records
@@ -199,17 +178,7 @@ def test_fmt_eta():
 def test_under_torchrun_the_report_shows_schedcs_error_not_a_link():
     """A world-2 schedule started with one rank: torchrun's Root Cause names schedc's error
     (record wrote it to TORCHELASTIC_ERROR_FILE), where it said 'To enable traceback see'."""
-    r = python_m(
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        "-m",
-        "schedc",
-        "run",
-        "schedules/tiny_ddp_overlap.sched",
-        "--steps",
-        "1",
-    )
+    r = torchrun(1, "schedules/tiny_ddp_overlap.sched", "--steps", "1")
     assert r.returncode == 1
     line = (
         "schedc: error on rank 0: schedules/tiny_ddp_overlap.sched is a world-2 schedule, "
@@ -229,7 +198,7 @@ def test_a_missing_relative_data_file_names_the_working_directory(tmp_path):
     (sched.parent / "notes" / "x.txt").write_text("beside the schedule, not in the cwd\n")
     sched.write_text(ONE.read_text().replace("data corpus", 'data "notes/x.txt"'))
     assert 'data "notes/x.txt"' in sched.read_text()
-    r = python_m("schedc", "run", str(sched), "--steps", "1", cwd=tmp_path)
+    r = python("-m", "schedc", "run", str(sched), "--steps", "1", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.strip() == (
         "schedc: error on rank 0: notes/x.txt: no such file (a relative `data` path is read "

@@ -19,9 +19,6 @@ nano step took 172 s on this loaded 2-core machine, 22 s with the inductor cache
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,9 +31,9 @@ from schedc.exec.regions import BACKEND_ENV, Regions, set_tf32
 from schedc.exec.train import check_gpus
 from schedc.lang.resolve import Overrides
 from schedc.model.reference import adamw_impl, make_adamw
+from tests.ranks import python
 
 pytestmark = pytest.mark.torch
-ROOT = Path(__file__).resolve().parents[2]
 
 HEAD = """model nano
 world 1
@@ -185,25 +182,8 @@ def test_ranks_vs_gpus(local, count, ok):
 def test_device_cuda_without_cuda_is_one_line():
     with pytest.raises(RunError, match="--device cuda, but torch sees no CUDA device"):
         pick_device("cuda")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "schedc",
-            "run",
-            "schedules/tiny_1gpu.sched",
-            "--steps",
-            "1",
-            "--device",
-            "cuda",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    run = ["run", "schedules/tiny_1gpu.sched", "--steps", "1", "--device", "cuda"]
+    r = python("-m", "schedc", *run, timeout=120)
     assert r.returncode == 1
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines == ["schedc: error on rank 0: --device cuda, but torch sees no CUDA device"], (

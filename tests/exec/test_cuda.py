@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.cuda_ranks import DEVICE, ROOT, child_env, gpu_or_twin
+from tests.cuda_ranks import DEVICE, gpu_or_twin
+from tests.ranks import python, torchrun
 
 pytestmark = [pytest.mark.gpu, gpu_or_twin]
 
@@ -122,15 +121,7 @@ for i, (name, text) in enumerate(cases.items()):
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    r = subprocess.run(
-        [sys.executable, "-c", CHECK, DEVICE],
-        input=json.dumps(CASES),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=child_env(),
-    )
+    r = python("-c", CHECK, DEVICE, input=json.dumps(CASES), timeout=600)
     assert r.returncode == 0, r.stderr[-6000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     return {x["case"]: x for x in lines}
@@ -154,18 +145,10 @@ def test_a_step_on_the_device_matches_the_cpu_reference(results, case):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
 def test_two_gpus_under_torchrun(sched, tmp_path):
-    def run(*args, env=None):
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-            + ["-m", "schedc", "run", f"schedules/{sched}", "--steps", "3", *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-            env=child_env(**(env or {})),
-        )
+    def run(*args):
+        return torchrun(2, f"schedules/{sched}", "--steps", "3", *args, timeout=600)
 
-    cpu = run("--device", "cpu", env={"OMP_NUM_THREADS": "1"})
+    cpu = run("--device", "cpu")
     gpu = run("--device", "cuda", "--tf32", "off", "--trace", str(tmp_path / "t.json"))
     assert cpu.returncode == 0 and gpu.returncode == 0, (cpu.stderr, gpu.stderr)
 

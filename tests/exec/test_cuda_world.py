@@ -21,13 +21,12 @@ out of the pytest process). The CPU side of the same bookkeeping: tests/exec/tes
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.cuda_ranks import DEVICE, ROOT, child_env, gpu_or_twin, needs_cuda, run_ranks
+from tests.cuda_ranks import DEVICE, gpu_or_twin, needs_cuda, run_ranks
+from tests.ranks import python
 
 pytestmark = [pytest.mark.gpu, gpu_or_twin]
 
@@ -53,15 +52,7 @@ fsdp {{ unit tied = wte.weight keep  unit u1 = wpe.weight, h.0  unit u2 = h.1, h
 def _script(code: str, *args: str, stdin: str = "", env: dict | None = None, ok: bool = True):
     """Run `code` in a fresh Python on the GPU. ok: it must succeed, and its last stdout line
     (JSON) is returned; otherwise the finished process is."""
-    r = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=child_env(**(env or {})),
-    )
+    r = python("-c", code, *args, input=stdin, env=env, timeout=300)
     if not ok:
         return r
     assert r.returncode == 0, r.stderr[-6000:]

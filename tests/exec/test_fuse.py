@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from schedc.compiler import compile_file, compile_text
 from schedc.exec.fuse import Segment, fuse
 from schedc.ir.op import Kind
 from schedc.ir.plan import Action
+from tests.goldens import REPO
 
-SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
+SCHEDULES = REPO / "schedules"
 
 
 def segments(name: str, enabled: bool = True) -> list[Segment]:

@@ -14,15 +14,14 @@ names: a collective's buffers when a wait or the update retires it, a unit at it
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from schedc.compiler import compile_text
+from tests.goldens import REPO
 from tests.strategies import cases, examples
 
-SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
+SCHEDULES = REPO / "schedules"
 BUNDLED = ["tiny_1gpu", "tiny_4gpu", "tiny_ddp_overlap", "tiny_fsdp_prefetch", "tiny_hsdp"]
 TOLERANCE = 0.10
 

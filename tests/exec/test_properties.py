@@ -318,6 +318,7 @@ ddp { bucket b1 = head .. embed }
 """
 
 
+@pytest.mark.faults
 def test_a_rank_that_dies_fails_the_job_and_the_pool_recovers(pool, reference):
     t0 = time.monotonic()
     with pytest.raises(JobFailed) as e:
@@ -329,6 +330,7 @@ def test_a_rank_that_dies_fails_the_job_and_the_pool_recovers(pool, reference):
     assert_matches(pool.run(SMALL, 2), reference(SMALL, 1))  # restarted, and serving
 
 
+@pytest.mark.faults
 def test_a_hung_job_times_out_with_its_plan_and_the_pool_recovers(pool, reference):
     t0 = time.monotonic()
     with pytest.raises(JobFailed) as e:

@@ -1,8 +1,8 @@
 """Run-time faults end cleanly, and checkpoints lose nothing (real processes, gloo).
 
-Ranks are launched by hand here (RANK, WORLD_SIZE, MASTER_ADDR/PORT), not by torchrun:
-torchrun kills the survivors the moment one worker dies, and these tests want to see
-what a survivor itself reports. One test checks that torchrun sees the failure too.
+Ranks are launched by hand here (tests/ranks.py `start_ranks`), not by torchrun: torchrun
+kills the survivors the moment one worker dies, and these tests want to see what a
+survivor itself reports. One test checks that torchrun sees the failure too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -23,61 +22,17 @@ import torch
 
 from schedc.exec.checkpoint import CRASH_ENV
 from tests.exec.test_equivalence import DDP_CASES
+from tests.goldens import REPO
 from tests.pool import JobFailed
+from tests.ranks import finish, start_ranks, start_torchrun, wait_for_step, workers
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEDULES = ROOT / "schedules"
-_port = [29600 + os.getpid() % 2000]
-
-
-def launch(world: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
-    """`schedc run ARGS` as `world` processes, each its own rank."""
-    _port[0] += 1
-    base = {
-        **os.environ,
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port[0]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        **(env or {}),
-    }
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "schedc", "run", *args],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
+SCHEDULES = REPO / "schedules"
 
 
-def finish(procs, timeout: float = 240) -> list[tuple[int, str, str]]:
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank did not exit within the bound") from None
-        out.append((p.returncode, o, e))
-    return out
-
-
-def wait_for_step(p: subprocess.Popen, step: int, timeout: float = 120) -> str:
-    """Read rank 0's stdout until it logs `step`."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        seen.append(line)
-        if line.startswith(f"step {step:4d}"):
-            return "".join(seen)
-    raise AssertionError("no progress:\n" + "".join(seen))
+def launch(world: int, *args: str, env: dict | None = None):
+    """`schedc run ARGS` as `world` processes, each its own rank, one thread each (at world 1
+    too: pytest-xdist's two workers share two cores)."""
+    return start_ranks([args] * world, {"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def run(world: int, *args: str, env: dict | None = None) -> list[tuple[int, str, str]]:
@@ -87,6 +42,7 @@ def run(world: int, *args: str, env: dict | None = None) -> list[tuple[int, str,
 # -- dead and stuck ranks ------------------------------------------------------------------------
 
 
+@pytest.mark.faults
 def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
     procs = launch(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
@@ -102,6 +58,7 @@ def test_a_killed_rank_is_named_by_the_survivor_within_the_bound():
     assert "Traceback" not in err
 
 
+@pytest.mark.faults
 def test_a_stuck_rank_is_named_after_the_timeout():
     procs = launch(
         2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "8"
@@ -119,36 +76,15 @@ def test_a_stuck_rank_is_named_after_the_timeout():
     assert elapsed < 8 + 20, elapsed  # the timeout, plus the grace to hear from the others
 
 
+@pytest.mark.faults
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchrun_sees_the_failure():
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "schedc",
-            "run",
-            str(SCHEDULES / "tiny_ddp_overlap.sched"),
-            "--steps",
-            "10000",
-            "--timeout",
-            "20",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    p = start_torchrun(
+        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "10000", "--timeout", "20"
     )
     wait_for_step(p, 2)
-    children = subprocess.run(
-        ["pgrep", "-P", str(p.pid)], capture_output=True, text=True
-    ).stdout.split()
-    workers = [c for c in children if c]
-    os.kill(int(workers[-1]), signal.SIGKILL)
-    _, err = p.communicate(timeout=90)
+    os.kill(workers(p)[1], signal.SIGKILL)
+    p.communicate(timeout=90)
     assert p.returncode != 0
 
 
@@ -198,6 +134,7 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
 def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
     f = str(SCHEDULES / sched)
@@ -258,6 +195,7 @@ def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.faults
 def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
     two = SCHEDULES / "tiny_fsdp_prefetch.sched"
     one = tmp_path / "one.sched"  # the same model, global batch and units, on one rank
@@ -318,6 +256,7 @@ def fresh(saved: Path, tmp_path: Path) -> Path:
     return ck
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("point", ["before-write", "after-write", "before-rename", "before-latest"])
 def test_a_crash_while_saving_leaves_the_previous_checkpoint(saved, tmp_path, point):
     ck = fresh(saved, tmp_path)
@@ -365,6 +304,7 @@ def _corrupt(ck: Path, how: str) -> None:
         (path / "meta.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "how,message",
     [
@@ -386,7 +326,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(saved, tmp_path, how, message):
 
 def test_a_schedule_is_data_never_code():
     """No eval or exec anywhere in schedc: a .sched file can only be parsed."""
-    files = sorted((ROOT / "schedc").rglob("*.py"))
+    files = sorted((REPO / "schedc").rglob("*.py"))
     assert len(files) > 40  # every layer's package, not only the top level
     for f in files:
         text = f.read_text()
@@ -409,27 +349,7 @@ def test_ranks_reading_different_data_refuse_to_start(tmp_path):
             else ("Call me Ishmael. Some years ago. " * 400)
         )
         dirs.append(d)
-    _port[0] += 1
-    env = {
-        **os.environ,
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port[0]),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "schedc", "run", "run.sched", "--timeout", "60"],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=dirs[r],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = start_ranks([["run.sched", "--timeout", "60"]] * 2, cwd=dirs)
     for code, out, err in finish(procs, timeout=120):
         assert code == 1, err
         assert "ranks disagree before step 1" in err and "data" in err

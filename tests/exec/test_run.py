@@ -7,37 +7,19 @@ the session's pool of gloo ranks (tests/pool.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from schedc.compiler import compile_file, compile_text
 from schedc.ir.op import Op
+from schedc.lang.resources import DEFAULT_SCHEDULE
 from tests.exec.test_equivalence import DDP_CASES, FSDP_CASES, fsdp
+from tests.goldens import REPO
 from tests.oracle import assert_matches
 from tests.pool import JobFailed
+from tests.ranks import finish, python, start_ranks, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEDULES = ROOT / "schedules"
-
-
-def torchrun(n: int, *args: str, timeout: float = 300, env: dict | None = None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={n}",
-        "-m",
-        "schedc",
-        "run",
-        *args,
-    ]
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=e)
+SCHEDULES = REPO / "schedules"
 
 
 def spans(events: list[dict], rank: int) -> dict[tuple[int, str], tuple[float, float, dict]]:
@@ -56,13 +38,24 @@ def overlap(a: tuple[float, float, dict], b: tuple[float, float, dict]) -> float
 # -- traces ----------------------------------------------------------------------------------------
 
 
-def test_ddp_trace_shows_bucket_1_launched_during_backward(tmp_path):
-    trace = tmp_path / "ddp.json"
-    r = torchrun(
-        2, str(SCHEDULES / "tiny_ddp_overlap.sched"), "--steps", "3", "--trace", str(trace)
-    )
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory) -> tuple[str, list[dict]]:
+    """The README's main command, `schedc run --trace`: the bundled default schedule
+    (tiny_ddp_overlap, 40 steps) on 2 CPU ranks; its stdout and trace events."""
+    trace = tmp_path_factory.mktemp("main") / "run.json"
+    r = torchrun(2, "--trace", str(trace))
     assert r.returncode == 0, r.stderr
-    events = json.loads(trace.read_text())["traceEvents"]
+    return r.stdout, json.loads(trace.read_text())["traceEvents"]
+
+
+def step_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.xdist_group("main_run")  # one run for the tests that read it
+def test_ddp_trace_shows_bucket_1_launched_during_backward(main_run):
+    assert DEFAULT_SCHEDULE == "tiny_ddp_overlap.sched"  # the main run's schedule
+    _, events = main_run
     names = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
     assert names == {(r, t) for r in (0, 1) for t in ("compute", "comm", "steps")}
     # one name per op on every rank: the same (step, IR text) spans on both, each parsing back
@@ -110,25 +103,22 @@ def test_fsdp_trace_shows_prefetch_overlapping_compute(tmp_path):
         assert fwd_hits > 0 and bwd_hits > 0, (rank, fwd_hits, bwd_hits)
 
 
-def test_main_command_trains_and_writes_a_trace(tmp_path):
+@pytest.mark.xdist_group("main_run")
+def test_main_command_trains_and_writes_a_trace(main_run):
     """The README's main job: the bundled default schedule on 2 CPU ranks; loss falls."""
-    trace = tmp_path / "run.json"
-    r = torchrun(2, "--trace", str(trace))
-    assert r.returncode == 0, r.stderr
-    losses = [
-        float(line.split("loss ")[1].split()[0])
-        for line in r.stdout.splitlines()
-        if line.startswith("step ")
-    ]
+    out, events = main_run
+    losses = [float(line.split("loss ")[1].split()[0]) for line in step_lines(out)]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses
-    assert trace.exists() and json.loads(trace.read_text())["traceEvents"]
+    assert events
 
 
-def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
+@pytest.mark.xdist_group("main_run")
+def test_probe_times_every_collective_kind_for_calibrate(tmp_path, main_run):
     """`--probe`: a DDP schedule's trace also times all-gathers and reduce-scatters (on every
     rank, at each size, twice) and its layers at micro 1, and calibrate fits from them; the
-    probe's own model leaves the run's numbers as they are."""
+    probe's own model leaves the run's numbers as they are (step 0's loss, lr and norm are
+    the main run's: none of them depends on how many steps follow)."""
     from schedc.exec.probe import COMPUTE_LAYERS, REPS
 
     trace = tmp_path / "run.json"
@@ -144,18 +134,13 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
     micros = {e["args"]["micro"] for e in probe if "micro" in e["args"]}
     assert 1 in micros and len(micros) == 2
     assert len(probe) - len(comm) == 2 * len(COMPUTE_LAYERS) * 2 * 2 * REPS  # ranks, fwd/bwd
-    plain = torchrun(2, "--steps", "1")
-    assert plain.returncode == 0, plain.stderr
-    loss = [line for line in r.stdout.splitlines() if line.startswith("step ")]
-    assert [x.split("dt ")[0] for x in loss] == [
-        x.split("dt ")[0] for x in plain.stdout.splitlines() if x.startswith("step ")
-    ]
-    fit = subprocess.run(
-        [sys.executable, "-m", "schedc", "calibrate", str(trace)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+
+    def numbers(line: str) -> str:  # `loss X | lr Y | norm Z`, without step i/N and times
+        return line.split(" | dt ")[0].split(" | ", 1)[1]
+
+    (probed,) = step_lines(r.stdout)
+    assert numbers(probed) == numbers(step_lines(main_run[0])[0])
+    fit = python("-m", "schedc", "calibrate", str(trace))
     assert fit.returncode == 0, fit.stderr
     assert "allgather: fitted to the probe's 3 sizes" in fit.stdout
     assert "reducescatter: fitted to the probe's 3 sizes" in fit.stdout
@@ -163,9 +148,7 @@ def test_probe_times_every_collective_kind_for_calibrate(tmp_path):
 
 
 def test_probe_without_a_trace_is_refused():
-    r = subprocess.run(
-        [sys.executable, "-m", "schedc", "run", "--probe"], capture_output=True, text=True, cwd=ROOT
-    )
+    r = python("-m", "schedc", "run", "--probe")
     assert r.returncode != 0 and "--probe times collectives and layers for the trace" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -283,13 +266,7 @@ def test_a_failing_instruction_shows_the_plan(pool):
 
 
 def test_world_mismatch_without_torchrun_is_a_clear_error():
-    r = subprocess.run(
-        [sys.executable, "-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    r = python("-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched"), timeout=120)
     assert r.returncode == 1
     assert "world-2 schedule, but this job has 1 rank" in r.stderr
     assert "nproc_per_node=2" in r.stderr and "Traceback" not in r.stderr
@@ -316,29 +293,9 @@ def test_ranks_with_different_schedules_refuse_to_start(tmp_path):
         .replace("bucket b1 = head, h.3 .. h.2", "bucket b1 = head, h.3")
         .replace("bucket b2 = h.1 .. h.0, embed", "bucket b2 = h.2 .. h.0, embed")
     )
-    env = {
-        **os.environ,
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29500 + os.getpid() % 1000),
-        "OMP_NUM_THREADS": "1",
-    }
     files = [SCHEDULES / "tiny_ddp_overlap.sched", other]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "schedc", "run", str(f), "--timeout", "60"],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r, f in enumerate(files)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 1, err
+    for code, out, err in finish(start_ranks([[str(f), "--timeout", "60"] for f in files]), 120):
+        assert code == 1, err
         assert "ranks disagree before step 1" in err
         assert "step    0" not in out
 

@@ -2,7 +2,7 @@
 
 On CUDA schedc runs fp32 matmuls on TF32 unless a schedule says `tf32 off`, and a CUDA run
 is compared with the fp32 CPU reference. Emulated here, test_cuda.py's DDP and FSDP texts
-(world 1, 2 steps) and an FSDP schedule on two spawned ranks must be within the "tf32"
+(world 1, 2 steps) and an FSDP schedule on two of the pool's ranks must be within the "tf32"
 bound and, for the world-1 texts, outside fp32's: the emulation does what TF32 does to
 these runs, and the bound is not wider than it need be by so much that fp32's would do.
 """
@@ -32,7 +32,7 @@ from tests.oracle import (
     reference_steps,
     tf32_in_effect,
 )
-from tests.tf32 import MODES, active, emulate_tf32, run_ranks, suspended, to_tf32
+from tests.tf32 import MODES, active, emulate_tf32, suspended, to_tf32
 
 pytestmark = pytest.mark.torch
 
@@ -193,11 +193,10 @@ def test_cuda_texts_under_emulated_tf32_are_within_the_tf32_bound_not_fp32s(worl
             _assert_step(g, r, "float32", "reference", first=i == 0)
 
 
-@pytest.mark.ranks
-def test_two_spawned_ranks_under_emulated_tf32_are_within_the_tf32_bound(tmp_path):
+def test_two_spawned_ranks_under_emulated_tf32_are_within_the_tf32_bound(pool):
     text = fsdp(2, 2, THREE_UNITS)
-    out = run_ranks(text, 2, 2, tmp_path)
-    assert out["linears"] > 0
+    out = pool.run(text, 2, 2, tf32="truncate")
+    assert out.linears > 0
     ref = reference_steps(text, 2, tf32=True)
-    for i, (g, r) in enumerate(zip(out["steps"], ref)):
+    for i, (g, r) in enumerate(zip(out.steps, ref)):
         _assert_step(g, r, "tf32", "reference", first=i == 0)

@@ -4,7 +4,7 @@ torchrun SIGTERMs the surviving ranks ~0.1 s after one dies, before their own fa
 report; `schedc run` answers that SIGTERM with one line naming the plan instruction the
 rank was at (schedc/exec/failures.py: `terminated`). A stopped rank cannot take the SIGTERM, so
 torchrun would wait 30 s more before SIGKILL; the rank that names it silent sends it
-SIGCONT (`wake_stopped`). tests/test_robust.py covers ranks launched by hand.
+SIGCONT (`wake_stopped`). tests/exec/test_robust.py covers ranks launched by hand.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHED = str(ROOT / "schedules" / "tiny_ddp_overlap.sched")
+from tests.goldens import REPO
+from tests.ranks import start_torchrun, wait_for_step, workers
+
+SCHED = str(REPO / "schedules" / "tiny_ddp_overlap.sched")
 BOUND_S = 30  # the issue's bound: the job ends within 30 s of the kill or stop
 
 pytestmark = [
     pytest.mark.ranks,
+    pytest.mark.faults,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 
@@ -41,54 +43,14 @@ INSTRUCTION = re.compile(
 
 def torchrun(timeout: int | None) -> subprocess.Popen:
     """`schedc run` of a long run on two ranks; `timeout` None: the default --timeout."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "schedc",
-            "run",
-            SCHED,
-            "--steps",
-            "100000",
-            *(["--timeout", str(timeout)] if timeout is not None else []),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        },
-    )
+    more = ["--timeout", str(timeout)] if timeout is not None else []
+    return start_torchrun(2, SCHED, "--steps", "100000", *more)
 
 
-def running(p: subprocess.Popen, step: int = 1, timeout: float = 180) -> dict[int, int]:
-    """Wait until rank 0 logs `step`; return {local rank: pid} of torchrun's workers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if line.startswith(f"step {step:4d}"):
-            break
-        if not line and p.poll() is not None:
-            raise AssertionError(f"torchrun ended early ({p.returncode}):\n{p.stderr.read()}")
-    else:
-        p.kill()
-        raise AssertionError(f"no step {step} within {timeout}s")
-    ranks = {}
-    for pid in subprocess.run(
-        ["pgrep", "-P", str(p.pid)], capture_output=True, check=False, text=True
-    ).stdout.split():
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        local = [e for e in env if e.startswith(b"LOCAL_RANK=")]
-        if local:
-            ranks[int(local[0].split(b"=")[1])] = int(pid)
+def running(p: subprocess.Popen) -> dict[int, int]:
+    """Wait until rank 0 logs step 1; return {local rank: pid} of torchrun's workers."""
+    wait_for_step(p, 1)
+    ranks = workers(p)
     assert sorted(ranks) == [0, 1], ranks
     return ranks
 
@@ -125,7 +87,7 @@ def test_a_killed_rank_leaves_the_survivor_naming_its_instruction():
     assert m and m.group(1) == "0", err  # the survivor's last line names its instruction
     assert "nothing from rank 1" in lines[-1], lines[-1]  # and whom it did not hear from
     assert "exitcode  : -9" in err  # torchrun's report: rank 1 was SIGKILLed
-    assert f'File "{ROOT / "schedc"}' not in err  # no traceback from schedc itself
+    assert f'File "{REPO / "schedc"}' not in err  # no traceback from schedc itself
 
 
 @pytest.mark.parametrize("timeout", [10, None], ids=["timeout-10", "default-timeout"])
@@ -152,4 +114,4 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound(timeout):
         or x.startswith("schedc: error on rank 1")
         for x in lines
     ), err
-    assert f'File "{ROOT / "schedc"}' not in err
+    assert f'File "{REPO / "schedc"}' not in err

@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,8 +22,8 @@ from schedc.lang.diagnostics import CODES, CompileError
 from schedc.lang.parse import parser
 from schedc.lang.read import read_source, source_from_bytes
 from schedc.lang.resources import bundled_schedules
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 # per example: a guard against hangs and blow-ups (quadratic time, runaway recursion), not a
 # speed target; bench/compile.py measures speed (a typical example takes milliseconds)
 LIMIT_S = 20.0

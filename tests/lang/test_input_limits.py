@@ -34,8 +34,8 @@ from schedc.lang.diagnostics import (
 )
 from schedc.lang.parse import MAX_TOKENS
 from schedc.lang.read import MAX_SOURCE_BYTES, read_source, source_from_bytes, source_from_text
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 OK = "model nano world 1 batch 8 x 32 micro 8\n"
 BASE = "model nano world 2 batch 8 x 32 micro 2\n"

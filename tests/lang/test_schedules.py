@@ -11,15 +11,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from schedc.compiler import Compiled, compile_file, compile_text
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.resources import bundled_schedules
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = bundled_schedules()
 NAMES = [p.name for p in SCHEDULES]
 

@@ -21,8 +21,7 @@ from schedc.model.data import (
     load_batches,
     load_tokens,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.goldens import REPO
 
 
 @st.composite

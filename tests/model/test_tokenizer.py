@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import gzip
-import os
-import subprocess
-import sys
 import textwrap
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedc.model.data import EOT, EOT_ID, corpus_tokens, gpt2_encoding, load_tokens
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.ranks import python
 
 
 @pytest.mark.parametrize(
@@ -93,18 +88,7 @@ def test_builds_without_network(tmp_path):
         print("ok")
         """
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken-cache"),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken-cache")}
+    done = python("-c", script, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

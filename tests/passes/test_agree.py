@@ -3,12 +3,9 @@ differing numerics are reported, not hidden behind "the same update" (passes/agr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from schedc.compiler import compile_file, compile_text
 from schedc.passes.agree import compare
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.goldens import REPO
 
 ONE = """model nano
 world 1

@@ -11,7 +11,6 @@ test.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,8 @@ from schedc.ir.effects import required_keeps
 from schedc.ir.op import COMPUTE, Kind
 from schedc.lang.resources import bundled_schedules
 from schedc.passes.buffers import PlanInvariantError, plan_invariants
+from tests.goldens import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SPLIT = (REPO / "schedules" / "tiny_hsdp.sched").read_text() + "stream allreduce = ar\n"
 
 

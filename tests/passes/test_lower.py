@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,8 @@ from schedc.compiler import Compiled, compile_file, compile_text
 from schedc.ir.op import COMM, COMPUTE, STEP, Kind, Op, Phase, bwd, fwd
 from schedc.ir.plan import Action, Instr, Plan
 from schedc.lang.resources import bundled_schedules
-from tests.goldens import GOLDEN, assert_golden
+from tests.goldens import GOLDEN, REPO, assert_golden
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = [p.name for p in bundled_schedules()]
 
 _compiled: dict[str, Compiled] = {}

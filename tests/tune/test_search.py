@@ -7,8 +7,6 @@ and compared with what the pruned search returns.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from schedc.analysis.cost import CostModel
@@ -18,8 +16,7 @@ from schedc.lang.diagnostics import CompileError
 from schedc.tune.search import Candidate, Options, Probe, family, search
 from schedc.tune.space import Base, Knobs, candidates, micros, partitions
 from tests.analysis.test_cost_terms import TRUE as CPU  # every term of the cost model set
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.goldens import REPO
 
 NANO = """\
 # a nano model on two ranks; tune searches everything below the batch

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.goldens import REPO
+from tests.ranks import python
 
 WORLD1_DDP = """\
 model nano
@@ -33,13 +29,7 @@ def real_trace(tmp_path_factory):
     (tests/conftest.py marks them)."""
     d = tmp_path_factory.mktemp("run")
     (d / "w1.sched").write_text(WORLD1_DDP)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run(
-        [sys.executable, "-m", "schedc", "run", "w1.sched", "--trace", "t.json"],
-        cwd=d,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    one = {"OMP_NUM_THREADS": "1"}
+    r = python("-m", "schedc", "run", "w1.sched", "--trace", "t.json", env=one, cwd=d)
+    assert r.returncode == 0, r.stderr
     return d

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -30,9 +29,8 @@ from schedc.lang.resources import bundled_schedules
 from schedc.viz.graph import graph_dot
 from schedc.viz.timeline import timeline_dot
 from schedc.viz.timeline.panels import Panel, panels_for
-from tests.goldens import GOLDEN, assert_golden
+from tests.goldens import GOLDEN, REPO, assert_golden
 
-REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = bundled_schedules()
 IDS = [p.stem for p in SCHEDULES]
 HAVE_DOT = shutil.which("dot") is not None and shutil.which("neato") is not None

@@ -291,39 +291,58 @@ def mutate(rng: random.Random, data: dict) -> str:
         evs = data.get("traceEvents") if isinstance(data, dict) else data
         if not isinstance(evs, list) or not evs:
             break
-        i = rng.randrange(len(evs))
-        e = evs[i]
-        what = rng.randrange(10)
-        if isinstance(e, dict) and what < 5:  # a field, or a field of args, gets an odd value
-            target = e["args"] if what == 4 and isinstance(e.get("args"), dict) else e
-            key = rng.choice(
-                sorted(target, key=str)
-                + ["ts", "dur", "pid", "tid", "step", "stream", "name", "args"]
-            )
-            target[key] = copy.deepcopy(rng.choice(ODD))
-        elif isinstance(e, dict) and what == 5 and e:  # a key deleted
-            e.pop(rng.choice(sorted(e, key=str)))
-        elif what == 6:  # an event replaced by something that is not one
-            evs[i] = copy.deepcopy(rng.choice(ODD))
-        elif what == 7:  # duplicated, dropped, or shuffled events
-            how = rng.randrange(3)
-            if how == 0:
-                evs.insert(rng.randrange(len(evs)), copy.deepcopy(e))
-            elif how == 1:
-                evs.pop(i)
-            else:
-                rng.shuffle(evs)
-        elif isinstance(e, dict) and what == 8 and isinstance(e.get("ts"), (int, float)):
-            e[rng.choice(["ts", "dur"])] = rng.choice([0, 1e-300, 1e17, 3.7e5, 1e15])
-        elif what == 9 and isinstance(data, dict):  # the envelope
-            rng.choice(
-                [
-                    lambda: data.pop("otherData", None),
-                    lambda: data.__setitem__("traceEvents", copy.deepcopy(rng.choice(ODD))),
-                    lambda: data.__setitem__("otherData", copy.deepcopy(rng.choice(ODD))),
-                    lambda: data.__setitem__("displayTimeUnit", rng.choice(ODD)),
-                ]
-            )()
+        _mutate_once(rng, data, evs)
+    return _as_text(rng, data)
+
+
+def _mutate_once(rng: random.Random, data: dict, evs: list) -> None:
+    i = rng.randrange(len(evs))
+    e = evs[i]
+    what = rng.randrange(10)
+    if what == 6:  # an event replaced by something that is not one
+        evs[i] = copy.deepcopy(rng.choice(ODD))
+    elif what == 7:  # duplicated, dropped, or shuffled events
+        how = rng.randrange(3)
+        if how == 0:
+            evs.insert(rng.randrange(len(evs)), copy.deepcopy(e))
+        elif how == 1:
+            evs.pop(i)
+        else:
+            rng.shuffle(evs)
+    elif what == 9:
+        if isinstance(data, dict):
+            _mutate_envelope(rng, data)
+    elif isinstance(e, dict):
+        _mutate_fields(rng, e, what)
+
+
+def _mutate_fields(rng: random.Random, e: dict, what: int) -> None:
+    """what < 5: a field, or a field of args, gets an odd value; 5: a key deleted; 8: a
+    time stretched or squeezed."""
+    if what < 5:
+        target = e["args"] if what == 4 and isinstance(e.get("args"), dict) else e
+        key = rng.choice(
+            sorted(target, key=str) + ["ts", "dur", "pid", "tid", "step", "stream", "name", "args"]
+        )
+        target[key] = copy.deepcopy(rng.choice(ODD))
+    elif what == 5 and e:
+        e.pop(rng.choice(sorted(e, key=str)))
+    elif what == 8 and isinstance(e.get("ts"), (int, float)):
+        e[rng.choice(["ts", "dur"])] = rng.choice([0, 1e-300, 1e17, 3.7e5, 1e15])
+
+
+def _mutate_envelope(rng: random.Random, data: dict) -> None:
+    rng.choice(
+        [
+            lambda: data.pop("otherData", None),
+            lambda: data.__setitem__("traceEvents", copy.deepcopy(rng.choice(ODD))),
+            lambda: data.__setitem__("otherData", copy.deepcopy(rng.choice(ODD))),
+            lambda: data.__setitem__("displayTimeUnit", rng.choice(ODD)),
+        ]
+    )()
+
+
+def _as_text(rng: random.Random, data: dict | list) -> str:
     if isinstance(data, dict) and isinstance(data.get("traceEvents"), list) and rng.random() < 0.05:
         data = data["traceEvents"]  # Chrome's JSON Array Format, which schedc also reads
     text = json.dumps(data)
