@@ -946,12 +946,12 @@ def _num(x: float) -> float | None:
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def main(argv=None) -> int:
-    a = parse(argv)
+def set_up(a: argparse.Namespace) -> torch.device | None:
+    """The device, dynamo's limits and a world-1 process group; None when there is no GPU."""
     if a.device == "cuda":
         if not torch.cuda.is_available():
             print("bench/gpu.py: --device cuda, but torch sees no CUDA device", file=sys.stderr)
-            return 1
+            return None
         # the device schedc's executor picks (LOCAL_RANK, else 0); set_device needs an index
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -969,15 +969,30 @@ def main(argv=None) -> int:
             rank=0,
             world_size=1,
         )
+    return device
+
+
+def chosen_cases(a: argparse.Namespace, names: list[str]) -> list[str] | None:
+    """The cases `--cases` names, in the bench's order; None (said) for an unknown one."""
+    if not a.cases:
+        return names
+    wanted = a.cases.split(",")
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        print(f"bench/gpu.py: unknown case(s) {', '.join(unknown)}", file=sys.stderr)
+        return None
+    return [n for n in names if n in wanted]
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    device = set_up(a)
+    if device is None:
+        return 1
     texts = schedule_texts(a)
-    names = case_names(texts)
-    if a.cases:
-        wanted = a.cases.split(",")
-        unknown = [n for n in wanted if n not in names]
-        if unknown:
-            print(f"bench/gpu.py: unknown case(s) {', '.join(unknown)}", file=sys.stderr)
-            return 2
-        names = [n for n in names if n in wanted]
+    names = chosen_cases(a, case_names(texts))
+    if names is None:
+        return 2
     run = Run(a, device)
     spec = compile_text(texts["single"], "loop.sched").spec
     source = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
@@ -993,12 +1008,10 @@ def main(argv=None) -> int:
     )
     run.build_all(names, texts, batches)
     run.run_rounds()
-    if a.profile:
-        prof_lines = profile_ops(run.recs, device)
+    prof_lines = profile_ops(run.recs, device) if a.profile else ""
     run.trace_all()
-    res = run.save(final=True)
-    table = run.table(res)
-    if a.profile:
+    table = run.table(run.save(final=True))
+    if prof_lines:
         table += "\n\n" + prof_lines
     print(table)
     spent = time.monotonic() - T_START

@@ -1,4 +1,4 @@
-"""The must-show of `schedc tune` on this CPU, as one command (docs/tune.md, issue 18).
+"""The must-show of `schedc tune` on this CPU, as one command (docs/tune.md).
 
     python bench/tune_check.py                       # mini, world 2; prints the whole result
     python bench/tune_check.py --write docs/tune.md  # also records it in that file's section
