@@ -1,4 +1,4 @@
-"""The streaming trace reader (`analysis/trace.py` `_Stream`) reads exactly what `validate` reads
+"""The streaming trace reader (`analysis/trace/stream.py` `_Stream`) reads exactly what `validate` reads
 from the parsed JSON: the same Trace for every file it takes, and for every file it cannot
 take in its stride it gives way (`_Unstreamable`), so `load` judges it whole and says what
 `validate` says. Checked on simulated traces and 600 mutations of them, read in chunks of a
