@@ -19,6 +19,7 @@ loss.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -83,10 +84,16 @@ def check(pool, text: str, world: int, trace: bool = False) -> int:
 
 
 def at_its_world(path, size: int) -> tuple[str, int]:
+    """The schedule at its own world (else its world-1 variant), eager: compiled regions
+    change the kernels a layer runs, not the buffers the plan allocates and frees
+    (tests/exec/test_compile.py runs them), and a first inductor compile in a pool worker
+    takes longer than a job's deadline under load."""
     c = compile_text(path.read_text(), path.name)
     if c.spec.world <= size and c.spec.model.numel < 3_000_000:
-        return path.read_text().replace("\nsteps ", "\n# steps "), c.spec.world
-    return world1_variant(path), 1
+        text, world = path.read_text().replace("\nsteps ", "\n# steps "), c.spec.world
+    else:
+        text, world = world1_variant(path), 1
+    return re.sub(r"(?m)^compile\s+on\b", "compile off", text), world
 
 
 @pytest.mark.parametrize("path", bundled_schedules(), ids=lambda p: p.stem)
