@@ -47,14 +47,15 @@ vector clocks) both read them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
 from schedc.ir.op import COMPUTE, Kind, Op, Phase
 from schedc.ir.plan import Action, Plan
 from schedc.ir.sizes import batches_bytes, bucket_numel, layer_acts, padded, unit_numel
-from schedc.ir.spec import Dtype, Spec, Strategy, UnitSpec
-from schedc.model.arch import FP32
+from schedc.ir.spec import Dtype, FSDPSpec, Spec, Strategy, UnitSpec
+from schedc.model.arch import FP32, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,10 @@ def effect(spec: Spec, op: Op) -> Effect:
     fs = spec.fsdp
     if op.kind is Kind.BWD:
         writes = []
-        for u in fs.units:
-            ws = spec.writers(u.params)
-            if op.target in ws:
-                writes.append(f"grad[{u.name}]@mb{grad_key(spec, op.mb)}")
-                if upcast(spec) and op.target == min(ws, key=spec.model.layer_index):
-                    writes.append(f"acc[{u.name}]")
+        for unit, first in _units_written(spec.model, fs).get(op.target, ()):
+            writes.append(f"grad[{unit}]@mb{grad_key(spec, op.mb)}")
+            if upcast(spec) and first:
+                writes.append(f"acc[{unit}]")
         return Effect(writes=tuple(writes))
     if op.kind is Kind.REDUCESCATTER:
         out = scatter_output(op.target, op.mb)
@@ -129,6 +128,20 @@ def effect(spec: Spec, op: Op) -> Effect:
     if op.kind is Kind.STEP:
         return Effect(reads=tuple(shard_grad(u.name) for u in fs.units))
     return NONE
+
+
+@functools.lru_cache(maxsize=16)
+def _units_written(model: GPTConfig, fs: FSDPSpec) -> dict[str, tuple[tuple[str, bool], ...]]:
+    """Layer -> (unit, whether this layer's backward writes the unit's gradient first) for
+    each unit whose gradient the layer's backward writes, in unit order: asked once per
+    backward op, so kept per schedule instead of walking every unit's parameters again."""
+    out: dict[str, list[tuple[str, bool]]] = {}
+    for u in fs.units:
+        ws = frozenset(w for p in u.params for w in model.writers(p))
+        first = min(ws, key=model.layer_index) if ws else None
+        for w in ws:
+            out.setdefault(w, []).append((u.name, w == first))
+    return {layer: tuple(units) for layer, units in out.items()}
 
 
 # -- gathered units: whose buffer each compute op reads and each free releases -------------------
