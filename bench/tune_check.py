@@ -213,7 +213,9 @@ def main() -> int:
         if BEGIN not in doc or END not in doc:
             sys.exit(f"{a.write} has no {BEGIN} ... {END} section")
         head, rest = doc.split(BEGIN, 1)
-        doc = head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
+        # the runs' folder is this machine's; the docs name it <dir>
+        shown = text.replace(str(d), "<dir>")
+        doc = head + BEGIN + "\n" + shown + "\n" + END + rest.split(END, 1)[1]
         a.write.write_text(doc)
         print(f"wrote {a.write}")
     json.dump({"rounds": rounds, "ddp": ddp_step, "pick": pick}, sys.stdout)
