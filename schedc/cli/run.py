@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
             "`schedc run` trains with torch, which is not installed here; "
             "scripts/install.sh installs it (check and render need no torch)"
         ) from None
-    from schedc.exec.checkpoint import CheckpointError, read_key
+    from schedc.exec.checkpoint.files import read_key
+    from schedc.exec.checkpoint.layout import CheckpointError
     from schedc.exec.options import RunOptions
     from schedc.exec.train import TrainOptions, run_main
 

@@ -276,16 +276,16 @@ def start_executor(
 ) -> Executor:
     """The executor, its collectives and layers probed with --probe, and its state loaded
     from the checkpoint --resume names."""
-    from schedc.exec import checkpoint
-    from schedc.exec.checkpoint.files import find
-
     ex = phase.ex = Executor(compiled, comm, opts, batches)
     if opts.probe:
         phase.where = "probing collectives and layers for the trace"
         ex.probe()
     if job.resume:
+        from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
+        from schedc.exec.checkpoint.files import find
+
         phase.where = f"loading {job.resume}"
-        step = checkpoint.load(ex, job.resume, key=job.key)
+        step = store.load(ex, job.resume, key=job.key)
         log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
     return ex
 
@@ -293,8 +293,8 @@ def start_executor(
 def run_steps(ex: Executor, comm: Comm, job: TrainOptions, device: torch.device) -> RunClock:
     """The steps, each logged (and recorded with --log-json); a checkpoint every
     --save-every steps and after the last."""
-    from schedc.exec import checkpoint
-
+    if job.save:
+        from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
     spec = ex.spec
     records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
     clock = RunClock(ex.step_index, spec.steps)
@@ -307,7 +307,7 @@ def run_steps(ex: Executor, comm: Comm, job: TrainOptions, device: torch.device)
             records.flush()
         if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
             phase.where = f"saving step {ex.step_index}"
-            path = checkpoint.save(ex, job.save, keep=job.keep, key=job.key)
+            path = store.save(ex, job.save, keep=job.keep, key=job.key)
             log(comm, f"schedc: checkpoint {path}")
     return clock
 

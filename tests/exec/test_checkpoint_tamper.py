@@ -4,7 +4,7 @@ the directory, hang the loader, or pass off altered tensors as schedc's.
 Every attack starts from a real checkpoint, saved once per module by a real executor (the
 tiny single-process schedule, one step), copies it, alters the copy as an attacker who can
 write the directory would (rewriting meta.json's hashes to match, where that helps the
-attack), and loads it with schedc.exec.checkpoint.load. Each must end in a one-line
+attack), and loads it with schedc.exec.checkpoint.store.load. Each must end in a one-line
 CheckpointError that names the offending file, and no gadget may create its canary file.
 Each gadget is first shown to be live: plain pickle.loads runs it (test_each_gadget_is_live).
 """
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from schedc.exec import checkpoint
+from schedc.exec.checkpoint import files, store
 from schedc.exec.checkpoint.layout import HMAC_FILE, MAX_META_BYTES, RECORD_SLACK, CheckpointError
 from tests.goldens import REPO
 from tests.ranks import python
@@ -49,8 +49,8 @@ def saved(tmp_path_factory):
     compiled = compile_file(REPO / "schedules" / "tiny_1gpu.sched", Overrides(steps=1))
     ex = Executor(compiled, Comm(0, 1), RunOptions(device="cpu", log=False))
     ex.step()
-    checkpoint.save(ex, base / "plain")
-    checkpoint.save(ex, base / "keyed", key=KEY)
+    store.save(ex, base / "plain")
+    store.save(ex, base / "keyed", key=KEY)
     params = {k: v.detach().clone() for k, v in ex.params.items()}
     yield SimpleNamespace(ex=ex, base=base, params=params)
     ex.close()
@@ -603,7 +603,7 @@ def test_an_attack_is_a_clear_error_and_runs_nothing(saved, tmp_path, bounded, n
     canary = tmp_path / "canary"
     attack.do(ck, step, canary, tmp_path)
     with pytest.raises(CheckpointError) as e:
-        checkpoint.load(saved.ex, ck, key=getattr(attack, "key", None))
+        store.load(saved.ex, ck, key=getattr(attack, "key", None))
     msg = str(e.value)
     assert str(ck / attack.file) in msg, msg  # names the offending file
     assert "\n" not in msg and "Traceback" not in msg, msg
@@ -626,7 +626,7 @@ def test_there_are_at_least_30_attacks():
 @pytest.mark.parametrize("src,key", [("plain", None), ("keyed", KEY)])
 def test_an_untouched_checkpoint_loads(saved, tmp_path, src, key):
     ck, _ = copy(saved, src, tmp_path)
-    assert checkpoint.load(saved.ex, ck, key=key) == 1
+    assert store.load(saved.ex, ck, key=key) == 1
     for k, v in saved.ex.params.items():
         assert torch.equal(v, saved.params[k]), k
 
@@ -637,15 +637,15 @@ def test_without_a_key_a_rewritten_tensor_and_hash_list_go_unnoticed(saved, tmp_
     a key is "keyed: tensor altered and rehashed")."""
     ck, step = copy(saved, "plain", tmp_path)
     flip_and_rehash(ck, step, None, tmp_path)
-    assert checkpoint.load(saved.ex, ck) == 1
+    assert store.load(saved.ex, ck) == 1
     assert any(not torch.equal(v, saved.params[k]) for k, v in saved.ex.params.items())
-    checkpoint.load(saved.ex, saved.base / "plain")  # back to the saved state
+    store.load(saved.ex, saved.base / "plain")  # back to the saved state
 
 
 def test_a_short_key_file_is_refused(tmp_path):
     (tmp_path / "k").write_bytes(b"short")
     with pytest.raises(CheckpointError, match="at least 16 bytes"):
-        checkpoint.read_key(tmp_path / "k")
+        files.read_key(tmp_path / "k")
 
 
 @pytest.mark.faults
@@ -676,7 +676,7 @@ BOUNDED = r"""
 import json, resource, sys, time
 import torch.distributed as dist
 from schedc.compiler import compile_file
-from schedc.exec import checkpoint
+from schedc.exec.checkpoint import store
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
@@ -688,9 +688,9 @@ for name, ck in json.loads(sys.argv[1]).items():
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     try:
-        checkpoint.load(ex, ck)
+        store.load(ex, ck)
         said = "loaded"
-    except checkpoint.CheckpointError as e:
+    except store.CheckpointError as e:
         said = str(e)
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base  # KiB on Linux
     out[name] = {"s": time.perf_counter() - t0, "mb": grew / 1024, "said": said}

@@ -174,7 +174,7 @@ def test_sleeps_on_either_stream_leave_gradients_bitwise_unchanged(layout):
 RESUME = r"""
 import json, sys, tempfile, torch, torch.distributed as dist
 from schedc.compiler import compile_text
-from schedc.exec import checkpoint
+from schedc.exec.checkpoint import store
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, RunOptions
 from schedc.lang.resolve import Overrides
@@ -191,9 +191,9 @@ first = Executor(c, Comm(0, 1, tag="first"), opts)
 for _ in range(2):
     first.step()
 d = tempfile.mkdtemp()
-checkpoint.save(first, d)
+store.save(first, d)
 again = Executor(c, Comm(0, 1, tag="again"), opts)
-step = checkpoint.load(again, d)
+step = store.load(again, d)
 devices = sorted({str(t.device) for st in again.optimizer.state.values()
                   for k, t in st.items() if k != "step"})
 b = [again.step() for _ in range(2)]

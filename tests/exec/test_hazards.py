@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from schedc.compiler import compile_file, compile_text
-from schedc.exec import checkpoint
+from schedc.exec.checkpoint import store
 from schedc.exec.checkpoint.state import unit_moment
 from schedc.exec.executor import Executor
 from schedc.exec.options import Comm, RunOptions
@@ -174,13 +174,13 @@ def test_a_resumed_fsdp_run_has_its_moments_on_the_parameters_device(world1, tmp
     """Saved before any update (no moments: the zeros template) and after one; resumed, every
     AdamW moment sits beside its parameter, in its dtype, and the next step runs."""
     ex = executor(steps=3, dtype=torch.float64)
-    checkpoint.save(ex, tmp_path / "s0")
+    store.save(ex, tmp_path / "s0")
     ex.step()
-    checkpoint.save(ex, tmp_path / "s1")
+    store.save(ex, tmp_path / "s1")
     ex.close()
     for where, step in (("s0", 0), ("s1", 1)):
         again = executor(steps=3, dtype=torch.float64)
-        assert checkpoint.load(again, tmp_path / where) == step
+        assert store.load(again, tmp_path / where) == step
         for p, st in again.optimizer.state.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert st[key].device == p.device and st[key].dtype == p.dtype

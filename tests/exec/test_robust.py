@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from schedc.exec.checkpoint import CRASH_ENV
+from schedc.exec.checkpoint.store import CRASH_ENV
 from tests.exec.test_equivalence import DDP_CASES
 from tests.goldens import REPO
 from tests.pool import JobFailed

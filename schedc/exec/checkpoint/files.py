@@ -104,3 +104,14 @@ def find(root: str | os.PathLike) -> Path:
     if not (path / "meta.json").exists():
         raise CheckpointError(f"{path}: named by {latest} but incomplete (no meta.json)")
     return path
+
+
+def read_key(path: str | os.PathLike) -> bytes:
+    """The secret of --checkpoint-key FILE: the file's bytes (16 to 4096 of them)."""
+    key = read_bounded(Path(path), 4096, "a checkpoint key")
+    if len(key) < 16:
+        raise CheckpointError(
+            f"{path}: a checkpoint key needs at least 16 bytes, this has "
+            f"{len(key)} (e.g. head -c 32 /dev/urandom > {path})"
+        )
+    return key

@@ -1,0 +1,195 @@
+"""Saving and loading a checkpoint: complete or absent, verified before use (the package
+docstring says how). Imported only by runs that save or resume: DCP takes a second to import.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from schedc.exec.checkpoint.dcp_metadata import SafeReader
+from schedc.exec.checkpoint.files import find, mac
+from schedc.exec.checkpoint.layout import FORMAT, HMAC_FILE, CheckpointError, step_dir
+from schedc.exec.checkpoint.meta_json import verify
+from schedc.exec.checkpoint.state import executor_state, load_executor_state
+from schedc.ir.spec import Strategy
+
+CRASH_ENV = "SCHEDC_CRASH_AT"  # test hook: die (SIGKILL) at a named point of a save
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+
+def save(ex, root: str | os.PathLike, keep: int = 2, key: bytes | None = None) -> Path:
+    """Write the executor's state after `ex.step_index` steps; every rank calls this. With a
+    key, meta.json.hmac authenticates meta.json (and through its hashes, every file)."""
+    root = Path(root)
+    rank, name = ex.comm.rank, step_dir(ex.step_index)
+    final, tmp = root / name, root / f".{name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(ex)
+    _crash_point("before-write", rank)
+    dcp.save(executor_state(ex), checkpoint_id=str(tmp), process_group=ex.comm.group)
+    # every rank's CPU RNG state, in rank order
+    rng = ex.comm.gather(base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+    _crash_point("after-write", rank)
+    if rank == 0:
+        _write_meta(ex, tmp, rng, key)
+        _crash_point("before-rename", rank)
+        _publish(tmp, final, keep)
+    _barrier(ex)
+    return final
+
+
+def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
+    """meta.json over the files DCP wrote (and its HMAC, with a key), all on disk."""
+    meta = {
+        "format": FORMAT,
+        "step": ex.step_index,
+        "world": ex.comm.world,
+        "strategy": ex.spec.kind,
+        "model": ex.spec.model_name,
+        "model_config": dataclasses.asdict(ex.spec.model),
+        "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
+        "units": {u.name: u.numel for u in ex.units.values()},
+        "rng": rng,
+        "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
+    }
+    text = json.dumps(meta, indent=1)
+    _write_atomic(tmp / "meta.json", text)
+    if key is not None:
+        _write_atomic(tmp / HMAC_FILE, mac(key, text.encode()) + "\n")
+    _fsync_dir(tmp)
+
+
+def _publish(tmp: Path, final: Path, keep: int) -> None:
+    """Rename the written checkpoint into place, name it in `latest`, drop the oldest
+    beyond `keep`; each step durable before the next."""
+    root = final.parent
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _crash_point("before-latest", 0)  # rank 0 publishes
+    _write_atomic(root / "latest", final.name + "\n")
+    _fsync_dir(root)
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _crash_point(where: str, rank: int) -> None:
+    """Die here, as a SIGKILL would, when a test asks for it (SCHEDC_CRASH_AT=where[@rank])."""
+    want = os.environ.get(CRASH_ENV, "")
+    point, _, who = want.partition("@")
+    if point == where and (not who or int(who) == rank):
+        os.kill(os.getpid(), 9)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _barrier(ex) -> None:
+    if ex.comm.world > 1:
+        dist.barrier(group=ex.comm.group)
+
+
+# -- resuming -----------------------------------------------------------------------------------
+
+
+def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
+    """Restore the executor from a checkpoint; returns the step to continue from. Every
+    failure is a CheckpointError naming the file."""
+    path = find(root)
+    meta = verify(path, key)
+    _check_same_schedule(ex, path, meta)
+    SafeReader(str(path), meta).read_metadata()  # refuse bad metadata before DCP touches it
+    state = executor_state(ex)
+    _dcp_load(ex, path, meta, state)
+    step = meta["step"]
+    load_executor_state(ex, state, step)
+    rng = meta["rng"]
+    if len(rng) == ex.comm.world:
+        torch.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(rng[ex.comm.rank])), dtype=torch.uint8)
+        )
+    ex.step_index = step
+    return step
+
+
+def _check_same_schedule(ex, path: Path, meta: dict) -> None:
+    """The checkpoint was saved by a schedule of this strategy and model (and, for FSDP,
+    these units): its tensors fit this executor's."""
+    spec = ex.spec
+    if meta["strategy"] != spec.kind or meta["model_config"] != dataclasses.asdict(spec.model):
+        raise CheckpointError(
+            f"{path}: saved by a {meta['strategy']} schedule of model {meta['model']}; this is a "
+            f"{spec.kind} schedule of model {spec.model_name}"
+        )
+    ours = {u.name: u.numel for u in ex.units.values()}
+    if spec.kind is Strategy.FSDP and meta["units"] != ours:
+        diff = sorted(set(meta["units"]) ^ set(ours)) or sorted(
+            f"{u} ({meta['units'][u]} elements saved, {n} here)"
+            for u, n in ours.items()
+            if meta["units"][u] != n
+        )
+        raise CheckpointError(
+            f"{path}: its FSDP units differ from this schedule's: {', '.join(map(str, diff))}"
+        )
+
+
+def _dcp_load(ex, path: Path, meta: dict, state: dict[str, torch.Tensor]) -> None:
+    """DCP reads the tensors into `state`, through SafeReader; whatever fails is a
+    CheckpointError about this checkpoint."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path), meta), process_group=ex.comm.group)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP's errors are about this checkpoint
+        cause = _cause(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        what = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+        raise CheckpointError(f"{path}: cannot be loaded: {what}") from None
+
+
+def _cause(e: BaseException) -> BaseException:
+    """What failed: DCP wraps the ranks' failures in a CheckpointException (a BaseException);
+    the first of them."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
