@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from schedc.ir.bound import Bound
 from schedc.ir.plan import Plan
 from schedc.ir.source import Source
 from schedc.ir.spec import Spec
@@ -20,11 +21,13 @@ from schedc.lang.parse import parse
 from schedc.lang.read import read_source, source_from_text
 from schedc.lang.resolve import Overrides, resolve
 from schedc.lang.syntax import Schedule, to_ast
-from schedc.passes.check import check_graphs, check_plans
+from schedc.passes.bind import bind
+from schedc.passes.check import check_graphs, check_plans, check_proof
 from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
+from schedc.passes.prove import Proof
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,17 @@ class Compiled:
     plans: dict[int | None, Plan]
     memories: dict[int | None, MemoryReport]  # predicted per plan
     warnings: tuple[Diagnostic, ...]
+    proof: Proof | None = None  # None: compiled without the proof (`prove=False`)
 
     def graph(self, rank: int | None = None) -> ScheduleGraph:
         return self.graphs.get(rank, self.graphs[None])
 
     def plan(self, rank: int | None = None) -> Plan:
         return self.plans.get(rank, self.plans[None])
+
+    def bound(self, rank: int) -> Bound:
+        """Rank `rank`'s plan with its operands: what its executor runs (ir/bound.py)."""
+        return bind(self.spec, self.plan(rank), rank)
 
     def dump(self, stage: str, rank: int | None = None) -> str:
         """A stage's text form (`schedc check --dump`): ast, graph, program or plan."""
@@ -57,7 +65,10 @@ class Compiled:
         return self.memories[None]
 
 
-def compile_source(source: Source, overrides: Overrides = Overrides()) -> Compiled:
+def compile_source(
+    source: Source, overrides: Overrides = Overrides(), prove: bool = True
+) -> Compiled:
+    proof = None
     with no_cyclic_gc():
         ast = to_ast(parse(source), source)  # grammar/schedc.lark -> frozen AST with spans
         spec, warnings = resolve(ast, overrides)  # names, values, coverage, batch arithmetic
@@ -68,8 +79,11 @@ def compile_source(source: Source, overrides: Overrides = Overrides()) -> Compil
             plans = {rank: lower(g) for rank, g in graphs.items()}  # per-rank instructions
             memory = {rank: predict(spec, plan) for rank, plan in plans.items()}
             check_plans(spec, graphs, plans, memory, diag)  # SPMD order, budget
+            if prove and not diag.errors:  # every rank's plan computes one process's update
+                bounds = [bind(spec, plans.get(r, plans[None]), r) for r in range(spec.world)]
+                proof = check_proof(spec, bounds, diag)
         diag.raise_if_any()
-        return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings))
+        return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings), proof)
 
 
 @contextmanager

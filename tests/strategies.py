@@ -480,6 +480,10 @@ def summary() -> list[str]:
         lines.append(
             f"mutation cases (rejected with their rule's code): {sum(mut.values())} [{by}]"
         )
+    proof = {k[1]: n for k, n in TALLY.items() if k[0] == "proof"}
+    if proof:
+        by = ", ".join(f"{cls}: {n}" for cls, n in sorted(proof.items()))
+        lines.append(f"plan mutations (refuted by the proof): {sum(proof.values())} [{by}]")
     return [f"schedc property suite, hypothesis profile '{profile}':", *lines]
 
 

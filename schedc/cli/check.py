@@ -150,6 +150,8 @@ def summary(c: Compiled) -> str:
     mem = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in c.memory.rows() if v)
     budget = f" (budget {fmt_bytes(s.memory)})" if s.memory else ""
     lines.append(f"  memory    per rank{budget}: {mem}")
+    if c.proof is not None:
+        lines.append(f"  proof     {c.proof.line()}")
     return "\n".join(lines)
 
 

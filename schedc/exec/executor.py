@@ -58,6 +58,16 @@ from schedc.model.reference import init_model
 # -- the executor -------------------------------------------------------------------------------
 
 
+def check_groups(spec, bound) -> None:
+    """The backends run each collective over its mesh dimension's process group: a bound
+    plan whose group is another cannot run as the proof read it."""
+    for ins in bound.plan.instrs:
+        if ins.op is not None and ins.op.is_collective:
+            want = spec.mesh.members(bound.rank, spec.dim_of(ins.op))
+            if ins.group != want:
+                raise RunError(f"{ins.op}: the plan's group {ins.group} is not the mesh's {want}")
+
+
 @dataclass
 class _Micro:
     """What one micro-step keeps between its forward and its backward."""
@@ -84,14 +94,18 @@ class Executor:
                 f"the schedule is for world {spec.world}, but this job has "
                 f"{comm.world} rank{'s' if comm.world != 1 else ''}"
             )
-        self.plan: Plan = compiled.plan(comm.rank)
+        # the plan with this rank's operands (ir/bound.py): its batch slices, loss scale,
+        # divisors, groups, buckets or shard; the proof checked exactly these
+        self.bound = compiled.bound(comm.rank)
+        check_groups(spec, self.bound)
+        self.plan: Plan = self.bound.plan
         self.device = pick_device(opts.device)
         self.tf32 = set_tf32(self.device, spec.numerics.tf32)  # CUDA only; CPU untouched
         self.layers = spec.model.layers
         # each micro-batch's mean loss x 1/k (accumulation); the 1/D of averaging is applied
         # to a buffer right before it is summed across ranks (as DDP does), so a buffer that
         # already holds earlier micro-steps' averaged gradients stays correct when summed
-        self.loss_scale = 1.0 / spec.accum
+        self.loss_scale = float(self.bound.loss_scale)
         self.model = self._model()
         # what each compute segment calls: eager, or compiled once per region (`compile on`)
         self.regions = Regions(self.model, spec.numerics.compile)
@@ -108,10 +122,12 @@ class Executor:
         log = self._log if opts.log_buffers else None
         if spec.kind is Strategy.FSDP:
             self.strategy: Replicated | Sharded = Sharded(
-                spec, comm, self.backend, self.params, reduce, log, gather, opts.measure
+                spec, self.bound, comm, self.backend, self.params, reduce, log, gather, opts.measure
             )
         else:
-            self.strategy = Replicated(spec, comm, self.backend, self.params, reduce, log)
+            self.strategy = Replicated(
+                spec, self.bound, comm, self.backend, self.params, reduce, log
+            )
         self.optimizer = self.strategy.optimizer()
         self.update = Update(spec, comm, self.strategy, self.optimizer, opts)
         self._fused: tuple[Plan, list] | None = None
@@ -183,7 +199,7 @@ class Executor:
             _Micro(
                 *(
                     t.to(self.device, non_blocking=True)
-                    for t in self.batches.micro_batch(s, self.comm.rank, j, spec.micro, spec.world)
+                    for t in self.batches.rows(s, self.bound.positions(j))
                 )
             )
             for j in range(spec.accum)
@@ -242,7 +258,7 @@ class Executor:
                         continue
                     ins = instrs[item]
                     if ins.kind is Action.RUN:
-                        self.run_op(ins.stream, ins.op, ins.keeps)
+                        self.run_op(ins.stream, ins.op, ins.keeps, ins.divisor)
                         if ins.op.kind is Kind.FREE and self.device.type == "cpu":
                             # a compute point is complete once marked and no stream reuses a
                             # block on a CPU: the storage goes right after the free, where the
@@ -258,16 +274,17 @@ class Executor:
             except Exception as e:
                 raise PlanError(self.plan, k, self.comm.rank, self.step_index, e) from e
 
-    def run_op(self, stream: str, op: Op, keeps: tuple[str, ...] = ()) -> None:
+    def run_op(self, stream: str, op: Op, keeps: tuple[str, ...] = (), divisor: int = 1) -> None:
         """Issue `op` on `stream`; `keeps`: the buffers it reads that another stream
-        allocated, which the plan says to keep alive on `stream` (ir/effects.py)."""
+        allocated, which the plan says to keep alive on `stream` (ir/effects.py); `divisor`:
+        a reduction's, of what this rank sends (ir/bound.py)."""
         kind = op.kind
         if kind is Kind.FREE:
             self.backend.compute(stream, op, lambda: self.strategy.free(op))
         elif kind is Kind.STEP:
             self.backend.compute(stream, op, lambda: self._update(keeps))
         elif kind.is_collective:
-            self.strategy.collective(stream, op, keeps)
+            self.strategy.collective(stream, op, keeps, divisor)
         elif kind is Kind.RECOMPUTE:
             self.backend.compute(stream, op, lambda: self._recompute(op))
         else:  # a forward or backward written outside the compute stream's fusable runs

@@ -33,9 +33,10 @@ from schedc.exec.backends import Backend
 from schedc.exec.flat import FlatBucket, FlatUnit
 from schedc.exec.fuse import Segment
 from schedc.exec.options import Comm
-from schedc.ir.effects import grad_buffer, grad_key, scatter_output, shard_grad, upcast
+from schedc.ir.bound import Bound
+from schedc.ir.effects import grad_buffer, scatter_output, shard_grad, upcast
 from schedc.ir.op import COMPUTE, Kind, Op
-from schedc.ir.spec import SHARD, BucketSpec, DDPSpec, FSDPSpec, Spec
+from schedc.ir.spec import BucketSpec, FSDPSpec, Spec
 from schedc.model.reference import adamw_groups, global_grad_norm, make_adamw
 
 Log = Callable[[str, str], None] | None  # (action, buffer): the executor's buffer log, if kept
@@ -45,9 +46,17 @@ class _Base:
     """What both strategies share: the job, the backend, bytes counted per collective."""
 
     def __init__(
-        self, spec: Spec, comm: Comm, backend: Backend, params: dict, reduce_dtype, log: Log
+        self,
+        spec: Spec,
+        bound: Bound,
+        comm: Comm,
+        backend: Backend,
+        params: dict,
+        reduce_dtype,
+        log: Log,
     ):
-        self.spec, self.comm, self.backend, self.params = spec, comm, backend, params
+        self.spec, self.bound, self.comm = spec, bound, comm
+        self.backend, self.params = backend, params
         self.reduce_dtype = reduce_dtype
         self.log = log
         self.comm_bytes: dict[str, int] = {}
@@ -78,15 +87,14 @@ class Replicated(_Base):
     """DDP's buckets, or one process's single bucket: flat gradient buffers that every
     parameter's .grad is a view of, all-reduced (averaged) where the plan says."""
 
-    def __init__(
-        self, spec: Spec, comm: Comm, backend: Backend, params: dict, reduce_dtype, log: Log
-    ):
-        super().__init__(spec, comm, backend, params, reduce_dtype, log)
-        if isinstance(spec.strategy, DDPSpec):
-            specs = spec.strategy.buckets
-        else:  # one process: a single flat gradient buffer, never communicated
-            specs = (BucketSpec("grads", tuple(params), None, 0),)
-        self.buckets = {b.name: FlatBucket(b, params) for b in specs}
+    def __init__(self, *args, **kwargs):  # _Base's
+        super().__init__(*args, **kwargs)
+        params, bound = self.params, self.bound
+        # the plan's buckets (one of every parameter on one process, never communicated)
+        self.buckets = {
+            name: FlatBucket(BucketSpec(name, names, None, 0), params)
+            for name, names in bound.buckets.items()
+        }
 
     def optimizer(self):
         return make_adamw(self.params.items(), self.spec.optim)
@@ -96,15 +104,18 @@ class Replicated(_Base):
         for b in self.buckets.values():
             b.flat.zero_()
 
-    def collective(self, stream: str, op: Op, keeps: tuple[str, ...] = ()) -> None:
-        """A bucket's all-reduce: each rank's x/D, summed, is the average."""
-        b, D, rd = self.backend, self.comm.world, self.reduce_dtype
+    def collective(
+        self, stream: str, op: Op, keeps: tuple[str, ...] = (), divisor: int = 1
+    ) -> None:
+        """A bucket's all-reduce: each rank's x/D, summed, is the average (D: the plan's
+        divisor)."""
+        b, D, rd = self.backend, divisor, self.reduce_dtype
         flat = self.buckets[op.target].flat
         self.count(op, flat.numel(), rd)
         held: dict[str, torch.Tensor] = {}
 
         def launch(pg, flat=flat, held=held):
-            if D > 1:
+            if D != 1:
                 flat.div_(D)  # sum of x/D over ranks = the average
             if flat.dtype == rd:
                 return b.all_reduce(flat)(pg)
@@ -147,6 +158,7 @@ class Sharded(_Base):
     def __init__(
         self,
         spec: Spec,
+        bound: Bound,
         comm: Comm,
         backend: Backend,
         params: dict,
@@ -155,11 +167,12 @@ class Sharded(_Base):
         gather_dtype,
         measure: bool,
     ):
-        super().__init__(spec, comm, backend, params, reduce_dtype, log)
+        super().__init__(spec, bound, comm, backend, params, reduce_dtype, log)
         fsdp = spec.strategy
         assert isinstance(fsdp, FSDPSpec), "Sharded holds an FSDP schedule's units"
-        # units shard over the shard dimension: this rank holds shard `index` of `S`
-        index, S = spec.mesh.index(comm.rank, SHARD), spec.mesh.shard
+        # units shard over the shard dimension: this rank holds chunk `index` of `S` (the
+        # plan's: ir/bound.py)
+        index, S = bound.shard or 0, spec.mesh.shard
         # no_sync under a reduce dtype wider than the gather's: FSDP2's upcast, micro-steps
         # accumulate in the reduce dtype (flat.py FlatUnit.fold)
         self.upcast = upcast(spec)
@@ -172,8 +185,6 @@ class Sharded(_Base):
             for u in self.units.values():
                 u.log = log
         writers = {u.name: spec.writers(u.params) for u in fsdp.units}
-        # the layer whose backward is a unit's last of a micro-step (its lowest writer)
-        self.last_writer = {n: min(ws, key=spec.model.layer_index) for n, ws in writers.items()}
         # the units whose gradients each layer's backward writes into
         self.writes = {
             layer: [self.units[n] for n, ws in writers.items() if layer in ws]
@@ -204,18 +215,17 @@ class Sharded(_Base):
 
     def before_backward(self, seg: Segment) -> None:
         """The unsharded gradients this backward adds into."""
-        key = grad_key(self.spec, seg.mb)
+        key = self.bound.grad_keys[seg.mb]
         for unit in {u.name: u for layer in seg.layers for u in self.writes[layer]}.values():
             unit.grad_buffer(key)
 
     def after_backward(self, seg: Segment) -> None:
         self.measure()
         if self.upcast:  # a unit whose micro-step backward is done folds it (FSDP2)
-            key = grad_key(self.spec, seg.mb)
+            key = self.bound.grad_keys[seg.mb]
             for layer in seg.layers:
-                for unit in self.writes[layer]:
-                    if self.last_writer[unit.name] == layer:
-                        unit.fold(key, self.measure)
+                for name in self.bound.folds.get(layer, ()):
+                    self.units[name].fold(key, self.measure)
 
     # -- gathered units ------------------------------------------------------------------
 
@@ -254,11 +264,13 @@ class Sharded(_Base):
 
     # -- collectives ---------------------------------------------------------------------
 
-    def collective(self, stream: str, op: Op, keeps: tuple[str, ...] = ()) -> None:
+    def collective(
+        self, stream: str, op: Op, keeps: tuple[str, ...] = (), divisor: int = 1
+    ) -> None:
         if op.kind is Kind.ALLGATHER:
             self._gather(stream, op)
         elif op.kind is Kind.REDUCESCATTER:
-            self._reduce_scatter(stream, op, keeps)
+            self._reduce_scatter(stream, op, keeps, divisor)
         else:
             self._replicate(stream, op, keeps)
 
@@ -282,10 +294,11 @@ class Sharded(_Base):
         b.collective(stream, op, launch, None, self.spec.dim_of(op))
         self.measure()
 
-    def _reduce_scatter(self, stream: str, op: Op, keeps: tuple[str, ...]) -> None:
+    def _reduce_scatter(self, stream: str, op: Op, keeps: tuple[str, ...], D: int) -> None:
+        """`D`: the plan's divisor (the world: gradients are averaged over every rank,
+        whatever the mesh)."""
         b, unit, rd = self.backend, self.units[op.target], self.reduce_dtype
-        D = self.comm.world  # gradients are averaged over every rank, whatever the mesh
-        grad = unit.take_grad(grad_key(self.spec, op.mb))
+        grad = unit.take_grad(self.bound.grad_keys[op.mb])
         keep = grad_buffer(self.spec, unit.name, op.mb) in keeps
         self.count(op, grad.numel(), rd)
         # the step's first reduce-scatter of a unit writes straight into a new gradient
@@ -312,11 +325,11 @@ class Sharded(_Base):
             # the 1/D is applied in the wider of the two dtypes, then the cast (FSDP2's
             # reduce_dtype cast, on this stream); the sum runs in the reduce dtype
             if grad.dtype == rd or grad.element_size() > rd.itemsize:
-                send = grad.div_(D) if D > 1 else grad
+                send = grad.div_(D) if D != 1 else grad
                 send = send.to(rd)  # a no-op when the dtypes agree
             else:  # bf16 gradients (bf16 gather) reduced in fp32
                 send = grad.to(rd)
-                if D > 1:
+                if D != 1:
                     send.div_(D)
             return b.reduce_scatter(held["out"], send)(pg)
 

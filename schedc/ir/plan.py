@@ -39,6 +39,11 @@ class Instr:
     # run: buffers another stream allocated that this op reads, kept alive on its stream
     # until its work is done (ir/effects.py; CUDA's record_stream; not in the text form)
     keeps: tuple[str, ...] = ()
+    # a collective of a plan bound to its rank (ir/bound.py): the ranks of its process
+    # group in group order (a reduce-scatter's chunk p goes to group[p]), and for a
+    # reduction the divisor of each member's contribution; not in the text form
+    group: tuple[int, ...] = ()
+    divisor: int = 1
 
     def __str__(self) -> str:
         if self.kind is Action.RUN:

@@ -97,6 +97,7 @@ CODES: dict[str, str] = {
     "its input",
     # SPMD
     "spmd": "ranks that would issue different collectives, or in a different order",
+    "proof": "the ranks' plans, executed abstractly, do not compute one process's update",
     # warnings
     "bucket-order": "buckets listed in an order other than the one their gradients complete",
     "tied-late": "a bucket holding the tied weight, which completes only at the end of backward",

@@ -267,6 +267,12 @@ class GlobalBatches:
         """Inputs and targets, int64 (B, T), that `rank` of `D` runs at micro-step `micro`."""
         return self._rows(sequence_ids(step, rank, micro, B, D, self.global_seqs))
 
+    def rows(self, step: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, int64 (n, T), of `positions` of the global batch of `step`
+        (a bound plan's slice: ir/bound.py)."""
+        first = step * self.global_seqs
+        return self._rows(range(first + positions.start, first + positions.stop))
+
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, int64 (S, T), of the whole global batch of `step`."""
         return self._rows(sequence_ids(step, 0, 0, self.global_seqs, 1, self.global_seqs))

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import networkx as nx
 
+from schedc.ir.bound import Bound
 from schedc.ir.op import REDUCTIONS, Kind, Op, Phase
 from schedc.ir.plan import Plan
 from schedc.ir.source import Span
@@ -39,6 +40,8 @@ from schedc.passes.buffers import Finding, gathered_findings, memory_budget, pla
 from schedc.passes.graph import ScheduleGraph
 from schedc.passes.memory import MemoryReport
 from schedc.passes.payloads import Need, Sync, said
+from schedc.passes.prove import Proof, prove
+from schedc.passes.prove_rank import Refuted
 
 
 def check_graphs(spec: Spec, graphs: dict[int | None, ScheduleGraph], diag: Diagnostics) -> bool:
@@ -71,6 +74,39 @@ def check_plans(
             if rank is None and _everyone_has_a_program(spec, graphs):
                 continue  # no rank runs the common plan
             memory_budget(spec, report, diag, rank)
+
+
+def check_proof(spec: Spec, bounds: list[Bound], diag: Diagnostics) -> Proof | None:
+    """The proof (passes/prove.py) over every rank's bound plan; a refutation is an error at
+    the program or strategy it concerns, with the rank's plan around the instruction."""
+    try:
+        return prove(spec, bounds)
+    except Refuted as e:
+        plan = bounds[e.rank].plan
+        notes: tuple[Note, ...] = ()
+        if e.index is not None:
+            lines = plan.render(mark=e.index).splitlines()[1:]
+            window = lines[max(0, e.index - 2) : e.index + 3]
+            notes = (Note(f"rank {e.rank}'s plan:\n" + "\n".join(window)),)
+        diag.error(
+            "proof",
+            e.message,
+            _proof_span(spec, e.rank),
+            hint="the lowered plans do not compute one process's update: a compiler bug, "
+            "unless a written program made them",
+            notes=notes,
+        )
+        return None
+
+
+def _proof_span(spec: Spec, rank: int) -> Span | None:
+    for p in spec.programs:
+        if p.rank == rank:
+            return p.span
+    for p in spec.programs:
+        if p.rank is None:
+            return p.span
+    return spec.where.get(spec.kind.value) or spec.where.get("world")
 
 
 def _everyone_has_a_program(spec: Spec, graphs) -> bool:

@@ -1,0 +1,296 @@
+"""The proof that the plans compute the single-process update: abstract execution of every
+rank's bound plan at once (translation validation: the plans are checked against what the
+schedule means, not against how the lowering made them).
+
+Each rank's instructions run in issue order; a collective is computed when every member of
+its communicator (its stream and group) has issued it, the i-th issue of each member being
+one collective. A rank that reads a buffer a collective has not yet produced waits for it;
+when every rank waits, some rank never issues a collective the others did: a deadlock.
+
+What is tracked, per rank (passes/values.py has the values):
+- every gradient buffer (a DDP bucket, a lone parameter's gradient, FSDP's unsharded
+  gradient of a micro-step and its accumulator, a reduce-scatter's output, the gradient
+  shard), per parameter piece, as an interned map (rank, micro-step, layer) -> Fraction;
+- each buffer's writes and reads since it came into being, with their stream and position:
+  a read must come after every write by the plan's stream order and events (vector clocks
+  from the plan's own records and waits), and a write after every read and write;
+- the parameters' version (updates issued) and each gathered unit's: a forward or backward
+  reads a unit gathered after the last update, never a freed or stale one.
+
+At every optimizer step, each parameter piece the rank updates must hold the single-process
+gradient (passes/values.py's theorem), the FSDP pieces exactly the chunk the rank holds; and
+the chunks of every shard group are each updated by one rank. Two steps are executed, so a
+buffer carried across the update is read at its version. Instructions mean what ir/bound.py
+and ir/effects.py say; collectives mean what torch.distributed documents (docs/proof.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+
+from schedc.ir.bound import Bound
+from schedc.ir.effects import gathers_read
+from schedc.ir.op import Kind, Op
+from schedc.ir.sizes import padded
+from schedc.ir.spec import SHARD, Spec, Strategy
+from schedc.lang.diagnostics import count
+from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
+from schedc.passes.values import Maps, Theorem, Wrong
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What the proof showed (`schedc check`'s proof line)."""
+
+    seqs: int
+    per_token: Fraction
+    ranks: int
+    replicas: int  # ranks holding each parameter (or shard)
+    units: int
+    shards: int
+    ms: float
+
+    def line(self) -> str:
+        shards = (
+            f"; {count(self.units, 'unit')} x {count(self.shards, 'shard')} updated once"
+            if self.units
+            else ""
+        )
+        return (
+            f"every update reads {count(self.seqs, 'sequence')} once at "
+            f"{_ratio(self.per_token)} per token; replicas equal{shards} (abstract execution "
+            f"of {count(self.ranks, 'plan')}, {self.ms:.1f} ms)"
+        )
+
+
+def prove(spec: Spec, bounds: list[Bound]) -> Proof:
+    """Prove `bounds` (every rank's bound plan) compute the single-process update, or raise
+    Refuted."""
+    t0 = time.perf_counter()
+    _Prover(spec, bounds).run()
+    fsdp = spec.kind is Strategy.FSDP
+    return Proof(
+        seqs=spec.seqs,
+        per_token=spec.loss_weight(),
+        ranks=len(bounds),
+        replicas=spec.mesh.replicate if fsdp else spec.world,
+        units=len(spec.fsdp.units) if fsdp else 0,
+        shards=spec.mesh.shard if fsdp else 0,
+        ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def _ratio(x: Fraction) -> str:
+    return f"{x.numerator:,}/{x.denominator:,}"
+
+
+class _Prover:
+    """The ranks, their communicators, and the values they share."""
+
+    def __init__(self, spec: Spec, bounds: list[Bound]):
+        self.spec, self.bounds = spec, bounds
+        self.fsdp = spec.kind is Strategy.FSDP
+        self._gathers: dict[Op, tuple[Op, ...]] = {}
+        self.maps = Maps()
+        slices = {(b.rank, m): b.positions(m) for b in bounds for m in range(len(b.batch))}
+        self.theorem = Theorem(self.maps, spec.seqs, slices)
+        model = spec.model
+        self.writers = {p.name: tuple(model.writers(p.name)) for p in model.params}
+        self.numel = {p.name: p.numel for p in model.params}
+        self.written_by: dict[str, list[str]] = {layer: [] for layer in model.layers}
+        for p, ws in self.writers.items():
+            for w in ws:
+                self.written_by[w].append(p)
+        self.layout: dict[str, list[tuple[str, int, int]]] = {}
+        self.chunk: dict[str, int] = {}
+        if self.fsdp:
+            self._fsdp_layout()
+        self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
+        self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.ranks = [_Rank(self, b) for b in bounds]
+
+    def gathers(self, op: Op) -> tuple[Op, ...]:
+        """The all-gathers whose buffers compute op `op` reads (ir/effects.py)."""
+        if op not in self._gathers:
+            self._gathers[op] = gathers_read(self.spec, op)
+        return self._gathers[op]
+
+    def _fsdp_layout(self) -> None:
+        """Each unit's flat parameter: decay parameters first, then the rest (exec/flat.py),
+        padded to a multiple of the shard group."""
+        model, D = self.spec.model, self.spec.mesh.shard
+        self.unit_of = {p: u.name for u in self.spec.fsdp.units for p in u.params}
+        for u in self.spec.fsdp.units:
+            order = [p for p in u.params if model.param(p).decay]
+            order += [p for p in u.params if not model.param(p).decay]
+            off, out = 0, []
+            for p in order:
+                out.append((p, off, self.numel[p]))
+                off += self.numel[p]
+            self.layout[u.name] = out
+            self.chunk[u.name] = padded(off, D) // D
+
+    def run(self) -> None:
+        while True:
+            progressed = False
+            for r in self.ranks:
+                progressed |= r.advance()
+            if all(r.finished for r in self.ranks):
+                self._all_matched()
+                self._shards_once()
+                return
+            if not progressed:
+                self._deadlock()
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def issue(self, issue: _Issue, stream: str) -> None:
+        key = (stream, issue.instr.group)
+        queues = self.queues.setdefault(key, {m: [] for m in issue.instr.group})
+        if issue.rank not in queues:
+            raise Refuted(
+                issue.rank,
+                issue.index,
+                f"{issue.instr.op}: its group {issue.instr.group} does not hold its rank",
+            )
+        queues[issue.rank].append(issue)
+        n = self.matched.get(key, 0)
+        while all(len(q) > n for q in queues.values()):
+            self._collective([q[n] for q in queues.values()], stream)
+            n = self.matched[key] = n + 1
+
+    def _collective(self, issues: list[_Issue], stream: str) -> None:
+        first = issues[0]
+        for i in issues[1:]:
+            if i.instr.op != first.instr.op:
+                raise Refuted(
+                    i.rank,
+                    i.index,
+                    f"rank {i.rank} issues {i.instr.op} on stream '{stream}' where rank "
+                    f"{first.rank} issues {first.instr.op}: they are one collective",
+                )
+        op = first.instr.op
+        assert op is not None
+        if op.kind is Kind.ALLGATHER:
+            return self._gather(issues)
+        outs = self._reduce(issues)
+        for i, out in zip(issues, outs):
+            self.ranks[i.rank].land(i, out)
+
+    def _reduce(self, issues: list[_Issue]) -> list[dict[Piece, int]]:
+        """Each member's output: the group's sum (of its pieces; a reduce-scatter's member p
+        keeps chunk p), each contribution divided by its sender's divisor."""
+        op = issues[0].instr.op
+        assert op is not None
+        pieces = issues[0].sends.keys()
+        for i in issues[1:]:
+            if i.sends.keys() != pieces:
+                raise Refuted(
+                    i.rank,
+                    i.index,
+                    f"{op} sends other parameters on rank {i.rank} than on rank {issues[0].rank}",
+                )
+        total = {
+            pc: self.maps.combine(tuple((i.sends[pc], i.instr.divisor) for i in issues))
+            for pc in pieces
+        }
+        if op.kind is Kind.ALLREDUCE:
+            return [dict(total) for _ in issues]
+        return [self._chunk_of(op.target, p, total) for p in range(len(issues))]
+
+    def _chunk_of(self, unit: str, p: int, full: dict[Piece, int]) -> dict[Piece, int]:
+        """The pieces of chunk `p` of `unit`'s flat gradient, with their maps."""
+        L = self.chunk[unit]
+        lo, hi = p * L, (p + 1) * L
+        out = {}
+        for name, off, n in self.layout[unit]:
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out[(name, a - off, b - off)] = full[(name, 0, n)]
+        return out
+
+    def _gather(self, issues: list[_Issue]) -> None:
+        op = issues[0].instr.op
+        assert op is not None
+        versions = {i.version for i in issues}
+        for p, i in enumerate(issues):
+            held = self.ranks[i.rank].bound.shard
+            if held != p:
+                raise Refuted(
+                    i.rank,
+                    i.index,
+                    f"rank {i.rank} holds chunk {held} of {op.target} but is member {p} of "
+                    f"its all-gather's group {i.instr.group}: the gathered unit is shuffled",
+                )
+        for i in issues:
+            self.ranks[i.rank].gathered(i, min(versions) if len(versions) == 1 else -1)
+
+    # -- the end -------------------------------------------------------------------------
+
+    def _all_matched(self) -> None:
+        for (stream, group), queues in self.queues.items():
+            n = self.matched.get((stream, group), 0)
+            for q in queues.values():
+                if len(q) > n:
+                    self._unanswered(q[n], stream, group, queues)
+
+    def _deadlock(self) -> None:
+        for (stream, group), queues in self.queues.items():
+            n = self.matched.get((stream, group), 0)
+            for q in queues.values():
+                if len(q) > n:
+                    self._unanswered(q[n], stream, group, queues)
+        r = next(r for r in self.ranks if not r.finished)
+        raise Refuted(r.rank, r.pc % len(r.instrs), "the ranks wait for each other forever")
+
+    def _unanswered(self, issue: _Issue, stream: str, group, queues) -> None:
+        n = self.matched.get((stream, group), 0)
+        absent = [m for m, q in queues.items() if len(q) <= n]
+        raise Refuted(
+            absent[0],
+            None,
+            f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} never issue"
+            f"{'s' * (len(absent) == 1)} {issue.instr.op} on stream '{stream}', which rank "
+            f"{issue.rank} issues as its collective #{n} there: the ranks wait forever",
+        )
+
+    def _shards_once(self) -> None:
+        """Every chunk of every unit is updated by exactly one rank of each shard group."""
+        if self.spec.kind is not Strategy.FSDP:
+            return
+        for group in self.spec.mesh.groups(SHARD):
+            held = sorted(self.bounds[r].shard or 0 for r in group)
+            if held != list(range(len(group))):
+                r = next(r for r in group if held.count(self.bounds[r].shard or 0) > 1)
+                raise Refuted(
+                    r,
+                    None,
+                    f"the ranks {group} update chunks {held} of each unit: every chunk must "
+                    "be updated once",
+                )
+
+    def wrong(self, piece: Piece, rank: int, m: int) -> str | None:
+        """Why map `m` is not `piece`'s single-process gradient, if it is not."""
+        w = self.theorem.check(m, self.writers[piece[0]])
+        return None if w is None else _explain(self.spec, piece, rank, w)
+
+
+def _explain(spec: Spec, piece: Piece, rank: int, w: Wrong) -> str:
+    name, lo, hi = piece
+    B, D = spec.micro, spec.world
+
+    def who(n: int) -> str:  # the (rank, micro-step) the spec gives position n to
+        return f"micro-step {n // (B * D)} of rank {n % (B * D) // B}"
+
+    what = f"{name}[{lo}:{hi}] on rank {rank}"
+    via = f" through bwd[{w.layer}]" if len(spec.model.writers(name)) > 1 else ""
+    for wrong, how in ((w.missing, "missing"), (w.twice, "counted twice")):
+        if wrong:
+            return f"{what}: {who(wrong[0])} {how}{via} ({len(wrong)} of {spec.seqs} sequences)"
+    n, x = w.weighed[0]
+    return (
+        f"{what}: {who(n)} weighs {x * spec.seqs} of its share{via} "
+        f"({len(w.weighed)} of {spec.seqs} sequences)"
+    )
