@@ -108,5 +108,7 @@ def compile_file(path: str | Path, overrides: Overrides = Overrides()) -> Compil
     return compile_source(read_source(path), overrides)
 
 
-def compile_text(text: str, path: str = "<input>", overrides: Overrides = Overrides()) -> Compiled:
-    return compile_source(source_from_text(text, path), overrides)
+def compile_text(
+    text: str, path: str = "<input>", overrides: Overrides = Overrides(), prove: bool = True
+) -> Compiled:
+    return compile_source(source_from_text(text, path), overrides, prove)
