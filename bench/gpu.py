@@ -153,25 +153,32 @@ def case_names(texts) -> list[str]:
 
 class ResidentBatches:
     """The micro-batches of `steps` distinct steps, copied to the device once; step s reads
-    those of step s mod `steps`. The `micro_batch` of schedc.model.data.GlobalBatches, so
-    the loop and schedc's executor (`batches=`) read the very same device tensors."""
+    those of step s mod `steps`. The `micro_batch` and `rows` of
+    schedc.model.data.GlobalBatches, so the loop and schedc's executor (`batches=`, which
+    reads its bound plan's slices) read the very same device tensors."""
 
     def __init__(self, source, device: torch.device, steps: int, accum: int, micro: int):
         self.steps, self.B, self.D = steps, micro, 1
         self.tokens_per_step = source.tokens_per_step
-        self.rows = {
+        self.held = {
             (s, j): tuple(t.to(device) for t in source.micro_batch(s, 0, j, micro, 1))
             for s in range(steps)
             for j in range(accum)
         }
-        self.nbytes = sum(t.untyped_storage().nbytes() for xy in self.rows.values() for t in xy)
+        self.nbytes = sum(t.untyped_storage().nbytes() for xy in self.held.values() for t in xy)
 
     def micro_batch(
         self, step: int, rank: int, micro: int, B: int, D: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if (rank, B, D) != (0, self.B, self.D):
             raise ValueError(f"resident batches hold rank 0 of 1 at micro {self.B}")
-        return self.rows[(step % self.steps, micro)]
+        return self.held[(step % self.steps, micro)]
+
+    def rows(self, step: int, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-step whose slice `positions` is, at world 1 (a bound plan's)."""
+        if len(positions) != self.B or positions.start % self.B:
+            raise ValueError(f"resident batches hold whole micro-steps of {self.B}")
+        return self.held[(step % self.steps, positions.start // self.B)]
 
 
 # -- cases ----------------------------------------------------------------------------------------
