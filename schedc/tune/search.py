@@ -122,7 +122,7 @@ class Probe:
 
     def __init__(self, base: Base, first: Knobs, options: Options):
         self.base, self.cost = base, options.cost
-        c = compile_text(base.text(first, None, None), base.source.path)
+        c = compile_text(base.text(first, None, None), base.source.path, prove=False)
         self.spec = c.spec
         self._compute: dict[tuple[int, str | None], float] = {}
 
@@ -282,9 +282,19 @@ def search(base: Base, options: Options = Options()) -> Result:
             best[family(k)] = entry
     if not best and budget is not None:
         res.smallest_peak = smallest_peak(base, options, scored, spec.model, least)
-    res.ranked = [c for _, _, c in sorted(best.values(), key=lambda x: x[:2])[: options.top]]
+    res.ranked = proved(
+        [c for _, _, c in sorted(best.values(), key=lambda x: x[:2])[: options.top]]
+    )
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def proved(ranked: list[Candidate]) -> list[Candidate]:
+    """What tune writes, compiled again with its proof (docs/proof.md)."""
+    for cand in ranked:
+        assert cand.compiled is not None
+        cand.compiled = compile_text(cand.text, cand.compiled.source.path)
+    return ranked
 
 
 def family(k: Knobs) -> Knobs:
@@ -296,9 +306,10 @@ def evaluate(
     cand: Candidate, base: Base, options: Options, res: Result, seen: set, timed: bool = True
 ) -> bool:
     """Compile, check and (`timed`) simulate one candidate; False when the checker refused
-    it or its plan was seen already (counted in `res`)."""
+    it or its plan was seen already (counted in `res`). Without the proof: the ranking does
+    not need it, and the candidates tune writes are compiled again with it."""
     try:
-        c = compile_text(cand.text, base.source.path)
+        c = compile_text(cand.text, base.source.path, prove=False)
     except CompileError as e:
         errors = [d for d in e.diagnostics if d.is_error] or e.diagnostics
         res.refused[errors[0].code if errors else "error"] += 1
