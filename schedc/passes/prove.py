@@ -47,7 +47,6 @@ class Proof:
     seqs: int
     per_token: Fraction
     ranks: int
-    replicas: int  # ranks holding each parameter (or shard)
     units: int
     shards: int
     ms: float
@@ -75,7 +74,6 @@ def prove(spec: Spec, bounds: list[Bound]) -> Proof:
         seqs=spec.seqs,
         per_token=spec.loss_weight(),
         ranks=len(bounds),
-        replicas=spec.mesh.replicate if fsdp else spec.world,
         units=len(spec.fsdp.units) if fsdp else 0,
         shards=spec.mesh.shard if fsdp else 0,
         ms=(time.perf_counter() - t0) * 1e3,
@@ -237,11 +235,7 @@ class _Prover:
                     self._unanswered(q[n], stream, group, queues)
 
     def _deadlock(self) -> None:
-        for (stream, group), queues in self.queues.items():
-            n = self.matched.get((stream, group), 0)
-            for q in queues.values():
-                if len(q) > n:
-                    self._unanswered(q[n], stream, group, queues)
+        self._all_matched()  # names a collective some rank never issues, if there is one
         r = next(r for r in self.ranks if not r.finished)
         raise Refuted(r.rank, r.pc % len(r.instrs), "the ranks wait for each other forever")
 
