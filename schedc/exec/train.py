@@ -43,7 +43,7 @@ from schedc.exec.report import (
     write_trace,
 )
 from schedc.ir.plan import Plan
-from schedc.model.data import CORPUS, DataError, GlobalBatches, fingerprint, load_batches
+from schedc.model.data import CORPUS, DataError, GlobalBatches, load_batches
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ def agree(
     except DataError as e:
         raise RunError(data_error(e, spec.data.source)) from None
     flags = run_flags(job, device, opts)
-    agree_at_startup(compiled, comm, compiled.plan(comm.rank), fingerprint(batches.tokens), flags)
+    agree_at_startup(compiled, comm, compiled.plan(comm.rank), batches.fingerprint(), flags)
     if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
         raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
     return batches

@@ -112,6 +112,7 @@ class Data:
     kind: str  # "auto", "text" or "tokens"
     source: Name | Str
     span: Span
+    also: tuple[Str, ...] = ()  # `data "a.npy", "b.npy"`: the sources after the first
 
 
 @dataclass(frozen=True)
@@ -389,7 +390,8 @@ class _ToAST(Transformer):
 
     def data(self, meta, c):
         kind = c[0] if isinstance(c[0], str) and not isinstance(c[0], Token) else "auto"
-        return Data(kind, c[-1], self._span(meta))
+        sources = [x for x in c if isinstance(x, (Name, Str))]
+        return Data(kind, sources[0], self._span(meta), tuple(sources[1:]))
 
     def optimizer(self, meta, c):
         return Optimizer(c[0], c[1] if len(c) > 1 else (), self._span(meta))

@@ -56,9 +56,17 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "corpus"
-    """'corpus' (the embedded default), a UTF-8 text file, or a uint16 token file."""
+    """'corpus' (the embedded default), a UTF-8 text file, a uint16 token file, or token
+    shards: a directory (every .npy and .bin in it) or a glob (`"shards/*_train_*.npy"`)."""
     kind: str = "auto"
-    """'text', 'tokens' or 'auto' (by suffix: .bin/.npy are tokens, anything else text)."""
+    """'text', 'tokens' or 'auto' (by suffix: .bin/.npy are tokens, anything else text;
+    a directory, written with a trailing '/', or a glob is always tokens)."""
+    also: tuple[str, ...] = ()
+    """Token sources read after `source`, in the order written: `data "a.npy", "b.npy"`."""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source, *self.also)
 
     def resolved(self) -> DataConfig:
         """The source as it is read, whatever the spelling: 'auto' decided by the suffix, and
@@ -68,8 +76,20 @@ class DataConfig:
             return DataConfig("corpus", "text")
         if self.kind != "auto":
             return self
-        tokens = PurePath(self.source).suffix.lower() in TOKEN_SUFFIXES  # as data.py reads it
-        return DataConfig(self.source, "tokens" if tokens else "text")
+        tokens = (
+            self.also
+            or any(map(is_shards, self.sources))
+            or all(
+                PurePath(s).suffix.lower() in TOKEN_SUFFIXES
+                for s in self.sources  # as data.py reads
+            )
+        )
+        return DataConfig(self.source, "tokens" if tokens else "text", self.also)
+
+
+def is_shards(source: str) -> bool:
+    """Whether a source names several files: a directory written as one ('dir/') or a glob."""
+    return source.endswith(("/", "\\")) or any(c in source for c in "*?[")
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")  # read as uint16 token ids when the data kind is auto

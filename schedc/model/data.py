@@ -17,10 +17,12 @@ Which sequences a step, rank and micro-step see is fixed by `schedc.model.batchi
 from __future__ import annotations
 
 import functools
+import glob
 import gzip
 import hashlib
 import os
 import stat
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -215,51 +217,88 @@ class GlobalBatches:
     Global id g reads data sequence ``d = g mod num_seqs`` (the stream wraps at its end):
     ``x = tokens[d*T : (d+1)*T]`` and ``y = tokens[d*T+1 : (d+1)*T+1]``. Step s's global
     batch is ids ``s*S .. s*S + S - 1``; `micro_batch` gives a rank's slice of it as
-    `schedc.model.batching.sequence_ids` assigns it.
+    `schedc.model.batching.sequence_ids` assigns it. The position in the stream is the
+    step, so a run resumed at step s reads what the run that was not stopped read.
+
+    Several shards (arrays, each memory-mapped) are one stream in their order: each holds
+    ``(len - 1) // T`` sequences and none crosses into the next, as build-nanogpt's loader
+    moves to the next shard when the rest of one cannot fill a batch row.
 
     Ids >= `vocab_size` are folded to ``id % vocab_size`` only for models whose vocabulary
-    is smaller than GPT-2's (the tiny CPU sizes); for a full vocabulary they are an error.
+    is smaller than GPT-2's (the tiny CPU sizes); for a full vocabulary they are an error:
+    a single array is checked whole when it is opened, shards as each batch reads them
+    (a multi-GB shard is never read whole at start-up).
     """
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | Sequence[np.ndarray],
         seq_len: int,
         global_seqs: int,
         vocab_size: int,
         *,
-        origin: str = "tokens",
+        origin: str | Sequence[str] = "tokens",
     ) -> None:
         if seq_len < 1 or global_seqs < 1 or vocab_size < 1:
             raise ValueError("seq_len, global_seqs and vocab_size must be positive")
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise DataError(f"{origin}: expected a 1-D integer array of token ids")
-        if tokens.size < seq_len + 1:
-            raise DataError(
-                f"{origin}: {tokens.size} tokens are too few for one sequence of length "
-                f"{seq_len} (it needs {seq_len + 1}: the targets are shifted by one)"
-            )
-        if int(tokens.min()) < 0:
-            raise DataError(f"{origin}: holds negative token ids")
-        top = int(tokens.max())
+        parts = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
+        if not parts or not all(isinstance(t, np.ndarray) for t in parts):
+            parts = [np.asarray(tokens)]  # ids as a Python list: one stream
+        shards: list[np.ndarray] = [np.asanyarray(t) for t in parts]  # a memmap stays one
+        origins = [origin] if isinstance(origin, str) else list(origin)
+        if len(origins) != len(shards):
+            origins = [f"{origins[0]} (shard {i})" for i in range(len(shards))]
+        for t, name in zip(shards, origins, strict=True):
+            if t.ndim != 1 or not np.issubdtype(t.dtype, np.integer):
+                raise DataError(f"{name}: expected a 1-D integer array of token ids")
+            if t.size < seq_len + 1:
+                raise DataError(
+                    f"{name}: {t.size} tokens are too few for one sequence of length "
+                    f"{seq_len} (it needs {seq_len + 1}: the targets are shifted by one)"
+                )
         full_vocab = vocab_size >= GPT2_VOCAB
-        if full_vocab and top >= vocab_size:
-            raise DataError(
-                f"{origin}: token id {top} is outside the model's vocabulary of {vocab_size}"
-            )
-        self.tokens = tokens
+        if len(shards) == 1:
+            (t,) = shards
+            if int(t.min()) < 0:
+                raise DataError(f"{origins[0]}: holds negative token ids")
+            top = int(t.max())
+            if full_vocab and top >= vocab_size:
+                raise DataError(
+                    f"{origins[0]}: token id {top} is outside the model's vocabulary of "
+                    f"{vocab_size}"
+                )
+        self._check_rows = len(shards) > 1 and full_vocab
+        self.shards = shards
+        self.origins = origins
         self.seq_len = seq_len
         self.global_seqs = global_seqs
         self.vocab_size = vocab_size
-        self.origin = origin
-        self.num_seqs = (tokens.size - 1) // seq_len
+        self.origin = origins[0] if len(origins) == 1 else f"{len(origins)} shards"
+        counts = np.array([(t.size - 1) // seq_len for t in shards], dtype=np.int64)
+        self._first = np.concatenate([[0], np.cumsum(counts)])  # each shard's first sequence
+        self.num_seqs = int(self._first[-1])
         """Distinct sequences in the stream; global ids wrap around modulo this."""
-        self._fold = top >= vocab_size
+        self._fold = not full_vocab  # and the identity on ids inside the vocabulary
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The stream of a single source (shards are not one array: see `shards`)."""
+        (t,) = self.shards
+        return t
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_seqs * self.seq_len
+
+    def fingerprint(self) -> str:
+        """Every shard's content, in order: ranks (and a resumed run) must read the same
+        stream in the same order, whatever the files are called."""
+        if len(self.shards) == 1:
+            return fingerprint(self.shards[0])
+        h = hashlib.sha256(b"shards")
+        for t in self.shards:
+            h.update(fingerprint(t).encode())
+        return h.hexdigest()[:16]
 
     def micro_batch(
         self, step: int, rank: int, micro: int, B: int, D: int
@@ -280,21 +319,77 @@ class GlobalBatches:
     def _rows(self, ids: range) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.seq_len
         d = np.arange(ids.start, ids.stop, dtype=np.int64) % self.num_seqs  # data sequences
-        window = d[:, None] * T + np.arange(T + 1)  # (n, T+1): a sequence and its next token
-        rows = self.tokens[window].astype(np.int64)
+        shard = np.searchsorted(self._first, d, side="right") - 1
+        rows = np.empty((len(d), T + 1), dtype=np.int64)
+        for i in np.unique(shard):
+            mine = shard == i
+            window = (d[mine] - self._first[i])[:, None] * T + np.arange(T + 1)
+            got = self.shards[i][window].astype(np.int64)  # each a sequence and its next token
+            if self._check_rows and int(got.max()) >= self.vocab_size:
+                raise DataError(
+                    f"{self.origins[i]}: token id {int(got.max())} is outside the model's "
+                    f"vocabulary of {self.vocab_size}"
+                )
+            rows[mine] = got
         if self._fold:
             rows %= self.vocab_size
-        rows = torch.from_numpy(rows)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # x, y: (n, T) each
+        out = torch.from_numpy(rows)
+        return out[:, :-1].contiguous(), out[:, 1:].contiguous()  # x, y: (n, T) each
+
+
+SPLITS = ("train", "val")
+
+
+def shard_files(source: str) -> list[Path]:
+    """The token files one source names, in a deterministic order: a glob's matches and a
+    directory's .npy/.bin files sorted by name (build-nanogpt's order), or the file itself."""
+    path = Path(source)
+    if any(c in source for c in "*?["):
+        files = [f for f in sorted(map(Path, glob.glob(source))) if f.suffix in TOKEN_SUFFIXES]
+        if not files:
+            raise DataError(f"{source}: matches no .npy or .bin token file")
+        return files
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix.lower() in TOKEN_SUFFIXES)
+        if not files:
+            raise DataError(f"{source}: a directory without .npy or .bin token shards")
+        return files
+    return [path]
+
+
+def split_of(path: Path) -> str:
+    """build-nanogpt's rule, by file name: a shard whose name says 'val' is validation data
+    (`edufineweb_val_000000.npy`); every other one is training data."""
+    return "val" if "val" in path.name else "train"
 
 
 def load_batches(
-    data: DataConfig, seq_len: int, global_seqs: int, vocab_size: int
+    data: DataConfig, seq_len: int, global_seqs: int, vocab_size: int, split: str = "train"
 ) -> GlobalBatches:
-    """`GlobalBatches` over the source that `data` names."""
-    tokens = load_tokens(data.source, data.kind)
-    origin = "the embedded corpus" if data.source == CORPUS else str(data.source)
-    return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=origin)
+    """`GlobalBatches` over the source that `data` names: for token shards, those of `split`
+    (one token file, a text file or the corpus is training data whatever its name)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if data.kind == "text" and Path(data.source).is_dir():
+        raise DataError(
+            f'{data.source}: a directory; for the token shards in it write `data "{data.source}/"`'
+        )
+    if data.kind == "text" or data.source == CORPUS:
+        if split == "val":
+            raise DataError(f"{data.source}: one source, no validation split")
+        tokens = load_tokens(data.source, data.kind)
+        origin = "the embedded corpus" if data.source == CORPUS else str(data.source)
+        return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=origin)
+    files = [f for s in data.sources for f in shard_files(s)]
+    mine = files if files == [Path(data.source)] else [f for f in files if split_of(f) == split]
+    if not mine:
+        named = ", ".join(data.sources)
+        raise DataError(f"{named}: no {split} shard (a shard whose name says 'val' is one)")
+    if len(set(mine)) != len(mine):
+        twice = next(f for f in mine if mine.count(f) > 1)
+        raise DataError(f"{twice}: named by two data sources; it would be read twice a pass")
+    arrays = [load_tokens(f, "tokens") for f in mine]
+    return GlobalBatches(arrays, seq_len, global_seqs, vocab_size, origin=[str(f) for f in mine])
 
 
 def fingerprint(tokens: np.ndarray) -> str:

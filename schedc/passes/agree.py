@@ -142,7 +142,9 @@ def _model(s: Spec) -> str:
 
 def _data(s: Spec) -> str:
     d = s.data
-    return "the embedded corpus" if d.source == "corpus" else f'{d.kind} "{d.source}"'
+    if d.source == "corpus":
+        return "the embedded corpus"
+    return d.kind + " " + ", ".join(f'"{x}"' for x in d.sources)
 
 
 # Spec fields that say nothing about what a step computes or how ranks talk: where the

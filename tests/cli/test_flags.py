@@ -306,6 +306,20 @@ def test_data_that_really_differs_is_named_without_contradiction(capsys, tmp_pat
     assert 'the data sources differ: tokens "f.bin" here, text "f.bin" in' in err, err
 
 
+def test_shard_lists_in_another_order_differ(capsys, tmp_path):
+    """The order of the shards is the order of the token stream: `check a b` says so."""
+    text = Path(DDP).read_text().replace("data corpus\n", "")
+    fa, fb = tmp_path / "a.sched", tmp_path / "b.sched"
+    fa.write_text(text + 'data "s/x_train_1.npy", "s/x_train_2.npy"\n')
+    fb.write_text(text + 'data "s/x_train_2.npy", "s/x_train_1.npy"\n')
+    code, _, err = cli(capsys, "check", str(fa), str(fb))
+    assert code == 1
+    assert (
+        'the data sources differ: tokens "s/x_train_2.npy", "s/x_train_1.npy" here, '
+        'tokens "s/x_train_1.npy", "s/x_train_2.npy" in'
+    ) in err, err
+
+
 def test_meaning_names_what_differs():
     text = Path(DDP).read_text()
     a = meaning(compile_text(text).spec)

@@ -180,6 +180,22 @@ FAIL = [
         id="unknown-data",
     ),
     pytest.param(
+        DDP + 'data "shards/", "extra.npy", "shards/"',
+        "duplicate",
+        "'shards/' is listed twice: its tokens would be read twice a pass",
+        '"shards/"',
+        None,
+        id="data-listed-twice",
+    ),
+    pytest.param(
+        DDP + 'data text "a.txt", "b.txt"',
+        "value-range",
+        "a list of data sources is read as token shards; text is one file",
+        '"b.txt"',
+        'write `data tokens "a.bin", "b.bin"`, or one text file',
+        id="data-text-list",
+    ),
+    pytest.param(
         "model nano { n_layers = 2 }\nworld 1\nbatch 8 x 32\nmicro 2",
         "unknown-setting",
         "a model has no 'n_layers'",

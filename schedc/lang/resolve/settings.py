@@ -80,9 +80,25 @@ def _data(cx: Context) -> DataConfig:
                 hint='write `data corpus` for the embedded corpus, or a "quoted/path"',
             )
         return DataConfig("corpus", "text")
-    if not d.source.text:
-        cx.err("value-range", "the data path is empty", d.source.span)
-    return DataConfig(d.source.text, d.kind).resolved()
+    seen: set[str] = set()
+    for s in (d.source, *d.also):
+        if not s.text:
+            cx.err("value-range", "the data path is empty", s.span)
+        elif s.text in seen:
+            cx.err(
+                "duplicate",
+                f"'{s.text}' is listed twice: its tokens would be read twice a pass",
+                s.span,
+            )
+        seen.add(s.text)
+    if d.also and d.kind == "text":
+        cx.err(
+            "value-range",
+            "a list of data sources is read as token shards; text is one file",
+            d.also[0].span,
+            hint='write `data tokens "a.bin", "b.bin"`, or one text file',
+        )
+    return DataConfig(d.source.text, d.kind, tuple(s.text for s in d.also)).resolved()
 
 
 def read_toggles(cx: Context) -> dict[str, bool]:
