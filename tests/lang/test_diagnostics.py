@@ -196,6 +196,22 @@ FAIL = [
         id="data-text-list",
     ),
     pytest.param(
+        "model nano\nworld 1\nbatch 8 x 32\nmicro 2\nmemory 80",
+        "value-range",
+        "memory needs a unit: 80 what?",
+        "80",
+        "did you mean `80 MiB`? (`80 B` for bytes)",
+        id="size-without-unit",
+    ),
+    pytest.param(
+        "model nano\nworld 2\nbatch 8 x 32\nmicro 2\nddp { bucket_cap 25 }",
+        "value-range",
+        "bucket_cap needs a unit: 25 what?",
+        "25",
+        "did you mean `25 MiB`? (`25 B` for bytes)",
+        id="bucket-cap-without-unit",
+    ),
+    pytest.param(
         "model nano { n_layers = 2 }\nworld 1\nbatch 8 x 32\nmicro 2",
         "unknown-setting",
         "a model has no 'n_layers'",

@@ -84,7 +84,20 @@ def int_of(diag: Diagnostics, num: Num, what: str, lo: int, hi: int) -> int | No
 
 
 def size_of(diag: Diagnostics, size: Size, what: str) -> int | None:
-    """A size in bytes as written (`25 MiB`), or None after reporting why not."""
+    """A size in bytes as written (`25 MiB`), or None after reporting why not.
+
+    A number without a unit is refused, not read as bytes: `bucket_cap 25` meant 25 MiB (as
+    torch DDP's `bucket_cap_mb=25`), and as bytes it silently made a bucket of every tensor;
+    `25 B` says bytes when bytes are meant."""
+    if not size.unit:
+        n = size.number.text
+        diag.error(
+            "value-range",
+            f"{what} needs a unit: {n} what?",
+            size.span,
+            hint=f"did you mean `{n} MiB`? (`{n} B` for bytes)",
+        )
+        return None
     if size.unit not in UNITS:
         diag.error(
             "value-range",
