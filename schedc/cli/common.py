@@ -25,6 +25,7 @@ def overrides(args) -> Overrides:
         precision=getattr(args, "precision", None),
         tf32=_switch(getattr(args, "tf32", None)),
         compile=_switch(getattr(args, "compile", None)),
+        val_every=getattr(args, "val_every", None),
     )
     if diags := ov.diagnostics():
         raise CompileError(diags)

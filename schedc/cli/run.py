@@ -42,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "in it is read relative to the working directory",
     )
     add_override_args(p)
+    p.add_argument(
+        "--val-every",
+        type=COUNT,
+        metavar="N",
+        help="validation loss after every N steps and the last, over the `val` shards "
+        "(overrides the file's `eval { val_every }`; 0: none)",
+    )
     _add_process_args(p)
     _add_checkpoint_args(p)
     _add_step_args(p)

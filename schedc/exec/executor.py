@@ -323,7 +323,7 @@ class Executor:
         # a layer that recomputes (fuse gives it a segment of its own) keeps only its input:
         # its forward saves nothing for backward, and runs again at recompute[layer]
         again = first in self.spec.recompute
-        with self._autocast(), torch.no_grad() if again else contextlib.nullcontext():
+        with self.autocast_forward(), torch.no_grad() if again else contextlib.nullcontext():
             out = self.regions(first, last)(inp, mb.y if last == "head" else None)
         mb.inp[first], mb.out[last] = inp, out
         if last == "head":
@@ -334,11 +334,11 @@ class Executor:
         the same kernels on the same values (no dropout, no randomness in GPT-2's layers),
         so backward reads exactly the activations a plain forward would have saved."""
         mb, layer = self.micro[op.mb], op.target
-        with self._autocast():
+        with self.autocast_forward():
             out = self.regions(layer, layer)(mb.inp[layer], mb.y if layer == "head" else None)
         mb.out[layer] = out
 
-    def _autocast(self):
+    def autocast_forward(self):
         """The compute dtype's autocast around a forward. Backward runs outside it: autograd
         replays each op in the dtype its forward ran in (torch's AMP recipe)."""
         if self.autocast is None:
@@ -364,7 +364,7 @@ class Executor:
         self.buffer_log.append((self.step_index, self.at, action, buffer))
 
     def full_tensors(self, *, grad: bool) -> dict[str, torch.Tensor]:
-        """Full gradients or parameters by name (FSDP: gathered from the shards; tests only)."""
+        """Full gradients or parameters by name (FSDP: gathered from the shards; a collective)."""
         return self.strategy.full_tensors(grad=grad)
 
     def memory(self) -> dict[str, int]:

@@ -56,6 +56,11 @@ def step_line(st: StepStats, spec: Spec, device: torch.device, eta: float) -> st
     )
 
 
+def val_line(step: int, steps: int, loss: float, batches: int) -> str:
+    """The validation loss after `step`, as build-nanogpt prints it, in the step lines' shape."""
+    return f"{step_label(step, steps)} | val loss {loss:.6f} | over {batches} batches"
+
+
 def log_record(st) -> dict:
     """One --log-json line: numbers as JSON numbers (a non-finite one, which JSON cannot
     hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped)."""
@@ -88,6 +93,7 @@ class RunClock:
         self.t0 = time.perf_counter()
         self.t_warm: float | None = None  # when the first step ended
         self.stats: list = []
+        self.val_loss: float | None = None  # the last validation loss measured
 
     def done(self, st) -> float:
         """Record a finished step; return the seconds left, estimated."""
@@ -118,6 +124,8 @@ class RunClock:
         losses = [s.loss for s in sts if not s.skipped]
         final = f"final loss {losses[-1]:.6f}" if losses else "no update made (all skipped)"
         skipped = n - len(losses)
+        if self.val_loss is not None:
+            final += f"; final val loss {self.val_loss:.6f}"
         text = (
             f"schedc: done: {n} step{'s' if n != 1 else ''} ({sts[0].step}-{sts[-1].step}"
             f" of {self.steps}) in {fmt_eta(total)}; {tok_s:,.0f} tokens/s {which}; {final}"

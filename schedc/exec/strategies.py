@@ -430,7 +430,8 @@ class Sharded(_Base):
             u.drop_shard_grad()
 
     def full_tensors(self, *, grad: bool) -> dict[str, torch.Tensor]:
-        """Full gradients or parameters by name, gathered from the shards (tests only)."""
+        """Full gradients or parameters by name, gathered from the shards (tests, and the
+        validation model: exec/evaluate.py)."""
         names = {id(p): n for n, p in self.params.items()}
         out = {}
         for u in self.units.values():
@@ -443,8 +444,9 @@ class Sharded(_Base):
             if "all_gather_into_tensor" in getattr(self.backend, "fallbacks", ()):
                 # gloo on CUDA tensors (ranks sharing a GPU) without the flat form: the list
                 dist.all_gather(list(full.chunk(self.comm.world)), src, group=self.comm.group)
-            elif self.comm.world > 1:
-                dist.all_gather_into_tensor(full, src.contiguous(), group=self.comm.group)
+            elif self.comm.world > 1:  # all_gather_single: its name from torch 2.13
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                gather(full, src.contiguous(), group=self.comm.group)
             else:
                 full.copy_(src)
             out.update({names[id(p)]: t for p, t in u.assemble(full[: u.padded]).items()})

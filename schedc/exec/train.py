@@ -40,6 +40,7 @@ from schedc.exec.report import (
     report_memory,
     start_line,
     step_line,
+    val_line,
     write_trace,
 )
 from schedc.ir.plan import Plan
@@ -182,10 +183,10 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     watch_sigterm(comm)
     beats = start_heartbeat(comm, opts.timeout_s)
     try:
-        batches = agree(compiled, comm, opts, job, device)
+        batches, val = agree(compiled, comm, opts, job, device)
         ex = start_executor(compiled, comm, opts, job, batches)
         log(comm, start_line(compiled, device, threads))
-        clock = run_steps(ex, comm, job, device)
+        clock = run_steps(ex, comm, job, device, val)
         finish(compiled, ex, opts, job, device, clock)
     except (CheckpointError, RunError) as e:
         world = compiled.spec.world  # the job's, as check_job found
@@ -253,22 +254,27 @@ def cpu_threads(local_world: int) -> str:
 
 def agree(
     compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, device: torch.device
-) -> GlobalBatches:
+) -> tuple[GlobalBatches, GlobalBatches | None]:
     """Read the data and agree with every rank before anything else communicates: building
     the executor creates a process group per stream, which would wait forever for a rank
     whose schedule has other streams. Returns the batches."""
     from schedc.exec.checkpoint.layout import CheckpointError
 
     spec = compiled.spec
+    shape = (spec.seq_len, spec.seqs, spec.model.vocab_size)
+    val = None
     try:
-        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+        batches = load_batches(spec.data, *shape)
+        if spec.evaluation.val_every:
+            val = load_batches(spec.data, *shape, split="val")
     except DataError as e:
         raise RunError(data_error(e, spec.data.source)) from None
     flags = run_flags(job, device, opts)
-    agree_at_startup(compiled, comm, compiled.plan(comm.rank), batches.fingerprint(), flags)
+    data = batches.fingerprint() + (f", val {val.fingerprint()}" if val else "")
+    agree_at_startup(compiled, comm, compiled.plan(comm.rank), data, flags)
     if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
         raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
-    return batches
+    return batches, val
 
 
 def start_executor(
@@ -290,20 +296,33 @@ def start_executor(
     return ex
 
 
-def run_steps(ex: Executor, comm: Comm, job: TrainOptions, device: torch.device) -> RunClock:
-    """The steps, each logged (and recorded with --log-json); a checkpoint every
-    --save-every steps and after the last."""
+def run_steps(
+    ex: Executor, comm: Comm, job: TrainOptions, device: torch.device, val: GlobalBatches | None
+) -> RunClock:
+    """The steps, each logged (and recorded with --log-json); the validation loss every
+    `val_every` steps and after the last; a checkpoint every --save-every steps and after
+    the last."""
+    from schedc.exec.evaluate import Validation
+
     if job.save:
         from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
     spec = ex.spec
     records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
     clock = RunClock(ex.step_index, spec.steps)
+    validation = Validation(ex, val, spec.evaluation.val_batches) if val else None
     while ex.step_index < spec.steps:
         phase.where = f"step {ex.step_index}"
         st = ex.step()
         log(comm, step_line(st, spec, device, clock.done(st)))
         if records:
             records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
+        if validation and validation.due(ex.step_index):
+            phase.where = f"validation after step {st.step}"
+            clock.val_loss = validation.loss()
+            log(comm, val_line(st.step, spec.steps, clock.val_loss, validation.batches))
+            if records:
+                records.write(json.dumps({"step": st.step, "val_loss": clock.val_loss}) + "\n")
+        if records:
             records.flush()
         if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
             phase.where = f"saving step {ex.step_index}"

@@ -13,7 +13,7 @@ from fractions import Fraction
 from schedc.ir.op import COMM, COMPUTE, Kind, Op
 from schedc.ir.source import Source, Span
 from schedc.model.arch import GPTConfig
-from schedc.model.config import DataConfig, OptimConfig
+from schedc.model.config import DataConfig, EvalConfig, OptimConfig
 
 MiB = 1 << 20
 TIED = "wte.weight"  # the embedding, tied to lm_head: written by bwd[head] and bwd[embed]
@@ -285,6 +285,7 @@ class Spec:
     numerics: Numerics = field(default_factory=Numerics)
     # layers whose forward keeps only its input and runs again right before their backward
     recompute: frozenset[str] = frozenset()
+    evaluation: EvalConfig = field(default_factory=EvalConfig)  # measured, not trained
     where: dict[str, Span] = field(default_factory=dict, compare=False)
     # replicate x shard; None (no `mesh` in the file): flat, the strategy's one dimension
     declared_mesh: Mesh | None = None

@@ -116,6 +116,12 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    fields: tuple[Field, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class Optimizer:
     name: Name
     fields: tuple[Field, ...]
@@ -258,6 +264,7 @@ Stmt = (
     | Memory
     | Data
     | Optimizer
+    | Evaluation
     | Precision
     | Toggle
     | LossChunk
@@ -392,6 +399,9 @@ class _ToAST(Transformer):
         kind = c[0] if isinstance(c[0], str) and not isinstance(c[0], Token) else "auto"
         sources = [x for x in c if isinstance(x, (Name, Str))]
         return Data(kind, sources[0], self._span(meta), tuple(sources[1:]))
+
+    def evaluation(self, meta, c):
+        return Evaluation(c[0] if c else (), self._span(meta))
 
     def optimizer(self, meta, c):
         return Optimizer(c[0], c[1] if len(c) > 1 else (), self._span(meta))

@@ -92,4 +92,16 @@ def is_shards(source: str) -> bool:
     return source.endswith(("/", "\\")) or any(c in source for c in "*?[")
 
 
+@dataclass(frozen=True)
+class EvalConfig:
+    """What a run measures besides training (`eval { ... }`): outside the step's proof, it
+    changes no parameter."""
+
+    val_every: int = 0
+    """Validation loss after every this many steps and after the last (0: never); it reads
+    the `val` shards (build-nanogpt: every 250 steps)."""
+    val_batches: int = 20
+    """Global batches of the validation stream it averages over (build-nanogpt: 20)."""
+
+
 TOKEN_SUFFIXES = (".bin", ".npy")  # read as uint16 token ids when the data kind is auto

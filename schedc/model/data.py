@@ -376,7 +376,11 @@ def load_batches(
         )
     if data.kind == "text" or data.source == CORPUS:
         if split == "val":
-            raise DataError(f"{data.source}: one source, no validation split")
+            named = "the embedded corpus" if data.source == CORPUS else data.source
+            raise DataError(
+                f"{named}: validation reads the `val` shards, and one source has none: "
+                'write `data "shards/"` (scripts/make_shards.py makes them)'
+            )
         tokens = load_tokens(data.source, data.kind)
         origin = "the embedded corpus" if data.source == CORPUS else str(data.source)
         return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=origin)

@@ -11,6 +11,7 @@ statements it judges from the shared Context (context.py) and reports there:
     model.py        the model: a named size, its overrides (a keyed table, keyed.py)
     settings.py     world, micro, accumulate, steps, seed, batch, memory, data, toggles
     optimizer.py    adamw's values (a keyed table)
+    evaluation.py   `eval { ... }`: what a run measures besides training (a keyed table)
     batch.py        global batch = micro x accumulation x world; the step's size bounded
     strategy.py     ddp or fsdp: blocks.py, then ddp.py (buckets) or fsdp.py (units),
                     both through cover.py (groups, coverage) and refs.py (layer names)
@@ -28,6 +29,7 @@ from schedc.ir.spec import Spec
 from schedc.lang.resolve.activations import chunk_loss, resolve_recompute
 from schedc.lang.resolve.batch import MAX_OPS, bound_ops, ops_per_step, split_batch
 from schedc.lang.resolve.context import Context, Overrides, flag_place
+from schedc.lang.resolve.evaluation import resolve_evaluation
 from schedc.lang.resolve.mesh import resolve_mesh
 from schedc.lang.resolve.model import resolve_model
 from schedc.lang.resolve.numerics import resolve_numerics
@@ -69,6 +71,7 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     model_name, model = resolve_model(cx)
     run = read_run(cx)
     optim = resolve_optimizer(cx)
+    evaluation = resolve_evaluation(cx, run.data)
     toggles = read_toggles(cx)
     require(cx, model_name, run)
     micro, accum = split_batch(cx, run, model)
@@ -105,6 +108,7 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
         programs=programs,
         numerics=numerics,
         recompute=recompute,
+        evaluation=evaluation,
         where=dict(cx.seen),
         declared_mesh=mesh,
     )

@@ -29,6 +29,7 @@ class Overrides:
     precision: str | None = None  # a named policy: replaces the file's whole `precision`
     tf32: bool | None = None
     compile: bool | None = None
+    val_every: int | None = None  # `eval { val_every }`: 0 turns validation off
 
     def diagnostics(self) -> list[Diagnostic]:
         """The flags judged by the file's own rules (LIMITS, SIZES) with the file's codes.
