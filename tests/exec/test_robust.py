@@ -17,6 +17,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,8 +107,27 @@ def test_nonfinite_skip_skips_the_update_and_says_so(pool):
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
-def losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+def losses(path: Path, key: str = "loss") -> dict[int, float]:
+    """--log-json's `key` by step: the training loss, or `val_loss` where one was measured."""
+    records = map(json.loads, path.read_text().splitlines())
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def on_shards(sched: str, tmp_path: Path) -> str:
+    """`sched` reading 4 train shards of 20 sequences of 64 tokens (2.5 of its steps each)
+    and a val shard, validated every 2 steps: a kill after step 2 lands mid-shard."""
+    from schedc.model.data import corpus_tokens
+    from tests.model.test_shards import make_shards_py
+
+    d = tmp_path / "shards"
+    make_shards_py.make_shards(np.asarray(corpus_tokens()[: 5 * 1300]), d, 1300)
+    text = (
+        (SCHEDULES / sched)
+        .read_text()
+        .replace("data corpus", f'data "{d}/"\neval {{ val_every = 2  val_batches = 2 }}')
+    )
+    (tmp_path / "s.sched").write_text(text)
+    return str(tmp_path / "s.sched")
 
 
 def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -135,9 +155,13 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched"])
+@pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched+shards"])
 def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
-    f = str(SCHEDULES / sched)
+    """Killed after the step-2 checkpoint and resumed: the same losses, bitwise. The FSDP case
+    reads token shards and validates, so the kill lands mid-shard and the resumed run
+    crosses shards and measures validation losses that must equal the straight run's too."""
+    name, _, shards = sched.partition("+")
+    f = on_shards(name, tmp_path) if shards else str(SCHEDULES / name)
     straight = tmp_path / "straight"
     (code, _, err), _ = run(
         2,
@@ -189,6 +213,12 @@ def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
     assert "resumed from" in out
     want, got = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "b.jsonl")
     assert got and all(got[s] == want[s] for s in got), (got, want)  # bitwise: == on floats
+    if shards:
+        val, val_want = (
+            losses(tmp_path / "b.jsonl", "val_loss"),
+            losses(tmp_path / "straight.jsonl", "val_loss"),
+        )
+        assert val == {s: val_want[s] for s in (3, 5)}, (val, val_want)
     a, b = final_state(straight), final_state(ck)
     assert a.keys() == b.keys()
     for k in a:
