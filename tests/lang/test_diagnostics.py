@@ -236,6 +236,14 @@ FAIL = [
         id="eval-unknown-key",
     ),
     pytest.param(
+        DDP + "optimizer adamw { lr = 1e10 }",
+        "value-range",
+        "lr = 1e10 is out of range: it must be > 0 and below 1e6",
+        "1e10",
+        "lr is the peak learning rate (GPT-2 124M: 6e-4)",
+        id="lr-too-large",
+    ),
+    pytest.param(
         "model nano { n_layers = 2 }\nworld 1\nbatch 8 x 32\nmicro 2",
         "unknown-setting",
         "a model has no 'n_layers'",

@@ -36,11 +36,12 @@ def _rate(*, positive: bool = False, flushed: str | None = None, zero: str = "")
             return None
         v = num.value
         if not (0 <= v < 1e6) or (positive and v == 0):
+            low = "> 0" if positive else ">= 0"
             diag.error(
                 "value-range",
-                f"{key} = {num.text} is out of range",
+                f"{key} = {num.text} is out of range: it must be {low} and below 1e6",
                 num.span,
-                hint="lr must be > 0; rates, eps, clip and decay must be >= 0",
+                hint=f"{key} is {RATE_HINTS.get(key, 'a rate')}",
             )
             return None
         if flushed is not None and _fp32(v) < FP32_TINY and not (zero and v == 0):
@@ -56,6 +57,16 @@ def _rate(*, positive: bool = False, flushed: str | None = None, zero: str = "")
         return {key: v}
 
     return read
+
+
+# what each value is, for a message about one out of range (GPT-2's in brackets)
+RATE_HINTS = {
+    "lr": "the peak learning rate (GPT-2 124M: 6e-4)",
+    "min_lr": "the floor of the cosine decay (6e-5)",
+    "clip": "the largest global gradient norm (1.0; 0 turns clipping off)",
+    "eps": "AdamW's epsilon (1e-8)",
+    "weight_decay": "the decoupled weight decay (0.1)",
+}
 
 
 def _steps(diag: Diagnostics, f: Field) -> dict[str, Any] | None:
