@@ -68,6 +68,12 @@ class DataConfig:
     def sources(self) -> tuple[str, ...]:
         return (self.source, *self.also)
 
+    @property
+    def sharded(self) -> bool:
+        """Token shards, which split into train and val by file name: a directory written
+        as one ('dir/'), a glob, or a list. One file, token or text, is training data."""
+        return self.kind == "tokens" and (bool(self.also) or is_shards(self.source))
+
     def resolved(self) -> DataConfig:
         """The source as it is read, whatever the spelling: 'auto' decided by the suffix, and
         the embedded corpus always kind 'text'. `data corpus` and no `data` line, or `data
@@ -89,7 +95,11 @@ class DataConfig:
 
 def is_shards(source: str) -> bool:
     """Whether a source names several files: a directory written as one ('dir/') or a glob."""
-    return source.endswith(("/", "\\")) or any(c in source for c in "*?[")
+    return source.endswith(("/", "\\")) or is_glob(source)
+
+
+def is_glob(source: str) -> bool:
+    return any(c in source for c in "*?[")
 
 
 @dataclass(frozen=True)

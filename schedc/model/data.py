@@ -22,7 +22,7 @@ import gzip
 import hashlib
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from schedc.errors import UserError
 from schedc.files import NotRegularFile, file_kind, read_limited
 from schedc.model.arch import GPT2_VOCAB
 from schedc.model.batching import sequence_ids
-from schedc.model.config import TOKEN_SUFFIXES, DataConfig
+from schedc.model.config import TOKEN_SUFFIXES, DataConfig, is_glob
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
@@ -344,17 +344,17 @@ def shard_files(source: str) -> list[Path]:
     """The token files one source names, in a deterministic order: a glob's matches and a
     directory's .npy/.bin files sorted by name (build-nanogpt's order), or the file itself."""
     path = Path(source)
-    if any(c in source for c in "*?["):
-        files = [f for f in sorted(map(Path, glob.glob(source))) if f.suffix in TOKEN_SUFFIXES]
-        if not files:
-            raise DataError(f"{source}: matches no .npy or .bin token file")
-        return files
-    if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix.lower() in TOKEN_SUFFIXES)
-        if not files:
-            raise DataError(f"{source}: a directory without .npy or .bin token shards")
-        return files
-    return [path]
+    found: Iterable[Path]
+    if is_glob(source):
+        found, none = map(Path, glob.glob(source)), "matches no .npy or .bin token file"
+    elif path.is_dir():
+        found, none = path.iterdir(), "a directory without .npy or .bin token shards"
+    else:
+        return [path]
+    files = sorted(f for f in found if f.suffix.lower() in TOKEN_SUFFIXES)
+    if not files:
+        raise DataError(f"{source}: {none}")
+    return files
 
 
 def split_of(path: Path) -> str:
@@ -370,22 +370,21 @@ def load_batches(
     (one token file, a text file or the corpus is training data whatever its name)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if data.kind == "text" and Path(data.source).is_dir():
-        raise DataError(
-            f'{data.source}: a directory; for the token shards in it write `data "{data.source}/"`'
-        )
-    if data.kind == "text" or data.source == CORPUS:
+    if not data.sharded:
+        named = "the embedded corpus" if data.source == CORPUS else data.source
+        if Path(data.source).is_dir():
+            raise DataError(
+                f'{named}: a directory; for the token shards in it write `data "{named}/"`'
+            )
         if split == "val":
-            named = "the embedded corpus" if data.source == CORPUS else data.source
             raise DataError(
                 f"{named}: validation reads the `val` shards, and one source has none: "
                 'write `data "shards/"` (scripts/make_shards.py makes them)'
             )
         tokens = load_tokens(data.source, data.kind)
-        origin = "the embedded corpus" if data.source == CORPUS else str(data.source)
-        return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=origin)
+        return GlobalBatches(tokens, seq_len, global_seqs, vocab_size, origin=named)
     files = [f for s in data.sources for f in shard_files(s)]
-    mine = files if files == [Path(data.source)] else [f for f in files if split_of(f) == split]
+    mine = [f for f in files if split_of(f) == split]
     if not mine:
         named = ", ".join(data.sources)
         raise DataError(f"{named}: no {split} shard (a shard whose name says 'val' is one)")

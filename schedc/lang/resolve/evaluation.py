@@ -12,7 +12,7 @@ from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.keyed import Keys, read_keyed
 from schedc.lang.resolve.values import int_of, one_number
 from schedc.lang.syntax import Evaluation, Field
-from schedc.model.config import DataConfig, EvalConfig, is_shards
+from schedc.model.config import DataConfig, EvalConfig
 
 
 def _count(lo: int):
@@ -40,20 +40,16 @@ def resolve_evaluation(cx: Context, data: DataConfig) -> EvalConfig:
     e = cx.single(Evaluation, "eval", "the evaluation settings")
     keyed = read_keyed(cx, e.fields, EVAL) if e is not None else None
     config = EvalConfig(**keyed.values) if keyed is not None else EvalConfig()
-    if keyed is not None and config.val_every and not has_val(data):
+    if keyed is not None and config.val_every and not data.sharded:
         cx.err(
             "value-range",
             f"validation reads the `val` shards, and {_named(data)} has none",
             keyed.spans["val_every"],
             hint='write `data "shards/"` (scripts/make_shards.py makes them), or val_every = 0',
         )
-    flags = {k: v for k, v in (("val_every", cx.ov.val_every),) if v is not None}
-    return replace(config, **flags)
-
-
-def has_val(data: DataConfig) -> bool:
-    """Whether the data can hold a validation split: shards (one file is training data)."""
-    return data.kind == "tokens" and (bool(data.also) or is_shards(data.source))
+    if cx.ov.val_every is not None:  # `run --val-every`: checked for shards when it runs
+        config = replace(config, val_every=cx.ov.val_every)
+    return config
 
 
 def _named(data: DataConfig) -> str:
