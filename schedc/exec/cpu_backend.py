@@ -66,7 +66,7 @@ class CPUBackend:
         self.events: dict[int, tuple[str, _Pending | None]] = {}
         self.last_issued: dict[str, _Pending | None] = {s: None for s in streams}
         self.last_end: dict[str, int] = {s: 0 for s in streams}
-        self._watchers: dict[str, queue.SimpleQueue] = {}
+        self._watchers: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
 
     # compute -------------------------------------------------------------------------------
 
@@ -179,13 +179,21 @@ class CPUBackend:
                     work.wait()
                     p.finished.append(now())
 
-            threading.Thread(target=watch, name=f"schedc-watch-{stream}", daemon=True).start()
-            self._watchers[stream] = q
-        return self._watchers[stream]
+            thread = threading.Thread(target=watch, name=f"schedc-watch-{stream}", daemon=True)
+            thread.start()
+            self._watchers[stream] = q, thread
+        return self._watchers[stream][0]
 
     def close(self) -> None:
-        for q in self._watchers.values():
+        """The watchers stopped and joined, the process groups let go: all of it while the
+        interpreter is whole (gloo's threads torn down at exit abort the process, now and
+        then, after a run that succeeded: 'terminate called without an active exception')."""
+        for q, _ in self._watchers.values():
             q.put(None)
+        for _, thread in self._watchers.values():
+            thread.join()
+        self._watchers.clear()
+        self.groups.clear()
 
     # collectives' implementations (gloo's process-group methods) ---------------------------
 

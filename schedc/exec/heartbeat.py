@@ -75,8 +75,11 @@ class Heartbeat:
         return True
 
     def done(self) -> None:
-        """This rank finished: its watcher stops watching it."""
+        """This rank finished: its watcher stops watching it, and the beating thread ends
+        (joined: none is left inside a store call while the process exits)."""
         self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2 * BEAT_S)
         if self.store is not None:
             try:
                 self.store.set(f"{self.prefix}/{self.rank}", DONE.decode())

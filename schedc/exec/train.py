@@ -196,6 +196,7 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", phase.where)
     beats.done()
+    phase.ex = None  # the executor's process groups go now, not in the interpreter's teardown
     dist.destroy_process_group()
     return 0
 

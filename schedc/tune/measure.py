@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -101,11 +102,27 @@ def measure(
             except subprocess.TimeoutExpired:
                 raise UserError(f"--measure: {file} ran past {timeout:g} s") from None
             if p.returncode != 0:
-                tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-12:])
+                tail = failure_tail(p.stdout + p.stderr)
                 raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
             times[i].append(step_time(run.log))
             runs.append(run)
     return runs, [Timing(tuple(ts)) for ts in times]
+
+
+def failure_tail(output: str, lines: int = 12) -> str:
+    """The end of a failed run's output that says why: the ranks' own last lines, then
+    torchrun's one-line verdict per failed rank (its banner and its own traceback, which
+    say only that a child failed, left out)."""
+    text = output.strip().splitlines()
+    launcher = next(
+        (i for i, x in enumerate(text) if _LAUNCHER.match(x) or "ChildFailedError" in x),
+        len(text),
+    )
+    verdicts = [x.strip() for x in text[launcher:] if x.strip().startswith(("rank ", "exitcode"))]
+    return "\n".join(text[:launcher][-lines:] + verdicts)
+
+
+_LAUNCHER = re.compile(r"^E\d{4} ")  # torchrun's error lines (glog style), then its banner
 
 
 def step_time(log: Path) -> float:
