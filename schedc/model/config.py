@@ -38,9 +38,13 @@ class OptimConfig:
         if self.warmup < 0 or self.decay_steps < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ValueError("warmup, decay_steps, clip and weight_decay must be >= 0")
 
+    def horizon(self, total_steps: int) -> int:
+        """The step the cosine decay reaches min_lr at: decay_steps, else the run's steps."""
+        return self.decay_steps or total_steps
+
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate for optimizer step `step` (0-based): linear warmup, cosine decay."""
-        decay = self.decay_steps or total_steps
+        decay = self.horizon(total_steps)
         if self.warmup and step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         if step >= decay:

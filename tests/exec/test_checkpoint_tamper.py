@@ -512,7 +512,20 @@ ATTACKS = {
     ),
     "schema: step huge": A(do=edit_meta(lambda m: m.update(step=10**30)), file=f"{STEP}/meta.json"),
     "schema: world 0": A(do=edit_meta(lambda m: m.update(world=0)), file=f"{STEP}/meta.json"),
-    "schema: format 2": A(do=edit_meta(lambda m: m.update(format=2)), file=f"{STEP}/meta.json"),
+    "schema: format 3": A(do=edit_meta(lambda m: m.update(format=3)), file=f"{STEP}/meta.json"),
+    "schema: format 2 without its stream": A(
+        do=edit_meta(lambda m: m.pop("stream")), file=f"{STEP}/meta.json"
+    ),
+    "schema: stream data not hex": A(
+        do=edit_meta(lambda m: m["stream"].update(data="../../etc/passwd")),
+        file=f"{STEP}/meta.json",
+    ),
+    "schema: stream sequences negative": A(
+        do=edit_meta(lambda m: m["stream"].update(sequences=-1)), file=f"{STEP}/meta.json"
+    ),
+    "schema: stream with an extra key": A(
+        do=edit_meta(lambda m: m["stream"].update(code="os.system")), file=f"{STEP}/meta.json"
+    ),
     "schema: extra key": A(
         do=edit_meta(lambda m: m.update(exec="os.system")), file=f"{STEP}/meta.json"
     ),
@@ -662,7 +675,8 @@ def test_the_cli_says_one_line_and_exits_1(saved, tmp_path, name):
     ck, step = copy(saved, "plain", tmp_path)
     canary = tmp_path / "canary"
     ATTACKS[name].do(ck, step, canary, tmp_path)
-    run = ["run", "schedules/tiny_1gpu.sched", "--steps", "2", "--resume", str(ck)]
+    # --steps 1: the LR schedule it was saved on (a resume on another is refused, rightly)
+    run = ["run", "schedules/tiny_1gpu.sched", "--steps", "1", "--resume", str(ck)]
     p = python("-m", "schedc", *run, env={"OMP_NUM_THREADS": "1"}, timeout=240)
     assert p.returncode == 1, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]

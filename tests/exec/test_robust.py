@@ -264,11 +264,17 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """tiny_1gpu.sched run 2 steps, checkpointed at step 2: what the tests below damage or
-    crash on top of (each gets its own copy, `fresh`)."""
+    crash on top of (each gets its own copy, `fresh`). The schedule, `tiny(saved)`, fixes
+    its LR horizon (`decay_steps`), so that the tests may resume it with other --steps."""
     ck = tmp_path_factory.mktemp("saved") / "ck"
+    tiny(ck).write_text(
+        (SCHEDULES / "tiny_1gpu.sched")
+        .read_text()
+        .replace("warmup = 5 }", "warmup = 5  decay_steps = 40 }")
+    )
     ((code, _, err),) = run(
         1,
-        str(SCHEDULES / "tiny_1gpu.sched"),
+        str(tiny(ck)),
         "--steps",
         "2",
         "--save",
@@ -278,6 +284,11 @@ def saved(tmp_path_factory) -> Path:
     )
     assert code == 0, err
     return ck
+
+
+def tiny(saved: Path) -> Path:
+    """tiny_1gpu.sched with a fixed LR horizon, beside the `saved` checkpoint."""
+    return saved.parent / "tiny.sched"
 
 
 def fresh(saved: Path, tmp_path: Path) -> Path:
@@ -293,7 +304,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(saved, tmp_path, po
     # the next save (step 4) dies at `point`
     ((code, _, _),) = run(
         1,
-        str(SCHEDULES / "tiny_1gpu.sched"),
+        str(tiny(saved)),
         "--steps",
         "4",
         "--resume",
@@ -305,9 +316,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(saved, tmp_path, po
         env={CRASH_ENV: point},
     )
     assert code != 0
-    ((code, out, err),) = run(
-        1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "4", "--resume", str(ck)
-    )
+    ((code, out, err),) = run(1, str(tiny(saved)), "--steps", "4", "--resume", str(ck))
     assert code == 0, err
     resumed_at = int(out.split("at step ")[1].split()[0])
     assert resumed_at in (2, 4)  # the old one, or the new one if it was complete
@@ -346,9 +355,7 @@ def _corrupt(ck: Path, how: str) -> None:
 def test_a_damaged_checkpoint_is_a_clear_error(saved, tmp_path, how, message):
     ck = fresh(saved, tmp_path)
     _corrupt(ck, how)
-    ((code, out, err),) = run(
-        1, str(SCHEDULES / "tiny_1gpu.sched"), "--steps", "3", "--resume", str(ck)
-    )
+    ((code, out, err),) = run(1, str(tiny(saved)), "--steps", "3", "--resume", str(ck))
     assert code == 1
     assert message in err and "Traceback" not in err, err
     assert not (ck / "pwned").exists()

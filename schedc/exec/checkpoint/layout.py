@@ -16,7 +16,8 @@ import torch
 
 from schedc.errors import UserError
 
-FORMAT = 1  # meta.json's "format"
+FORMAT = 2  # meta.json's "format" (2 added the data stream and the LR horizon)
+FORMATS = (1, 2)  # what a resume reads: a format-1 checkpoint has no "stream" to compare
 HMAC_FILE = "meta.json.hmac"
 MAX_META_BYTES = 32 << 20  # meta.json: 7 KB at world 1 (6.7 KB of it a rank's RNG state)
 MAX_METADATA_BYTES = 64 << 20  # DCP's .metadata: 38 KB for the tiny model's 157 tensors
@@ -26,6 +27,7 @@ STEP_DIR = re.compile(r"step_[0-9]{8,12}")
 DCP_FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # what DCP writes
 ITEM = re.compile(r"(param|optim|unit)\.[A-Za-z0-9_.]{1,200}")  # what executor_state writes
 HEX64 = re.compile(r"[0-9a-f]{64}")
+HEX16 = re.compile(r"[0-9a-f]{16}")  # a data fingerprint (model/data.py)
 STRATEGIES = ("single", "ddp", "fsdp")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

@@ -23,7 +23,8 @@ import torch
 from schedc.exec.checkpoint.files import hash_file, mac, read_bounded
 from schedc.exec.checkpoint.layout import (
     DCP_FILE,
-    FORMAT,
+    FORMATS,
+    HEX16,
     HEX64,
     HMAC_FILE,
     MAX_FILES,
@@ -125,10 +126,14 @@ def _check_meta(meta: Any, where: Path) -> None:
     and in range; files are DCP's own names, directly in the directory."""
     if type(meta) is not dict:
         raise CheckpointError(f"{where}: not a JSON object")
+    needed = _FIELDS.keys() - ({"stream"} if meta.get("format") == 1 else set())
     problem = (
-        next(((k, "missing") for k in sorted(_FIELDS.keys() - meta.keys())), None)
+        next(((k, "missing") for k in sorted(needed - meta.keys())), None)
         or next(((k[:40], _UNKNOWN) for k in sorted(meta.keys() - _FIELDS.keys())), None)
-        or next((p for field, check in _FIELDS.items() if (p := check(meta[field], meta))), None)
+        or next(
+            (p for field in _FIELDS if field in meta and (p := _FIELDS[field](meta[field], meta))),
+            None,
+        )
     )
     if problem is not None:
         field, what = problem
@@ -153,9 +158,22 @@ def _hex64(field: str, v: Any) -> Problem:
 
 
 def _format(v: Any, meta: dict) -> Problem:
-    if v != FORMAT or type(v) is not int:
-        return "format", f"{str(v)[:20]}, expected {FORMAT}"
+    if type(v) is not int or v not in FORMATS:
+        return "format", f"{str(v)[:20]}, expected one of {', '.join(map(str, FORMATS))}"
     return None
+
+
+def _stream(v: Any, meta: dict) -> Problem:
+    """Which token stream the run read, and how far: the data's fingerprint, the sequences
+    read (step x global batch), and the step the LR's cosine decay ends at."""
+    keys = {"data", "sequences", "lr_horizon"}
+    if type(v) is not dict or v.keys() != keys:
+        return "stream", f"not an object of {', '.join(sorted(keys))}"
+    if type(v["data"]) is not str or not HEX16.fullmatch(v["data"]):
+        return "stream.data", "not a data fingerprint (16 hex digits)"
+    return _integer("stream.sequences", v["sequences"], 0, 2**62) or _integer(
+        "stream.lr_horizon", v["lr_horizon"], 0, 2**30
+    )
 
 
 def _strategy(v: Any, meta: dict) -> Problem:
@@ -223,5 +241,6 @@ _FIELDS: dict[str, Callable[[Any, dict], Problem]] = {
     "schedule_sha256": lambda v, meta: _hex64("schedule_sha256", v),
     "units": _units,
     "rng": _rng,
+    "stream": _stream,
     "files": _files,
 }

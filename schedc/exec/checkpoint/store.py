@@ -66,6 +66,7 @@ def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
         "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
         "units": {u.name: u.numel for u in ex.units.values()},
         "rng": rng,
+        "stream": _stream(ex),
         "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
     }
     text = json.dumps(meta, indent=1)
@@ -73,6 +74,17 @@ def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
     if key is not None:
         _write_atomic(tmp / HMAC_FILE, mac(key, text.encode()) + "\n")
     _fsync_dir(tmp)
+
+
+def _stream(ex) -> dict:
+    """Where the run is in its token stream, and the LR schedule it is on (meta_json._stream):
+    a resume must continue both, not start another."""
+    spec = ex.spec
+    return {
+        "data": ex.batches.fingerprint(),
+        "sequences": ex.step_index * spec.seqs,
+        "lr_horizon": spec.optim.horizon(spec.steps),
+    }
 
 
 def _publish(tmp: Path, final: Path, keep: int) -> None:
@@ -138,6 +150,7 @@ def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
     meta = verify(path, key)
     _check_same_schedule(ex, path, meta)
     SafeReader(str(path), meta).read_metadata()  # refuse bad metadata before DCP touches it
+    _check_same_stream(ex, path, meta)
     state = executor_state(ex)
     _dcp_load(ex, path, meta, state)
     step = meta["step"]
@@ -169,6 +182,36 @@ def _check_same_schedule(ex, path: Path, meta: dict) -> None:
         )
         raise CheckpointError(
             f"{path}: its FSDP units differ from this schedule's: {', '.join(map(str, diff))}"
+        )
+
+
+def _check_same_stream(ex, path: Path, meta: dict) -> None:
+    """The resumed run reads on where the saved one stopped, in the same token stream, on
+    the same LR schedule; else it would train on other tokens, or at other rates, silently."""
+    if "stream" not in meta:
+        return  # format 1: saved before checkpoints recorded their stream
+    saved, here = meta["stream"], _stream(ex)
+    here["sequences"] = meta["step"] * ex.spec.seqs
+    if saved["data"] != here["data"]:
+        raise CheckpointError(
+            f"{path}: saved while reading data {saved['data']}; this run reads "
+            f"{here['data']} ({ex.spec.data.source}): a resume continues the same token "
+            "stream (the same files, in the same order)"
+        )
+    if saved["sequences"] != here["sequences"]:
+        raise CheckpointError(
+            f"{path}: saved after {saved['sequences']:,} sequences of the data stream; "
+            f"step {meta['step']} of this schedule ({ex.spec.seqs} a step) would start at "
+            f"{here['sequences']:,}: resume with the global batch it was saved with"
+        )
+    if saved["lr_horizon"] != here["lr_horizon"]:
+        opt, s, n = ex.spec.optim, meta["step"], here["lr_horizon"]
+        raise CheckpointError(
+            f"{path}: saved on an LR schedule that decays over {saved['lr_horizon']} steps; "
+            f"this run's decays over {n} (lr at step {s}: {opt.lr_at(s, n):.4e}, not "
+            f"{opt.lr_at(s, saved['lr_horizon']):.4e}); resume with --steps "
+            f"{saved['lr_horizon']}, or fix the horizon in the file "
+            f"(`decay_steps = {saved['lr_horizon']}` in the optimizer) to stop elsewhere"
         )
 
 
