@@ -17,9 +17,10 @@ from pathlib import Path
 
 from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel, check_parameter
+from schedc.analysis.trace.compare import only_step, step_times
 from schedc.analysis.trace.schema import Trace
 from schedc.analysis.trace.stream import load
-from schedc.analysis.units import parse_rate, parse_time
+from schedc.analysis.units import fmt_time, parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
 from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
@@ -78,6 +79,20 @@ def cost_from_args(args: argparse.Namespace, base: CostModel | None = None) -> C
 
 
 COST_FLAGS = ("--cost", "--flops", "--bandwidth", "--inter-bandwidth", "--node-size", "--latency")
+
+
+def default_cost_note(args: argparse.Namespace, file: str) -> str | None:
+    """Said when a prediction is priced by the defaults alone: they are an H100-class GPU's,
+    and a schedule for CPU ranks (or another GPU) was priced with them without a word (a
+    96 us step predicted for a CPU run of milliseconds)."""
+    if any(given(args, f) for f in COST_FLAGS):
+        return None
+    return (
+        "schedc: note: priced with the default cost model, an H100-class GPU's; for CPU "
+        f"ranks or another GPU, fit one to a run: `schedc run {file} --trace t.json "
+        "--probe` (under torchrun for several ranks), `schedc calibrate t.json -o fit.json`, "
+        "then --cost fit.json"
+    )
 
 
 def cost_flags(args: argparse.Namespace) -> dict[str, float]:
@@ -231,6 +246,8 @@ def _timeline(
     compiled: list[Compiled], trace: Trace | None, args: argparse.Namespace
 ) -> tuple[str, list[str]]:
     """The timeline's DOT text, and the lines said under `wrote` (what each panel shows)."""
+    if trace is None and (note := default_cost_note(args, compiled[0].source.path)):
+        print(note)
     fitted = (
         _fit_from_trace(compiled[0], trace, args)
         if trace and args.compare and not args.cost
@@ -259,16 +276,26 @@ def _fit_from_trace(c: Compiled, trace: Trace, args: argparse.Namespace) -> Cost
     """--compare without --cost: the prediction is priced by the model `schedc calibrate`
     fits to the very trace it is compared with (defaults would predict a GPU: a 100 us
     strip above a 275 ms CPU step). Says so, and what it fitted, in one line."""
-    fit = calibrate(c, trace, name=args.trace)
+    drawn, step = only_step(trace, args.step)  # the fit prices the step drawn beside it
+    fit = calibrate(c, drawn, name=args.trace)
     flags = [
         f"--{k.replace('_', '-')}"
         for k in ("flops", "bandwidth", "inter_bandwidth", "node_size", "latency")
         if getattr(args, k) is not None
     ]
     print(
-        f"schedc: no --cost: the prediction uses the cost model fitted to {args.trace} "
-        f"(as `schedc calibrate` fits it): {fit.cost.describe(c.spec.numerics)}"
+        f"schedc: no --cost: the prediction uses the cost model fitted to step {step} of "
+        f"{args.trace}, the step drawn (as `schedc calibrate` fits it): "
+        f"{fit.cost.describe(c.spec.numerics)}"
         + (f"; {', '.join(flags)} as given" if flags else "")
         + "".join(f"; {n}" for n in fit.notes)
     )
+    times = step_times(trace)
+    if len(times) > 1 and max(times.values()) > 2 * min(times.values()):
+        lo, hi = min(times, key=times.__getitem__), max(times, key=times.__getitem__)
+        print(
+            f"schedc: note: the steps of {args.trace} vary {times[hi] / times[lo]:.1f}x "
+            f"(step {lo} {fmt_time(times[lo])}, step {hi} {fmt_time(times[hi])}); "
+            f"step {step}, drawn, took {fmt_time(times[step])}: --step N draws another"
+        )
     return fit.cost

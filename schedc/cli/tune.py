@@ -17,16 +17,20 @@ from pathlib import Path
 
 from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
-from schedc.cli.render import add_cost_args, cost_from_args
+from schedc.cli.render import add_cost_args, cost_from_args, default_cost_note
 from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
 from schedc.lang.resolve import UNITS, size_bytes
 from schedc.passes.memory import fmt_bytes
 from schedc.tune.measure import Timing, error, measure, refit, repredict
-from schedc.tune.search import Candidate, Options, Result, search
+from schedc.tune.search import Candidate, Options, Result, fastest_absent, search
 from schedc.tune.space import Base, fmt_size
 
 HELP = "search the legal schedules of a file for the fastest that fits, and write it"
+NOT_SEARCHED = (
+    "tune searches flat DDP and FSDP layouts; the file's `{mesh}` (HSDP) is not in its "
+    "space, and no written schedule has it"
+)
 
 # (flag, the flag it needs, what it does): alone, it would be silently ignored
 NEEDS = [
@@ -128,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     require(args, NEEDS)
     defaults(args, steps=4, rounds=1, timeout=600)
     base = Base.read(args.file)
+    if base.mesh:
+        print(f"schedc: note: {args.file}: {NOT_SEARCHED.format(mesh=base.mesh)}")
     opts = options(args, base)
     res = search(base, opts)
     print(f"schedc: {args.file}: {res.counts()}")
@@ -141,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
         f"{spec.seq_len}; predicted with {opts.cost.describe(spec.numerics)}"
         + (f"; budget {fmt_bytes(opts.budget)} per rank" if opts.budget else "")
     )
+    if note := default_cost_note(args, args.file):
+        print(note)
     print(table(res.ranked))
+    absent(base, opts, res)
     written = write(args, base, res, opts)
     if args.measure:
         measured(args, res.ranked[: args.measure], written, opts)
@@ -162,12 +171,30 @@ def nothing_fits(path: str, opts: Options, res: Result) -> str:
     return f"{path}: no schedule fits the budget of {fmt_bytes(opts.budget)} per rank{what}"
 
 
-def table(cands: list[Candidate], extra: list[list[str]] | None = None, head=()) -> str:
+def absent(base: Base, opts: Options, res: Result) -> None:
+    """The fastest of each strategy the table has no row of, below it (tune/search.py)."""
+    others = fastest_absent(base, opts, res)
+    found = {s: c for s, c in others.items() if c is not None}
+    for s in sorted(set(others) - set(found)):
+        print(f"schedc: no {s} schedule fits" + (" the budget" if opts.budget else ""))
+    if found:
+        first = fmt_time(res.ranked[0].step)
+        print(f"schedc: the fastest of each strategy without a row above (#1 takes {first}):")
+        print(table(list(found.values()), labels=list(found)))
+
+
+def table(
+    cands: list[Candidate],
+    extra: list[list[str]] | None = None,
+    head=(),
+    labels: list[str] | None = None,
+) -> str:
+    """One row a candidate: `#` its place (or `labels`), then the prediction and the knobs."""
     rows = [["#", "step", "tokens/s", "peak", "comm", "exposed", "micro", "k", "knobs", *head]]
     for i, c in enumerate(cands):
         rows.append(
             [
-                str(i + 1),
+                labels[i] if labels else str(i + 1),
                 fmt_time(c.step),
                 fmt_rate(c.tokens_per_s, ""),
                 fmt_bytes(c.peak),
@@ -191,16 +218,18 @@ def table(cands: list[Candidate], extra: list[list[str]] | None = None, head=())
 def file_text(args, base: Base, c: Candidate, rank: int, res: Result, opts: Options) -> str:
     cmd = f"schedc tune {args.file}" + (f" --budget {opts.budget_text}" if opts.budget else "")
     head = [
-        f"# Written by `{cmd}`: rank {rank} of the {res.simulated:,} simulated",
+        f"# Written by `{cmd}`: #{rank}, fastest first, of the {res.simulated:,} simulated",
         f"# ({res.considered:,} considered). Predicted with {opts.cost.describe(c.spec.numerics)}:",
         f"#   step {fmt_time(c.step)}, {fmt_rate(c.tokens_per_s, 'tokens/s')}, communication "
         f"{fmt_time(c.comm)} ({fmt_time(c.exposed)} exposed),",
         f"#   peak {fmt_bytes(c.peak)} per rank, activations {fmt_bytes(c.activations)} of it."
         " Knobs: " + c.knobs.describe(),
-        "",
+        *([f"# Not searched: {NOT_SEARCHED.format(mesh=base.mesh)}."] if base.mesh else []),
     ]
     text = base.text(c.knobs, c.spec.model, opts.budget_text, blank=False)
-    return "\n".join(head) + text
+    if any(line.lstrip().startswith("#") for line in text.splitlines()):
+        head.append("# The input's own comments follow: they describe the input, not these knobs.")
+    return "\n".join([*head, ""]) + text
 
 
 def write(args, base: Base, res: Result, opts: Options) -> list[Path]:

@@ -74,6 +74,22 @@ class Knobs:
         return f"single{prec}"
 
 
+def comments_above(text: str, start: int) -> int:
+    """Where a statement starting at `start` begins with the comment lines right above it
+    (no blank line between): a comment there describes it, and goes where it goes. A
+    statement that does not begin its line, or whose comments are the file's first lines
+    (its header), keeps the lines above."""
+    first = line = text.rfind("\n", 0, start) + 1
+    if text[line:start].strip():
+        return start
+    while line > 0:
+        above = text.rfind("\n", 0, line - 1) + 1
+        if not text[above : line - 1].strip().startswith("#"):
+            return line
+        line = above
+    return first
+
+
 @dataclass(frozen=True)
 class Base:
     """A schedule file as tune sees it: the statements it keeps, where the dropped ones were."""
@@ -83,12 +99,13 @@ class Base:
     memory: str | None  # the file's `memory` size as written, the default budget
     precision: Span | None  # the file's `precision` statement: dropped when tune searches it
     world: int = 1  # as written (the compiler judges it)
+    mesh: str | None = None  # the file's `mesh` statement as written: HSDP, not searched
 
     @classmethod
     def read(cls, path: str | Path) -> Base:
         source = read_source(path)
         ast = to_ast(parse(source), source)  # a syntax error is the user's, located
-        dropped, memory, precision, world = [], None, None, 1
+        dropped, memory, precision, world, mesh = [], None, None, 1, None
         for s in ast.stmts:
             if isinstance(s, Setting) and s.key in SEARCHED_SETTINGS:
                 dropped.append(s.span)
@@ -99,11 +116,12 @@ class Base:
                 # a `mesh` goes with the strategy: tune searches flat DDP and FSDP layouts
                 # (HSDP is not in its space yet), and a DDP candidate takes no shard mesh
                 dropped.append(s.span)
+                mesh = source.snippet(s.span) if isinstance(s, MeshDecl) else mesh
             elif isinstance(s, Precision):
                 precision = s.span
             if isinstance(s, Setting) and s.key == "world" and s.value.is_int:
                 world = int(s.value.text)
-        return cls(source, tuple(dropped), memory, precision, world)
+        return cls(source, tuple(dropped), memory, precision, world, mesh)
 
     def kept_text(self, *, blank: bool, precision: bool = True) -> str:
         """The file without the dropped statements (and their trailing comments): blanked
@@ -113,13 +131,14 @@ class Base:
         out, at = [], 0
         drop = self.dropped + ((self.precision,) if self.precision and not precision else ())
         for sp in sorted(drop):
-            out.append(text[at : sp.start])
+            start = comments_above(text, sp.start)  # they describe what is dropped
+            out.append(text[at:start])
             end = sp.end
             eol = text.find("\n", end)
             eol = len(text) if eol < 0 else eol
             if text[end:eol].strip().startswith("#") or not text[end:eol].strip():
                 end = eol  # the statement's own comment goes with it
-            cut = text[sp.start : end]
+            cut = text[start:end]
             out.append("".join(c if c == "\n" else " " for c in cut) if blank else "")
             at = end
         out.append(text[at:])

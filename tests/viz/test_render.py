@@ -17,7 +17,7 @@ from schedc.analysis.calibrate import calibrate
 from schedc.analysis.cost import CostModel
 from schedc.analysis.overlap import overlap
 from schedc.analysis.simulate import simulate
-from schedc.analysis.trace.compare import measured
+from schedc.analysis.trace.compare import measured, only_step
 from schedc.analysis.trace.read import validate
 from schedc.analysis.trace.stream import load
 from schedc.analysis.trace.write import chrome_trace
@@ -371,8 +371,8 @@ def test_compare_without_cost_fits_the_model_to_the_trace(real_trace, capsys):
     assert main([*argv, "-o", str(d / "fit.dot")]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("schedc: no --cost"))
-    fit = calibrate(compile_file(d / "w1.sched"), load(d / "t.json"))
-    assert f"fitted to {d / 't.json'}" in line
+    fit = calibrate(compile_file(d / "w1.sched"), only_step(load(d / "t.json"), None)[0])
+    assert f"of {d / 't.json'}, the step drawn" in line
     assert fit.cost.describe(compile_file(d / "w1.sched").spec.numerics) in line
     predicted, measured_ = _step_of(out, "predicted"), _step_of(out, "measured")
     assert measured_ / 3 < predicted < measured_ * 3, out

@@ -3,6 +3,7 @@ measured side of what the simulator predicts (analysis/simulate.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from schedc.analysis.simulate import Interval, Timeline, in_stream_order
@@ -38,6 +39,28 @@ def against(compiled: Compiled, chosen: list[TracedOp], name: str) -> None:
 
 def steps(trace: Trace) -> list[int]:
     return sorted({s.step for s in trace.spans})
+
+
+def step_times(trace: Trace) -> dict[int, float]:
+    """Each step's span in the trace, seconds: its first op's start to its last op's end,
+    over every rank."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for s in trace.spans:
+        first[s.step] = min(first.get(s.step, s.start), s.start)
+        last[s.step] = max(last.get(s.step, s.end), s.end)
+    return {k: last[k] - first[k] for k in sorted(first)}
+
+
+def only_step(trace: Trace, step: int | None) -> tuple[Trace, int]:
+    """The trace cut to one step (the last when None), probes kept; and that step."""
+    have = steps(trace)
+    if not have:
+        raise TraceError("the trace holds no op spans; was it written by `schedc run --trace`?")
+    step = have[-1] if step is None else step
+    if step not in have:
+        raise TraceError(f"the trace has no step {step}; it has steps {have[0]}..{have[-1]}")
+    return replace(trace, spans=[s for s in trace.spans if s.step == step]), step
 
 
 def measured(
