@@ -11,10 +11,14 @@ a failed run); 2 an internal error (a bug in schedc: a traceback under "internal
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
+import hashlib
 import os
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 from schedc.cli import calibrate, check, render, run, tune
 from schedc.errors import RunError, UserError
@@ -92,21 +96,33 @@ def _refuse_blank(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run" and _under_torchrun():
-        from schedc.exec.launcher import recorded  # torch: `run` imports it anyway
+    if not (args.command == "run" and _under_torchrun()):
+        return _verb(args)[0]
+    # under torchrun: a crash prints its stack (as torch's ErrorHandler would have it), the
+    # schedule is compiled before torch is imported (a static error is said at once, not
+    # after 14 s of imports), the same error is said once a node, not once a rank, and its
+    # text goes where torchrun's report reads it (schedc/exec/launcher.py)
+    faulthandler.enable()
+    code, text, stack = _verb(args, once=True)
+    if code:
+        from schedc.exec.launcher import tell_launcher
 
-        return recorded(_verb)(args)  # torchrun's report shows schedc's error
-    return _verb(args)[0]
+        tell_launcher(text, stack)
+    return code
 
 
-def _verb(args: argparse.Namespace) -> tuple[int, str, str | None]:
-    """Run the verb; print its error, if any. Returns (exit code, the error as printed,
-    an internal error's traceback)."""
+def _verb(args: argparse.Namespace, once: bool = False) -> tuple[int, str, str | None]:
+    """Run the verb; print its error, if any (`once`: unless a rank of this job on this node
+    said the same). Returns (exit code, the error as printed, an internal error's
+    traceback)."""
     try:
         _refuse_blank(args)
         return VERBS[args.command].run(args) or 0, "", None
     except UserError as e:
-        return _say(EXIT_USER, _report(e))
+        text = _report(e)
+        if once and not _first_to_say(text):
+            return EXIT_USER, text, None
+        return _say(EXIT_USER, text)
     except KeyboardInterrupt:
         return 130, "schedc: interrupted", None
     except BrokenPipeError:
@@ -117,6 +133,23 @@ def _verb(args: argparse.Namespace) -> tuple[int, str, str | None]:
         print(text, file=sys.stderr)
         print(stack, file=sys.stderr, end="")
         return EXIT_INTERNAL, text, f"{text}\n{stack}"
+
+
+def _first_to_say(text: str) -> bool:
+    """Whether this rank is the first of its job on this node to say `text`: every rank of a
+    job compiles the same schedule, and N copies of one diagnostic say nothing more than
+    one. Told by creating a file named by the job (TORCHELASTIC_RUN_ID) and the text's hash,
+    exclusively; where that fails, say it."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    digest = hashlib.sha256(f"{job}\n{text}".encode()).hexdigest()[:24]
+    path = Path(tempfile.gettempdir()) / f"schedc-said-{os.getuid()}-{digest}"
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _say(code: int, text: str) -> tuple[int, str, None]:
