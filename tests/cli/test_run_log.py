@@ -117,12 +117,27 @@ def test_unset_threads_are_one_per_rank_when_a_node_runs_several(monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         assert cpu_threads(2) == "" and torch.get_num_threads() == 1
-        assert cpu_threads(1) == "" and torch.get_num_threads() == (os.cpu_count() or 1)
+        hint = cpu_threads(1)  # all cores, and a hint if the machine is busy now
+        assert hint == "" or hint.startswith("; the machine is busy, load ")
+        assert torch.get_num_threads() == (os.cpu_count() or 1)
         torch.set_num_threads(1)
         monkeypatch.setenv("OMP_NUM_THREADS", "5")  # set: left alone
         assert cpu_threads(2) == ", OMP_NUM_THREADS=5" and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_busy_machine_hints_one_thread_at_world_1():
+    """#29 stumble 7: every core for one rank ran 15x slower than one thread on a shared
+    2-core machine, without a word."""
+    from schedc.exec.train import busy_hint
+
+    assert busy_hint(2, 1.9, 2) == (
+        "; the machine is busy, load 1.9 on 2 cores: OMP_NUM_THREADS=1 may run faster"
+    )
+    assert busy_hint(2, 0.4, 2) == ""  # idle: every core is right
+    assert busy_hint(1, 8.0, 2) == ""  # one thread already
+    assert busy_hint(16, 7.0, 16) == ""  # under half the cores
 
 
 def test_eta_leaves_out_the_warm_up_step(monkeypatch):
