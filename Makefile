@@ -8,12 +8,12 @@ RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_
 
 .PHONY: demo test test-without-torch gpu-rehearsal typecheck docs
 demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
-	scripts/install.sh
+	PYTHON=$(PY) scripts/install.sh
 	mkdir -p out
 	$(RUN) -m schedc run --trace out/trace.json
 
 test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, then side by side the rest in a venv without torch, the GPU check rehearsed in a venv like the GPU machine's (each test once) and the type checker
-	scripts/tier.sh install scripts/install.sh test
+	PYTHON=$(PY) scripts/tier.sh install scripts/install.sh test
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports

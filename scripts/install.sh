@@ -13,6 +13,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
+# Done already? `make demo` ran this on every call (about 25 s of pip). The stamp names what
+# was installed: this interpreter and this pyproject.toml, then the mode (a `test` install
+# serves a plain one too); and schedc must still import from this checkout, with torch.
+# Anything else installs again.
+STAMP=.installed
+MODE=${1:-run}
+want="$("$PY" -c 'import sys; print(sys.executable)') $(sha256sum pyproject.toml | cut -c1-16)"
+have=$(cat "$STAMP" 2>/dev/null || true)
+if { [ "$have" = "$want test" ] || [ "$have" = "$want $MODE" ]; } &&
+   "$PY" -c "import schedc, torch, os, sys; sys.exit(os.path.dirname(os.path.dirname(os.path.abspath(schedc.__file__))) != os.getcwd())" 2>/dev/null &&
+   { [ "$MODE" != "test" ] || command -v dot >/dev/null 2>&1; }; then
+  echo "schedc: installed already ($STAMP: remove it to install again)"
+  exit 0
+fi
+rm -f "$STAMP"
+
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "schedc: GPU found: installing torch (CUDA build) from PyPI"
@@ -38,3 +54,4 @@ if [ "${1:-}" = "test" ]; then
 else
   pip_install -e .
 fi
+echo "$want $MODE" > "$STAMP"
