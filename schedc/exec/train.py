@@ -186,6 +186,8 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
         batches, val = agree(compiled, comm, opts, job, device)
         ex = start_executor(compiled, comm, opts, job, batches)
         log(comm, start_line(compiled, device, threads))
+        if note := batches.fold_note():
+            log(comm, f"schedc: data: {note}")
         clock = run_steps(ex, comm, job, device, val)
         finish(compiled, ex, opts, job, device, clock)
     except (CheckpointError, RunError) as e:

@@ -280,6 +280,16 @@ class GlobalBatches:
         """Distinct sequences in the stream; global ids wrap around modulo this."""
         self._fold = not full_vocab  # and the identity on ids inside the vocabulary
 
+    def fold_note(self) -> str:
+        """What the run says of the fold (a model below GPT-2's vocabulary; else nothing):
+        it changes the tokens the model sees, so it is said, not only done."""
+        if not self._fold:
+            return ""
+        return (
+            f"token ids >= {self.vocab_size:,} are folded to id % {self.vocab_size:,} (the "
+            f"model's vocabulary is smaller than GPT-2's {GPT2_VOCAB:,})"
+        )
+
     @property
     def tokens(self) -> np.ndarray:
         """The stream of a single source (shards are not one array: see `shards`)."""

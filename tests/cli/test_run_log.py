@@ -41,6 +41,16 @@ def ran(tmp_path_factory):
     return r.stdout, records
 
 
+def test_a_small_vocabulary_says_it_folds_the_ids(ran):
+    """#29 stumble 8: GPT-2 ids beyond the tiny model's 4,096 were folded without a word."""
+    out, _ = ran
+    want = (
+        "schedc: data: token ids >= 4,096 are folded to id % 4,096 (the model's vocabulary "
+        "is smaller than GPT-2's 50,257)"
+    )
+    assert out.splitlines()[1] == want, out
+
+
 def test_every_step_line_has_step_i_of_n_and_an_eta(ran):
     out, _ = ran
     steps = [LINE.match(x) for x in out.splitlines() if x.startswith("step ")]
