@@ -9,8 +9,9 @@
 2. Drop candidates whose memory bound exceeds the budget (never compiled).
 3. Visit the rest in order of their time bound. The result is the best N families (a
    family: every knob but the FSDP unit partition, so rows differ in more than where the
-   units are cut; each row is its family's best partition). Once the bound reaches the
-   N-th best family's predicted step, no later candidate can enter the top N: stop.
+   units are cut; each row is its family's best partition). Once the bound passes the
+   N-th best family's predicted step, no later candidate can enter the top N: stop (a
+   bound equal to it is visited: ties go to the smaller peak).
 4. Compile each visited candidate through schedc.compiler (the checker's refusals are
    counted by diagnostic code), drop those whose predicted peak (activations included) exceeds the
    budget, drop a plan already simulated, and simulate the rest (analysis/simulate.py).
