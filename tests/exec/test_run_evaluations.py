@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from schedc.compiler import compile_text
+from schedc.errors import RunError
 from schedc.model.hellaswag import most_likely, read_hellaswag
 from schedc.model.reference import init_model
 from tests.exec.test_hellaswag import FIXTURE
@@ -164,3 +165,6 @@ def test_samples_are_build_nanogpts_token_for_token(world1):
     assert got == [enc.decode(row) for row in want]
     assert len(set(got)) == 3  # three different draws
     assert samples.texts() == got  # the generator is seeded anew each time, as build-nanogpt's
+    # the prompt (8 tokens) counts toward sample_tokens: a length it fills is refused at start
+    with pytest.raises(RunError, match="sample_prompt is 8 tokens, and sample_tokens \\(8\\)"):
+        Samples(FullModel(ex), 3, 8, PROMPT)
