@@ -26,6 +26,9 @@ def overrides(args) -> Overrides:
         tf32=_switch(getattr(args, "tf32", None)),
         compile=_switch(getattr(args, "compile", None)),
         val_every=getattr(args, "val_every", None),
+        sample_every=getattr(args, "sample_every", None),
+        hellaswag=getattr(args, "hellaswag", None),
+        hellaswag_every=getattr(args, "hellaswag_every", None),
     )
     if diags := ov.diagnostics():
         raise CompileError(diags)

@@ -7,6 +7,7 @@ building the parser for any verb never imports torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from schedc.cli.common import (
     COUNT,
@@ -48,6 +49,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="validation loss after every N steps and the last, over the `val` shards "
         "(overrides the file's `eval { val_every }`; 0: none)",
+    )
+    p.add_argument(
+        "--sample-every",
+        type=COUNT,
+        metavar="N",
+        help="rank 0 logs samples of the model after every N steps and the last: top-k 50 "
+        "completions of the prompt, as build-nanogpt (overrides `eval { sample_every }`; "
+        "0: none; needs a GPT-2 vocabulary)",
+    )
+    p.add_argument(
+        "--hellaswag",
+        metavar="FILE.jsonl",
+        help="score HellaSwag's acc_norm on this local .jsonl (build-nanogpt's way; nothing "
+        "is downloaded) after every --hellaswag-every steps and the last (overrides "
+        "`eval { hellaswag }`)",
+    )
+    p.add_argument(
+        "--hellaswag-every",
+        type=COUNT,
+        metavar="N",
+        help="score HellaSwag after every N steps and the last (overrides "
+        "`eval { hellaswag_every }`; default 250; 0: none)",
     )
     _add_process_args(p)
     _add_checkpoint_args(p)
@@ -128,31 +151,56 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
         "--log-json",
         metavar="FILE",
         help="also append each step to FILE as one JSON object a line: step, loss, lr, "
-        "grad_norm, dt_ms, tokens_per_s, skipped (a boolean), skip_reason",
+        "grad_norm, dt_ms, tokens_per_s, skipped (a boolean), skip_reason, mfu (where known); "
+        "and each evaluation: val_loss, hellaswag_acc_norm, or a sample's text",
     )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="rank 0 also writes the step's and evaluations' numbers (loss, lr, grad norm, "
+        "tokens/s, MFU where known, val loss, HellaSwag acc_norm) as TensorBoard scalars "
+        "into DIR (`tensorboard --logdir DIR`)",
+    )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The outputs other than --trace writable, none of them another's path or an input."""
+    check_output("--log-json", args.log_json)
+    check_output("--save", args.save, directory=True)
+    check_output("--tensorboard", args.tensorboard, directory=True)
+    check_distinct(
+        ("--trace", args.trace),
+        ("--log-json", args.log_json),
+        ("--save", args.save),
+        ("--tensorboard", args.tensorboard),
+        inputs=(
+            ("the schedule", args.file or str(default_schedule())),
+            ("--checkpoint-key", args.checkpoint_key),
+            ("--hellaswag", args.hellaswag),
+        ),
+    )
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError(
+            "--tensorboard writes with torch.utils.tensorboard, which needs the tensorboard "
+            "package: pip install tensorboard"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     # flag values first (the number types above checked the numbers), before any work: a bad
     # --trace or --log-json path fails before training, not after it
     ov = overrides(args)
-    for flag, value in (("--resume", args.resume), ("--checkpoint-key", args.checkpoint_key)):
+    for flag, value in (
+        ("--resume", args.resume),
+        ("--checkpoint-key", args.checkpoint_key),
+        ("--hellaswag", args.hellaswag),
+    ):
         if value is not None and not value.strip():
             raise UserError(f"{flag}: the path is empty")
     check_output("--trace", args.trace)
     require(args, NEEDS)
     defaults(args, save_every=100, keep=2)
-    check_output("--log-json", args.log_json)
-    check_output("--save", args.save, directory=True)
-    check_distinct(
-        ("--trace", args.trace),
-        ("--log-json", args.log_json),
-        ("--save", args.save),
-        inputs=(
-            ("the schedule", args.file or str(default_schedule())),
-            ("--checkpoint-key", args.checkpoint_key),
-        ),
-    )
+    _check_outputs(args)
     compiled = compile_file(args.file or str(default_schedule()), ov)
     try:
         import torch  # noqa: F401
@@ -185,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         log_json=args.log_json,
         trace=args.trace,
+        tensorboard=args.tensorboard,
         key=key,
     )
     return run_main(compiled, opts, job)

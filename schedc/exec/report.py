@@ -61,9 +61,24 @@ def val_line(step: int, steps: int, loss: float, batches: int) -> str:
     return f"{step_label(step, steps)} | val loss {loss:.6f} | over {batches} batches"
 
 
-def log_record(st) -> dict:
+def eval_line(rec: dict, steps: int, val_batches: int) -> str:
+    """An evaluation's line (its record: exec/evaluate.py): the validation loss, HellaSwag's
+    accuracies in build-nanogpt's shape, or a sample (a newline in it written as \\n)."""
+    if "val_loss" in rec:
+        return val_line(rec["step"], steps, rec["val_loss"], val_batches)
+    if "sample" in rec:
+        return f"schedc: sample {rec['sample']}: " + rec["text"].replace("\n", "\\n")
+    return (
+        f"{step_label(rec['step'], steps)} | hellaswag acc_norm {rec['hellaswag_acc_norm']:.4f} "
+        f"({rec['hellaswag_correct_norm']}/{rec['hellaswag_total']}) | "
+        f"acc {rec['hellaswag_acc']:.4f}"
+    )
+
+
+def log_record(st, mfu: float | None = None) -> dict:
     """One --log-json line: numbers as JSON numbers (a non-finite one, which JSON cannot
-    hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped)."""
+    hold, as null), `skipped` a boolean and `skip_reason` why (null when not skipped);
+    `mfu` (a fraction of peak) where it is known, as the log line has it."""
 
     def num(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -77,7 +92,59 @@ def log_record(st) -> dict:
         "tokens_per_s": num(st.tokens_per_s),
         "skipped": bool(st.skipped),
         "skip_reason": st.skipped or None,
+        **({"mfu": mfu} if mfu is not None and not st.skipped else {}),
     }
+
+
+# --tensorboard: each record's numbers by tag, at the record's step
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "dt_ms": "train/dt_ms",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
+    "val_loss": "val/loss",
+    "hellaswag_acc_norm": "hellaswag/acc_norm",
+    "hellaswag_acc": "hellaswag/acc",
+}
+
+
+class Records:
+    """What rank 0 keeps of a run besides its log lines: each record as one JSON line of
+    --log-json, and its numbers as TensorBoard scalars under --tensorboard (SCALARS; a
+    skipped step's null ones are left out). Other ranks keep nothing."""
+
+    def __init__(self, rank: int, log_json: str | None, tensorboard: str | None):
+        self.file = open(log_json, "a") if log_json and rank == 0 else None
+        self.tb = None
+        if tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: slow
+
+            self.tb = SummaryWriter(log_dir=tensorboard)
+
+    def write(self, rec: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(rec, allow_nan=False) + "\n")
+        if self.tb:
+            for key, tag in SCALARS.items():
+                if rec.get(key) is not None:
+                    self.tb.add_scalar(tag, rec[key], global_step=rec["step"])
+            if "sample" in rec:
+                self.tb.add_text(f"samples/{rec['sample']}", rec["text"], global_step=rec["step"])
+
+    def flush(self) -> None:
+        """After each step and its evaluations: a run that is killed keeps what it logged."""
+        if self.file:
+            self.file.flush()
+        if self.tb:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
 
 
 class RunClock:
@@ -94,6 +161,17 @@ class RunClock:
         self.t_warm: float | None = None  # when the first step ended
         self.stats: list = []
         self.val_loss: float | None = None  # the last validation loss measured
+        self.hellaswag: dict | None = None  # the last HellaSwag record
+        self.samples = 0  # samples logged
+
+    def evaluated(self, rec: dict) -> None:
+        """Keep what the summary says of an evaluation's record."""
+        if "val_loss" in rec:
+            self.val_loss = rec["val_loss"]
+        elif "sample" in rec:
+            self.samples += 1
+        else:
+            self.hellaswag = rec
 
     def done(self, st) -> float:
         """Record a finished step; return the seconds left, estimated."""
@@ -124,8 +202,7 @@ class RunClock:
         losses = [s.loss for s in sts if not s.skipped]
         final = f"final loss {losses[-1]:.6f}" if losses else "no update made (all skipped)"
         skipped = n - len(losses)
-        if self.val_loss is not None:
-            final += f"; final val loss {self.val_loss:.6f}"
+        final += self._evaluations()
         text = (
             f"schedc: done: {n} step{'s' if n != 1 else ''} ({sts[0].step}-{sts[-1].step}"
             f" of {self.steps}) in {fmt_eta(total)}; {tok_s:,.0f} tokens/s {which}; {final}"
@@ -133,6 +210,17 @@ class RunClock:
         if skipped:
             text += f"; {skipped} update{'s' if skipped != 1 else ''} skipped (--nonfinite skip)"
         return f"{text}; {peak}" if peak else text
+
+    def _evaluations(self) -> str:
+        text = f"; final val loss {self.val_loss:.6f}" if self.val_loss is not None else ""
+        if h := self.hellaswag:
+            text += (
+                f"; final HellaSwag acc_norm {h['hellaswag_acc_norm']:.4f} "
+                f"({h['hellaswag_correct_norm']}/{h['hellaswag_total']})"
+            )
+        if self.samples:
+            text += f"; {self.samples} sample{'s' if self.samples != 1 else ''} logged"
+        return text
 
 
 def peak_memory(device: torch.device) -> str:

@@ -16,11 +16,10 @@ complete or absent. What the run prints is exec/report.py's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,23 +27,30 @@ import torch.distributed as dist
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.backends import nccl_launch_order
+from schedc.exec.evaluate import Evaluations
 from schedc.exec.executor import Executor, PlanError, collective_streams
 from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
 from schedc.exec.heap import keep_freed_memory
 from schedc.exec.options import Comm, RunOptions, pick_device
 from schedc.exec.report import (
+    Records,
     RunClock,
+    eval_line,
     log,
     log_record,
+    mfu,
     peak_memory,
     report_memory,
     start_line,
     step_line,
-    val_line,
     write_trace,
 )
 from schedc.ir.plan import Plan
+from schedc.ir.spec import Spec
 from schedc.model.data import CORPUS, DataError, GlobalBatches, load_batches
+
+if TYPE_CHECKING:
+    from schedc.model.hellaswag import Example
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class TrainOptions:
     resume: str | None = None
     log_json: str | None = None
     trace: str | None = None
+    tensorboard: str | None = None  # a directory rank 0 writes TensorBoard scalars into
     key: bytes | None = None  # --checkpoint-key: save signs meta.json, resume checks it
 
 
@@ -183,12 +190,12 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     watch_sigterm(comm)
     beats = start_heartbeat(comm, opts.timeout_s)
     try:
-        batches, val = agree(compiled, comm, opts, job, device)
+        batches, val, hellaswag = agree(compiled, comm, opts, job, device)
         ex = start_executor(compiled, comm, opts, job, batches)
         log(comm, start_line(compiled, device, threads))
         if note := batches.fold_note():
             log(comm, f"schedc: data: {note}")
-        clock = run_steps(ex, comm, job, device, val)
+        clock = run_steps(ex, comm, job, device, Evaluations(ex, val, hellaswag))
         finish(compiled, ex, opts, job, device, clock)
     except (CheckpointError, RunError) as e:
         world = compiled.spec.world  # the job's, as check_job found
@@ -269,10 +276,11 @@ def busy_hint(threads: int, load: float, cores: int) -> str:
 
 def agree(
     compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, device: torch.device
-) -> tuple[GlobalBatches, GlobalBatches | None]:
+) -> tuple[GlobalBatches, GlobalBatches | None, list[Example] | None]:
     """Read the data and agree with every rank before anything else communicates: building
     the executor creates a process group per stream, which would wait forever for a rank
-    whose schedule has other streams. Returns the batches."""
+    whose schedule has other streams. Returns the batches, the validation batches and the
+    HellaSwag examples (None where not measured)."""
     from schedc.exec.checkpoint.layout import CheckpointError
 
     spec = compiled.spec
@@ -284,12 +292,27 @@ def agree(
             val = load_batches(spec.data, *shape, split="val")
     except DataError as e:
         raise RunError(data_error(e, spec.data.source)) from None
+    hellaswag, scored = read_hellaswag_file(spec)
     flags = run_flags(job, device, opts)
-    data = batches.fingerprint() + (f", val {val.fingerprint()}" if val else "")
+    data = batches.fingerprint() + (f", val {val.fingerprint()}" if val else "") + scored
     agree_at_startup(compiled, comm, compiled.plan(comm.rank), data, flags)
     if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
         raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
-    return batches, val
+    return batches, val, hellaswag
+
+
+def read_hellaswag_file(spec: Spec) -> tuple[list[Example] | None, str]:
+    """The HellaSwag examples when they are scored, and what the ranks agree on of them (the
+    file's size and hash: every rank must score its share of the same examples)."""
+    if not spec.evaluation.hellaswag_on:
+        return None, ""
+    from schedc.model.hellaswag import read_hellaswag
+
+    try:
+        examples, seen = read_hellaswag(spec.evaluation.hellaswag or "", spec.model.block_size)
+    except DataError as e:
+        raise RunError(f"hellaswag: {e}") from None
+    return examples, f", hellaswag {seen}"
 
 
 def start_executor(
@@ -312,37 +335,31 @@ def start_executor(
 
 
 def run_steps(
-    ex: Executor, comm: Comm, job: TrainOptions, device: torch.device, val: GlobalBatches | None
+    ex: Executor, comm: Comm, job: TrainOptions, device: torch.device, evals: Evaluations
 ) -> RunClock:
-    """The steps, each logged (and recorded with --log-json); the validation loss every
-    `val_every` steps and after the last; a checkpoint every --save-every steps and after
-    the last."""
-    from schedc.exec.evaluate import Validation
-
+    """The steps, each logged (and recorded with --log-json and --tensorboard); after each,
+    the evaluations due (validation, HellaSwag, samples: exec/evaluate.py), logged and
+    recorded too; a checkpoint every --save-every steps and after the last."""
     if job.save:
         from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
     spec = ex.spec
-    records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+    records = Records(comm.rank, job.log_json, job.tensorboard)
     clock = RunClock(ex.step_index, spec.steps)
-    validation = Validation(ex, val, spec.evaluation.val_batches) if val else None
     while ex.step_index < spec.steps:
         phase.where = f"step {ex.step_index}"
         st = ex.step()
         log(comm, step_line(st, spec, device, clock.done(st)))
-        if records:
-            records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
-        if validation and validation.due(ex.step_index):
-            phase.where = f"validation after step {st.step}"
-            clock.val_loss = validation.loss()
-            log(comm, val_line(st.step, spec.steps, clock.val_loss, validation.batches))
-            if records:
-                records.write(json.dumps({"step": st.step, "val_loss": clock.val_loss}) + "\n")
-        if records:
-            records.flush()
+        records.write(log_record(st, mfu(spec, st.tokens_per_s, device)))
+        for rec in evals.after(st.step):  # each sets phase.where
+            log(comm, eval_line(rec, spec.steps, spec.evaluation.val_batches))
+            records.write(rec)
+            clock.evaluated(rec)
+        records.flush()
         if job.save and (ex.step_index % job.save_every == 0 or ex.step_index == spec.steps):
             phase.where = f"saving step {ex.step_index}"
             path = store.save(ex, job.save, keep=job.keep, key=job.key)
             log(comm, f"schedc: checkpoint {path}")
+    records.close()
     return clock
 
 

@@ -116,6 +116,24 @@ class EvalConfig:
     the `val` shards (build-nanogpt: every 250 steps)."""
     val_batches: int = 20
     """Global batches of the validation stream it averages over (build-nanogpt: 20)."""
+    sample_every: int = 0
+    """Samples from rank 0 after every this many steps and after the last (0: never)."""
+    sample_count: int = 4
+    """Completions of the prompt each time (build-nanogpt: 4)."""
+    sample_tokens: int = 32
+    """Tokens in each completion, the prompt's included (build-nanogpt's max_length: 32)."""
+    sample_prompt: str = "Hello, I'm a language model,"
+    """What each completion continues (build-nanogpt's prompt)."""
+    hellaswag: str | None = None
+    """A local HellaSwag .jsonl (build-nanogpt's format), read from the working directory of
+    `schedc run`; its `acc_norm` is scored when given. Nothing is downloaded."""
+    hellaswag_every: int = 250
+    """With `hellaswag`: score it after every this many steps and after the last (0: never;
+    build-nanogpt: every 250 steps)."""
+
+    @property
+    def hellaswag_on(self) -> bool:
+        return self.hellaswag is not None and self.hellaswag_every > 0
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")  # read as uint16 token ids when the data kind is auto

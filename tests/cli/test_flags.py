@@ -80,6 +80,33 @@ def test_a_bad_flag_is_said_once_not_once_per_bundled_schedule(capsys):
     assert code == 1 and err.count("seed must be >= 0") == 1
 
 
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (
+            ["--sample-every", "5"],
+            "schedc: --sample-every 5: error: samples decode GPT-2 token ids (tiktoken's gpt2: "
+            "50,257), and the model's vocabulary holds 4,096  [conflict]",
+        ),
+        (
+            ["--hellaswag", "h.jsonl"],
+            "schedc: --hellaswag h.jsonl: error: HellaSwag scores GPT-2 token ids",
+        ),
+        (
+            ["--hellaswag-every", "3"],
+            "schedc: --hellaswag-every 3: error: hellaswag_every scores nothing without a "
+            "`hellaswag` file  [missing-setting]",
+        ),
+    ],
+)
+def test_evaluation_flags_get_the_files_diagnostics(capsys, argv, want):
+    """`run --sample-every` and `--hellaswag` on tiny (vocabulary 4096) are judged by the
+    `eval` block's rules, at the flag, before torch starts."""
+    code, out, err = cli(capsys, "run", ONE, *argv)
+    assert code == 1 and want in err, err
+    assert out == ""
+
+
 def test_run_flag_overrides_are_refused_before_torch_starts(capsys):
     code, out, err = cli(capsys, "run", ONE, "--steps", "-5")
     assert code == 1 and "schedc: --steps -5: error: steps must be >= 1" in err
@@ -127,6 +154,8 @@ def test_usage_errors_exit_1_not_argparses_2(capsys):
         ("--trace", "/proc/t.json", "cannot write"),
         ("--trace", "{tmp}/" + "t" * 300, "the file name is 300 bytes, more than the 255"),
         ("--log-json", "{tmp}/" + "l" * 300, "more than the 255 its file system allows"),
+        ("--tensorboard", "/missing/dir/tb", "no such directory: /missing/dir"),
+        ("--tensorboard", "{tmp}/file", "not a directory"),
     ],
 )
 def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value, want):
@@ -144,6 +173,8 @@ def test_output_paths_are_refused_before_training(capsys, tmp_path, flag, value,
         ["run", ONE, "--save", ""],
         ["run", ONE, "--resume", ""],
         ["run", ONE, "--log-json", " "],
+        ["run", ONE, "--tensorboard", ""],
+        ["run", ONE, "--hellaswag", " "],
         ["render", ONE, "-o", ""],
         ["tune", ONE, "--budget", ""],
         ["tune", ONE, "-o", ""],
@@ -184,6 +215,10 @@ def test_a_flag_that_would_do_nothing_is_refused(capsys, tmp_path, argv, want):
     [
         (["run", "{s}", "--log-json", "{s}"], "--log-json {s}: that is the schedule"),
         (["run", "{s}", "--trace", "{s}"], "--trace {s}: that is the schedule"),
+        (
+            ["run", "{s}", "--hellaswag", "{t}", "--log-json", "{t}"],
+            "--log-json {t}: that is --hellaswag, which this command reads",
+        ),
         (["tune", "{s}", "-o", "{s}"], "-o {s}: that is the schedule, which this command reads"),
         (["render", "{s}", "-o", "{t}", "--view", "timeline", "--cost", "{t}"], "that is --cost"),
         (["calibrate", "{t}", "-o", "{t}"], "-o {t}: that is the trace"),

@@ -236,6 +236,59 @@ FAIL = [
         id="eval-unknown-key",
     ),
     pytest.param(
+        "model nano\nworld 1\nbatch 8 x 32\nmicro 2\neval { sample_every = 5 }",
+        "conflict",
+        "samples decode GPT-2 token ids (tiktoken's gpt2: 50,257), and the model's "
+        "vocabulary holds 512",
+        "sample_every = 5",
+        "`model ... { vocab = 50257 }`",
+        id="samples-small-vocab",
+    ),
+    pytest.param(
+        'model nano\nworld 1\nbatch 8 x 32\nmicro 2\neval { hellaswag = "h.jsonl" }',
+        "conflict",
+        "HellaSwag scores GPT-2 token ids (tiktoken's gpt2: 50,257), and the model's "
+        "vocabulary holds 512",
+        'hellaswag = "h.jsonl"',
+        "which would turn text into noise",
+        id="hellaswag-small-vocab",
+    ),
+    pytest.param(
+        "model nano { vocab = 50257 }\nworld 1\nbatch 8 x 32\nmicro 2\n"
+        "eval { hellaswag_every = 10 }",
+        "missing-setting",
+        "hellaswag_every scores nothing without a `hellaswag` file",
+        "hellaswag_every = 10",
+        'add `hellaswag = "hellaswag_val.jsonl"`',
+        id="hellaswag-every-without-file",
+    ),
+    pytest.param(
+        "model nano { vocab = 50257 }\nworld 1\nbatch 8 x 32\nmicro 2\n"
+        "eval { sample_every = 5  sample_tokens = 65 }",
+        "context-length",
+        "samples of 65 tokens exceed the model's context of 64",
+        "sample_tokens = 65",
+        "sample_tokens = 64 or fewer",
+        id="samples-longer-than-context",
+    ),
+    pytest.param(
+        "model nano { vocab = 50257 }\nworld 1\nbatch 8 x 32\nmicro 2\n"
+        'eval { sample_every = 5  sample_prompt = " " }',
+        "value-range",
+        "'sample_prompt' takes one quoted, non-empty text",
+        'sample_prompt = " "',
+        None,
+        id="sample-prompt-blank",
+    ),
+    pytest.param(
+        "model nano { vocab = 50257 }\nworld 1\nbatch 8 x 32\nmicro 2\neval { sample_count = 65 }",
+        "value-range",
+        "sample_count must be <= 64, got 65",
+        "65",
+        None,
+        id="sample-count-too-many",
+    ),
+    pytest.param(
         DDP + "optimizer adamw { lr = 1e10 }",
         "value-range",
         "lr = 1e10 is out of range: it must be > 0 and below 1e6",

@@ -71,7 +71,7 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     model_name, model = resolve_model(cx)
     run = read_run(cx)
     optim = resolve_optimizer(cx)
-    evaluation = resolve_evaluation(cx, run.data)
+    evaluation = resolve_evaluation(cx, run.data, model)
     toggles = read_toggles(cx)
     require(cx, model_name, run)
     micro, accum = split_batch(cx, run, model)

@@ -30,6 +30,9 @@ class Overrides:
     tf32: bool | None = None
     compile: bool | None = None
     val_every: int | None = None  # `eval { val_every }`: 0 turns validation off
+    sample_every: int | None = None  # `eval { sample_every }`: 0 turns samples off
+    hellaswag: str | None = None  # `eval { hellaswag }`: a local HellaSwag .jsonl
+    hellaswag_every: int | None = None  # `eval { hellaswag_every }`: 0 turns it off
 
     def diagnostics(self) -> list[Diagnostic]:
         """The flags judged by the file's own rules (LIMITS, SIZES) with the file's codes.
