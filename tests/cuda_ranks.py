@@ -64,7 +64,10 @@ def world1_variant(path: Path, max_micro_steps: int = 4) -> str:
     text = re.sub(r"(?m)^micro\s+\d+", "micro 1", text)
     text = re.sub(r"(?m)^memory\s+.*$", "", text)  # nano's sizes, not the budget's
     text = re.sub(r"(?m)^steps\s+\d+", "steps 2", text)
-    return text
+    # what a run does around the step is not the variant's: its data (shards the recipe
+    # names need not exist here) and its evaluations (samples need GPT-2's vocabulary)
+    text = re.sub(r"(?m)^data\s+.*$", "data corpus", text)
+    return re.sub(r"(?ms)^eval\s*\{.*?^\}", "", text)
 
 
 def _rank_main(rank, world, text, steps, store_path, opts, q) -> None:
