@@ -100,11 +100,7 @@ def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = 
     ]
     for i, c in enumerate(compiled):
         out += _graph_body(c, i, rank, unfold, nested=len(compiled) > 1)
-    legend = (
-        "grey arrows: program order on a stream; dashed orange: an event, a wait across "
-        "streams, labelled with what it carries;<br/>hexagons: collectives (red: "
-        "all-reduce and reduce-scatter, blue: all-gather); dashed boxes: frees"
-    )
+    legend = _legend(compiled)
     title = (
         f"{Path(compiled[0].source.path).name}: {describe(compiled[0])}<br/>"
         if len(compiled) == 1
@@ -113,6 +109,21 @@ def graph_dot(compiled: list[Compiled], rank: int | None = None, unfold: bool = 
     out.append(f'  label=<{html(title)}<font point-size="11">{legend}</font>>;')
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def _legend(compiled: list[Compiled]) -> str:
+    """What the colours and shapes mean: every one the pictures use, and only those (HSDP's
+    replicate all-reduce has a colour of its own, recomputed forwards theirs)."""
+    kinds = {op.kind for c in compiled for op in c.plan().ops}
+    hexagons = "red: all-reduce and reduce-scatter, blue: all-gather"
+    if any(c.spec.hsdp for c in compiled):
+        hexagons += ", violet: HSDP's all-reduce across replicas"
+    boxes = "; violet boxes: recomputed forwards" if Kind.RECOMPUTE in kinds else ""
+    return (
+        "grey arrows: program order on a stream; dashed orange: an event, a wait across "
+        f"streams, labelled with what it carries;<br/>hexagons: collectives ({hexagons}); "
+        f"dashed boxes: frees{boxes}"
+    )
 
 
 def _graph_body(c: Compiled, index: int, rank: int | None, unfold: bool, nested: bool) -> list[str]:

@@ -58,6 +58,8 @@ def test_the_bundle_is_what_the_seeds_describe():
         "tiny_ddp_overlap.sched",
         "tiny_fsdp_prefetch.sched",
         "tiny_hsdp.sched",
+        "build_nanogpt.sched",  # build-nanogpt's run (issue 29) and its CPU twin
+        "build_nanogpt_cpu.sched",
     }
 
 
@@ -253,7 +255,11 @@ DDP_BUCKETS = [
 DDP_CAP = [
     (
         "cap-zero",
-        [("bucket_cap 25 MiB", "bucket_cap 0 MiB"), ("bucket_cap 256 KiB", "bucket_cap 0 KiB")],
+        [
+            ("bucket_cap 25 MiB", "bucket_cap 0 MiB"),
+            ("bucket_cap 256 KiB", "bucket_cap 0 KiB"),
+            ("bucket_cap 1 MiB", "bucket_cap 0 MiB"),
+        ],
         "value-range",
     ),
     (
@@ -268,6 +274,23 @@ DDP_CAP = [
     ),
     ("ddp-and-fsdp", [("", "fsdp { unit all = embed .. head }")], "conflict"),
     ("setting-misspelled", [("overlap on", "ovrlap on")], "unknown-setting"),
+]
+# the recipe's run around the step: evaluations its data and model must allow
+RECIPE = [
+    (
+        "val-without-shards",
+        [('data "edu_fineweb10B/"', "data corpus"), ('data "out/shards/"', "data corpus")],
+        "value-range",
+    ),
+    ("samples-in-a-small-vocab", [("{ vocab = 50304 }", "{ vocab = 4096 }")], "conflict"),
+    (
+        "samples-past-the-context",
+        [
+            ("sample_tokens = 32", "sample_tokens = 4096"),
+            ("sample_tokens = 24", "sample_tokens = 4096"),
+        ],
+        "context-length",
+    ),
 ]
 SINGLE = [
     ("ranks-without-strategy", [("world 1", "world 8")], "missing-setting"),
@@ -320,6 +343,8 @@ TINY_UNITS = _fsdp_units(
 )
 
 EXPLICIT = {
+    "build_nanogpt.sched": DDP_CAP + RECIPE,
+    "build_nanogpt_cpu.sched": DDP_CAP + RECIPE,
     "ddp_overlap.sched": DDP_BUCKETS,
     "tiny_ddp_overlap.sched": DDP_BUCKETS,
     "gpt2_8gpu.sched": DDP_CAP,
