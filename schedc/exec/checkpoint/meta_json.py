@@ -2,10 +2,11 @@
 its schema field by field, then every file it lists against its SHA-256.
 
 meta.json holds the step (which fixes the learning rate and the data position: step s
-reads global batch s), the schedule and model it was saved by, each rank's RNG state, and
-the SHA-256 of every other file. The hashes detect corruption and truncation, not
-tampering: with a key, meta.json.hmac authenticates meta.json's exact bytes, and through
-its hashes every file.
+reads global batch s), the schedule and model it was saved by (FSDP: each unit's size and
+its parameters in the order its flat parameter holds them, so that a reader needs no
+schedule to cut it up), each rank's RNG state, and the SHA-256 of every other file. The
+hashes detect corruption and truncation, not tampering: with a key, meta.json.hmac
+authenticates meta.json's exact bytes, and through its hashes every file.
 """
 
 from __future__ import annotations
@@ -182,6 +183,27 @@ def _units(v: Any, meta: dict) -> Problem:
     return _sizes("units", v, 2**48)
 
 
+def _unit_params(v: Any, meta: dict) -> Problem:
+    """Each unit's parameter names in its flat parameter's order: the model's parameters,
+    each in one unit once, adding up to the unit's size ({} without units)."""
+    units = meta["units"]
+    if type(v) is not dict or v.keys() != units.keys():
+        return "unit_params", "not an object of the parameters of each of 'units'"
+    try:
+        from schedc.model.arch import GPTConfig
+
+        sizes = {p.name: p.numel for p in GPTConfig(**meta["model_config"]).params}
+    except (TypeError, ValueError):
+        return "model_config", "not a GPT-2 configuration"
+    held = [n for names in v.values() for n in (names if type(names) is list else [None])]
+    if v and sorted(held, key=str) != sorted(sizes):
+        return "unit_params", "does not name every parameter of the model once"
+    for u, names in v.items():
+        if sum(sizes[n] for n in names) != units[u]:
+            return f"unit_params.{u[:40]}", f"its parameters do not add up to {units[u]} elements"
+    return None
+
+
 def _rng(v: Any, meta: dict) -> Problem:
     if type(v) is not list or len(v) != meta["world"]:
         return "rng", f"not a list of {meta['world']} RNG states (one a rank)"
@@ -222,6 +244,7 @@ _FIELDS: dict[str, Callable[[Any, dict], Problem]] = {
     "model_config": _model_config,
     "schedule_sha256": lambda v, meta: _hex64("schedule_sha256", v),
     "units": _units,
+    "unit_params": _unit_params,
     "rng": _rng,
     "files": _files,
 }
