@@ -46,6 +46,8 @@ FSDP = """fsdp {
 }"""
 STRATEGIES = {"ddp": DDP, "fsdp": FSDP}
 KEY = bytes(range(32))
+# the tests that read the one real 2-rank run (`trained`) share an xdist worker: it runs once
+ON_THE_RUN = pytest.mark.xdist_group("hf_run")
 
 
 def schedule(world: int, strategy: str) -> str:
@@ -143,6 +145,8 @@ def _key(base: Path) -> Path:
     return base / "key"
 
 
+@pytest.mark.ranks
+@ON_THE_RUN
 def test_a_two_rank_fsdp_run_starts_from_the_hugging_face_weights(trained, hf_model):
     """Step 0's loss, logged by two FSDP ranks, is Hugging Face's on the same global batch."""
     _, r, records = trained
@@ -156,6 +160,8 @@ def test_a_two_rank_fsdp_run_starts_from_the_hugging_face_weights(trained, hf_mo
 # -- out: schedc export -------------------------------------------------------------------------
 
 
+@pytest.mark.ranks
+@ON_THE_RUN
 def test_export_of_a_sharded_checkpoint_loads_in_transformers_with_schedcs_logits(
     world1, trained, tmp_path, capsys
 ):
@@ -191,6 +197,8 @@ def test_hugging_face_to_schedc_to_hugging_face_at_world_1(world1, dirs, hf_mode
     assert torch.equal(hf_logits(m, x), hf_logits(hf_model, x))
 
 
+@pytest.mark.ranks
+@ON_THE_RUN
 def test_export_refuses_a_keyed_checkpoint_without_its_key(trained, tmp_path, capsys):
     base, _, _ = trained
     assert main(["export", str(base / "ck"), "-o", str(tmp_path / "out")]) == 1
@@ -306,6 +314,7 @@ def test_init_flag_errors_are_one_line(tmp_path, dirs, capsys, argv, said):
     assert err.startswith("schedc: error: ") and said in err and "\n" not in err, err
 
 
+@pytest.mark.ranks
 def test_ranks_with_different_init_weights_refuse_to_start(dirs, tmp_path):
     """Rank 0 from the safetensors directory, rank 1 from the .bin one (the same numbers in
     other files): both stop before step 0, naming --init."""
