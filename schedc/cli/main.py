@@ -3,6 +3,7 @@
     schedc check schedules/ddp_overlap.sched [other.sched] [--dump ast|graph|program|plan]
     torchrun --standalone --nproc_per_node=2 -m schedc run schedules/tiny_ddp.sched
     schedc render schedules/fsdp_prefetch.sched -o fsdp.svg --view timeline
+    schedc export ckpt -o gpt2-out     # a checkpoint as a Hugging Face GPT-2
 
 Exit codes: 0 ok; 1 a user error (compiler diagnostics, a bad flag value, a usage error,
 a failed run); 2 an internal error (a bug in schedc: a traceback under "internal error").
@@ -20,14 +21,21 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from schedc.cli import calibrate, check, render, run, tune
+from schedc.cli import calibrate, check, export, render, run, tune
 from schedc.errors import RunError, UserError
 from schedc.lang.diagnostics import CompileError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
 
 # Each verb is a module with HELP, add_arguments(parser) and run(args) -> exit code.
-VERBS = {"check": check, "run": run, "render": render, "calibrate": calibrate, "tune": tune}
+VERBS = {
+    "check": check,
+    "run": run,
+    "render": render,
+    "calibrate": calibrate,
+    "tune": tune,
+    "export": export,
+}
 
 
 def _color(stream) -> bool:

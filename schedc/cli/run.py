@@ -23,6 +23,7 @@ from schedc.cli.common import (
 from schedc.compiler import compile_file
 from schedc.errors import UserError
 from schedc.lang.resources import default_schedule
+from schedc.model.hf import CONFIG, check_config, parse_init, read_config, weights_file
 
 HELP = "train: run a schedule under torchrun (world 1: alone)"
 
@@ -130,6 +131,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     p.add_argument(
+        "--init",
+        metavar="hf:DIR",
+        help="start from a local Hugging Face GPT-2 (DIR/config.json and model.safetensors, "
+        "or a weights-only pytorch_model.bin) instead of the seed's weights; its sizes must "
+        "be the schedule's model's (not with --resume)",
+    )
+    p.add_argument(
         "--checkpoint-key",
         metavar="FILE",
         help="a secret (16-4096 bytes): --save "
@@ -202,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     defaults(args, save_every=100, keep=2)
     _check_outputs(args)
     compiled = compile_file(args.file or str(default_schedule()), ov)
+    init = _init_dir(args, compiled.spec)
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -235,5 +244,23 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace,
         tensorboard=args.tensorboard,
         key=key,
+        init=init,
     )
     return run_main(compiled, opts, job)
+
+
+def _init_dir(args: argparse.Namespace, spec) -> str | None:
+    """--init hf:DIR's directory, its config.json held to the schedule's model before torch
+    is imported (the weights are read once the ranks agree on them: exec/train.py)."""
+    if args.init is None:
+        return None
+    if args.resume:
+        raise UserError(
+            f"--init {args.init} and --resume {args.resume}: a resumed run continues from "
+            "its checkpoint's weights; give one of them"
+        )
+    directory = parse_init(args.init)
+    config = read_config(directory)
+    check_config(config, directory / CONFIG, spec.model, spec.model_name)
+    weights_file(directory)  # there, or said now
+    return str(directory)

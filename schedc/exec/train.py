@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.compiler import Compiled
-from schedc.errors import RunError
+from schedc.errors import RunError, UserError
 from schedc.exec.backends import nccl_launch_order
 from schedc.exec.evaluate import Evaluations
 from schedc.exec.executor import Executor, PlanError, collective_streams
@@ -66,6 +66,7 @@ class TrainOptions:
     trace: str | None = None
     tensorboard: str | None = None  # a directory rank 0 writes TensorBoard scalars into
     key: bytes | None = None  # --checkpoint-key: save signs meta.json, resume checks it
+    init: str | None = None  # --init hf:DIR: the directory of step 0's weights (exec/hf.py)
 
 
 def agree_at_startup(
@@ -123,8 +124,9 @@ def _short(key: str, v) -> str:
 def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict[str, str]:
     """The run flags every rank must share, resolved: the checkpoint --resume names and its
     step (read from its meta.json now, before any collective: a rank that resumes alone
-    would otherwise wait in DCP's collectives for the others until --timeout), the save
-    directory and cadence, what to do on a non-finite loss, the device type, the precision."""
+    would otherwise wait in DCP's collectives for the others until --timeout), the weights
+    --init names (the directory and a hash of its files), the save directory and cadence,
+    what to do on a non-finite loss, the device type, the precision."""
     from schedc.exec.checkpoint.files import find
     from schedc.exec.checkpoint.layout import CheckpointError
     from schedc.exec.checkpoint.meta_json import read_meta
@@ -138,11 +140,20 @@ def run_flags(job: TrainOptions, device: torch.device, opts: RunOptions) -> dict
             resume = f"{path.resolve()} (step {step})"
         except (CheckpointError, OSError) as e:
             resume = f"unusable: {e}"  # said after agreement, by every rank that has it
+    init = "none"
+    if job.init:
+        from schedc.exec.hf import source
+
+        try:
+            init = source(Path(job.init))
+        except (UserError, OSError) as e:
+            init = f"unusable: {e}"  # said after agreement, as --resume's
     save = "none"
     if job.save:
         save = f"{os.path.abspath(job.save)} every {job.save_every}, keep {job.keep}"
     return {
         "--resume": resume,
+        "--init": init,
         "--save": save,
         "--nonfinite": opts.nonfinite,
         "--probe": "on" if opts.probe else "off",  # collectives: on every rank, or none
@@ -298,6 +309,8 @@ def agree(
     agree_at_startup(compiled, comm, compiled.plan(comm.rank), data, flags)
     if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
         raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
+    if flags["--init"].startswith("unusable: "):
+        raise RunError(flags["--init"].removeprefix("unusable: "))
     return batches, val, hellaswag
 
 
@@ -319,11 +332,15 @@ def start_executor(
     compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, batches: GlobalBatches
 ) -> Executor:
     """The executor, its collectives and layers probed with --probe, and its state loaded
-    from the checkpoint --resume names."""
+    from the checkpoint --resume names or its weights from the directory --init names."""
     ex = phase.ex = Executor(compiled, comm, opts, batches)
     if opts.probe:
         phase.where = "probing collectives and layers for the trace"
         ex.probe()
+    if job.init:
+        phase.where = f"loading --init hf:{job.init}"
+        init_weights(ex, Path(job.init))
+        log(comm, f"schedc: weights of step 0 from hf:{job.init}")
     if job.resume:
         from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
         from schedc.exec.checkpoint.files import find
@@ -332,6 +349,18 @@ def start_executor(
         step = store.load(ex, job.resume, key=job.key)
         log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
     return ex
+
+
+def init_weights(ex: Executor, directory: Path) -> None:
+    """A Hugging Face GPT-2's weights in place of the seed's, on every rank, each keeping its
+    shard (exec/hf.py; the ranks agreed on the files' hash)."""
+    from schedc.exec import hf
+    from schedc.exec.checkpoint.state import load_parameters
+
+    try:
+        load_parameters(ex, hf.load(directory, ex.spec.model, ex.spec.model_name))
+    except UserError as e:
+        raise RunError(str(e)) from None
 
 
 def run_steps(

@@ -106,7 +106,7 @@ def test_a_format_1_checkpoint_still_resumes(saved, tmp_path):
     meta_file = old / "step_00000001" / "meta.json"
     meta = json.loads(meta_file.read_text())
     meta["format"] = 1
-    del meta["stream"]
+    del meta["stream"], meta["unit_params"]
     meta_file.write_text(json.dumps(meta))
     ex = executor(TINY, 10)  # nothing recorded to compare
     assert store.load(ex, old) == 1

@@ -155,6 +155,12 @@ def edit_meta(fn):
     return go
 
 
+def all_params(meta: dict) -> list[str]:
+    from schedc.model.arch import GPTConfig
+
+    return [p.name for p in GPTConfig(**meta["model_config"]).params]
+
+
 def set_metadata(step: Path, payload: bytes) -> None:
     (step / ".metadata").write_bytes(payload)
     rehash(step)
@@ -534,6 +540,14 @@ ATTACKS = {
     ),
     "schema: negative unit": A(
         do=edit_meta(lambda m: m.update(units={"u1": -1})), file=f"{STEP}/meta.json"
+    ),
+    "schema: unit_params of no unit": A(
+        do=edit_meta(lambda m: m.update(unit_params={"u1": ["wte.weight"]})),
+        file=f"{STEP}/meta.json",
+    ),
+    "schema: unit_params not adding up": A(
+        do=edit_meta(lambda m: m.update(units={"all": 5}, unit_params={"all": all_params(m)})),
+        file=f"{STEP}/meta.json",
     ),
     "schema: hash not hex": A(
         do=edit_meta(lambda m: m["files"].update({".metadata": "x"})), file=f"{STEP}/meta.json"

@@ -16,8 +16,9 @@ import torch
 
 from schedc.errors import UserError
 
-FORMAT = 2  # meta.json's "format" (2 added the data stream and the LR horizon)
-FORMATS = (1, 2)  # what a resume reads: a format-1 checkpoint has no "stream" to compare
+FORMAT = 2  # meta.json's "format" (2 added the token stream, the LR horizon, and the
+# parameters of each FSDP unit in flat order)
+FORMATS = (1, 2)  # what a resume reads: a format-1 checkpoint has none of those to compare
 HMAC_FILE = "meta.json.hmac"
 MAX_META_BYTES = 32 << 20  # meta.json: 7 KB at world 1 (6.7 KB of it a rank's RNG state)
 MAX_METADATA_BYTES = 64 << 20  # DCP's .metadata: 38 KB for the tiny model's 157 tensors

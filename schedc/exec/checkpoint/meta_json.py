@@ -2,10 +2,11 @@
 its schema field by field, then every file it lists against its SHA-256.
 
 meta.json holds the step (which fixes the learning rate and the data position: step s
-reads global batch s), the schedule and model it was saved by, each rank's RNG state, and
-the SHA-256 of every other file. The hashes detect corruption and truncation, not
-tampering: with a key, meta.json.hmac authenticates meta.json's exact bytes, and through
-its hashes every file.
+reads global batch s), the schedule and model it was saved by (FSDP: each unit's size and
+its parameters in the order its flat parameter holds them, so that a reader needs no
+schedule to cut it up), each rank's RNG state, and the SHA-256 of every other file. The
+hashes detect corruption and truncation, not tampering: with a key, meta.json.hmac
+authenticates meta.json's exact bytes, and through its hashes every file.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def _check_hmac(mac_file: Path, raw: bytes, key: bytes | None) -> None:
 
 Problem = tuple[str, str] | None
 _UNKNOWN = "not a field of a schedc checkpoint"
+FORMAT_2_FIELDS = {"stream", "unit_params"}  # what a format-1 checkpoint does not have
 
 
 def _check_meta(meta: Any, where: Path) -> None:
@@ -126,7 +128,7 @@ def _check_meta(meta: Any, where: Path) -> None:
     and in range; files are DCP's own names, directly in the directory."""
     if type(meta) is not dict:
         raise CheckpointError(f"{where}: not a JSON object")
-    needed = _FIELDS.keys() - ({"stream"} if meta.get("format") == 1 else set())
+    needed = _FIELDS.keys() - (FORMAT_2_FIELDS if meta.get("format") == 1 else set())
     problem = (
         next(((k, "missing") for k in sorted(needed - meta.keys())), None)
         or next(((k[:40], _UNKNOWN) for k in sorted(meta.keys() - _FIELDS.keys())), None)
@@ -200,6 +202,27 @@ def _units(v: Any, meta: dict) -> Problem:
     return _sizes("units", v, 2**48)
 
 
+def _unit_params(v: Any, meta: dict) -> Problem:
+    """Each unit's parameter names in its flat parameter's order: the model's parameters,
+    each in one unit once, adding up to the unit's size ({} without units)."""
+    units = meta["units"]
+    if type(v) is not dict or v.keys() != units.keys():
+        return "unit_params", "not an object of the parameters of each of 'units'"
+    try:
+        from schedc.model.arch import GPTConfig
+
+        sizes = {p.name: p.numel for p in GPTConfig(**meta["model_config"]).params}
+    except (TypeError, ValueError):
+        return "model_config", "not a GPT-2 configuration"
+    held = [n for names in v.values() for n in (names if type(names) is list else [None])]
+    if v and sorted(held, key=str) != sorted(sizes):
+        return "unit_params", "does not name every parameter of the model once"
+    for u, names in v.items():
+        if sum(sizes[n] for n in names) != units[u]:
+            return f"unit_params.{u[:40]}", f"its parameters do not add up to {units[u]} elements"
+    return None
+
+
 def _rng(v: Any, meta: dict) -> Problem:
     if type(v) is not list or len(v) != meta["world"]:
         return "rng", f"not a list of {meta['world']} RNG states (one a rank)"
@@ -240,6 +263,7 @@ _FIELDS: dict[str, Callable[[Any, dict], Problem]] = {
     "model_config": _model_config,
     "schedule_sha256": lambda v, meta: _hex64("schedule_sha256", v),
     "units": _units,
+    "unit_params": _unit_params,
     "rng": _rng,
     "stream": _stream,
     "files": _files,

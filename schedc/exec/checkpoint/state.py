@@ -102,6 +102,29 @@ def _load_units(ex, state: dict[str, torch.Tensor], step: int) -> None:
             off += k
 
 
+def unit_params(ex) -> dict[str, list[str]]:
+    """Each FSDP unit's parameters in the order its flat parameter holds them (meta.json
+    `unit_params`: what a reader needs to cut `unit.U.param` into tensors); {} for DDP."""
+    names = {id(p): n for n, p in ex.params.items()}
+    return {u.name: [names[id(p)] for p, *_ in u.layout] for u in ex.units.values()}
+
+
+def load_parameters(ex, params: dict[str, torch.Tensor]) -> None:
+    """Full parameters by name (`--init hf:DIR`) into the executor before step 0: every rank
+    is given them all, as every rank builds the whole model before sharding it, and keeps
+    its part (an FSDP unit: its shard of the flat parameter, in its layout's order)."""
+    with torch.no_grad():
+        if not ex.units:
+            for name, p in ex.params.items():
+                p.copy_(params[name])
+            return
+        for u, names in unit_params(ex).items():
+            unit = ex.units[u]
+            flat = torch.cat([params[n].reshape(-1) for n in names])
+            lo = unit.rank * unit.shard_len
+            unit.shard[: _kept(unit)].copy_(flat[lo : lo + _kept(unit)])
+
+
 def _adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[str, Any]:
     """AdamW's state of one parameter after `step` updates (it keeps the step as a tensor)."""
     return {"step": torch.tensor(float(step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}

@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from schedc.exec.checkpoint.dcp_metadata import SafeReader
 from schedc.exec.checkpoint.files import find, mac
 from schedc.exec.checkpoint.layout import FORMAT, HMAC_FILE, CheckpointError, step_dir
 from schedc.exec.checkpoint.meta_json import verify
-from schedc.exec.checkpoint.state import executor_state, load_executor_state
+from schedc.exec.checkpoint.state import executor_state, load_executor_state, unit_params
 from schedc.ir.spec import Strategy
+from schedc.model.arch import GPTConfig
 
 CRASH_ENV = "SCHEDC_CRASH_AT"  # test hook: die (SIGKILL) at a named point of a save
 
@@ -65,6 +67,7 @@ def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
         "model_config": dataclasses.asdict(ex.spec.model),
         "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
         "units": {u.name: u.numel for u in ex.units.values()},
+        "unit_params": unit_params(ex),
         "rng": rng,
         "stream": _stream(ex),
         "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
@@ -152,7 +155,7 @@ def load(ex, root: str | os.PathLike, key: bytes | None = None) -> int:
     SafeReader(str(path), meta).read_metadata()  # refuse bad metadata before DCP touches it
     _check_same_stream(ex, path, meta)
     state = executor_state(ex)
-    _dcp_load(ex, path, meta, state)
+    _dcp_load(path, meta, state, ex.comm.group)
     step = meta["step"]
     load_executor_state(ex, state, step)
     rng = meta["rng"]
@@ -182,6 +185,14 @@ def _check_same_schedule(ex, path: Path, meta: dict) -> None:
         )
         raise CheckpointError(
             f"{path}: its FSDP units differ from this schedule's: {', '.join(map(str, diff))}"
+        )
+    saved = meta.get("unit_params")  # format 1 did not record them
+    if spec.kind is Strategy.FSDP and saved is not None and saved != unit_params(ex):
+        # units of the same sizes holding other parameters, or in another order, would load
+        # without an error and train on scrambled weights
+        raise CheckpointError(
+            f"{path}: its FSDP units hold other parameters than this schedule's "
+            "(of the same sizes: another partition, or another order)"
         )
 
 
@@ -215,11 +226,14 @@ def _check_same_stream(ex, path: Path, meta: dict) -> None:
         )
 
 
-def _dcp_load(ex, path: Path, meta: dict, state: dict[str, torch.Tensor]) -> None:
-    """DCP reads the tensors into `state`, through SafeReader; whatever fails is a
-    CheckpointError about this checkpoint."""
+def _dcp_load(path: Path, meta: dict, state: dict[str, torch.Tensor], group=None) -> None:
+    """DCP reads the tensors into `state`, through SafeReader, on the ranks of `group` (None
+    and no process group: this process alone); whatever fails is a CheckpointError about this
+    checkpoint."""
+    alone = not dist.is_initialized()
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path), meta), process_group=ex.comm.group)
+        reader = SafeReader(str(path), meta)
+        dcp.load(state, storage_reader=reader, process_group=group, no_dist=alone)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's errors are about this checkpoint
@@ -228,6 +242,48 @@ def _dcp_load(ex, path: Path, meta: dict, state: dict[str, torch.Tensor]) -> Non
             raise cause from None
         what = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
         raise CheckpointError(f"{path}: cannot be loaded: {what}") from None
+
+
+# -- reading the parameters in one process (schedc export) ---------------------------------------
+
+
+def read_parameters(
+    root: str | os.PathLike, key: bytes | None = None
+) -> tuple[dict, GPTConfig, dict[str, torch.Tensor]]:
+    """A checkpoint's parameters, whole and by name, read in this process alone whatever
+    world saved it (DCP joins a sharded unit's chunks): its meta.json, its model, and the
+    parameters. Checked as a resume checks it: HMAC with a key, meta.json, every file's hash,
+    DCP's metadata; only parameters are read, never the optimizer's moments."""
+    path = find(root)
+    meta = verify(path, key)
+    items = SafeReader(str(path), meta).read_metadata().state_dict_metadata
+    model = GPTConfig(**meta["model_config"])  # meta_json checked it is one
+    units = meta.get("unit_params")
+    if units is None and meta["units"]:
+        raise CheckpointError(
+            f"{path}: a format-1 FSDP checkpoint does not say which parameters each unit "
+            "holds; resume it with `schedc run --resume` and save again to export it"
+        )
+    shapes: dict[str, tuple[int, ...]] = {
+        f"unit.{u}.param": (n,) for u, n in meta["units"].items()
+    } or {f"param.{p.name}": p.shape for p in model.params}
+    state = {}
+    for n, shape in shapes.items():
+        item = items.get(n)  # SafeReader admitted tensor items only
+        if not isinstance(item, TensorStorageMetadata) or tuple(item.size) != shape:
+            raise CheckpointError(
+                f"{path}: holds no {n} of shape {shape}, which its meta.json promises"
+            )
+        state[n] = torch.empty(shape, dtype=item.properties.dtype)
+    _dcp_load(path, meta, state)
+    if not units:
+        return meta, model, {n.removeprefix("param."): t for n, t in state.items()}
+    params = {}
+    for u, held in units.items():
+        flat = state[f"unit.{u}.param"]
+        for name, part in zip(held, flat.split([model.param(n).numel for n in held])):
+            params[name] = part.view(model.param(name).shape)
+    return meta, model, params
 
 
 def _cause(e: BaseException) -> BaseException:
