@@ -95,6 +95,32 @@ def test_the_docs_show_commands_of_every_verb():
         assert any(re.match(rf"(python -m )?schedc {verb}\b", c) for c in runnable), verb
 
 
+WRITES = OUTPUT_FLAGS | {"--trace", "--log-json", "--tensorboard"}
+
+
+def test_no_documented_command_writes_into_the_checkout_s_tracked_files():
+    """A reader who runs the docs' commands leaves the checkout as it was (#29 stumble 8:
+    README wrote t.json and best.sched into its root): what a command writes goes under
+    out/ (ignored), into docs/ (the commands that redraw or refit what the docs show), a
+    folder the command names for itself, or a placeholder in capitals."""
+    seen = 0
+    for where, cmd in CASES:
+        try:
+            argv = shlex.split(cmd)
+        except ValueError:
+            continue
+        for flag, path in zip(argv, argv[1:]):
+            if flag not in WRITES:
+                continue
+            seen += 1
+            ok = (
+                path.startswith(("out/", "docs/", "<dir>/"))
+                or path.split("/")[0].split(".")[0].isupper()
+            )
+            assert ok, f"{where}: {cmd} writes {path} into the checkout"
+    assert seen > 10
+
+
 def outputs_to(argv: list[str], tmp: Path) -> list[str]:
     """-o PATH -> -o tmp/NAME: the docs' pictures are drawn, not overwritten."""
     out = list(argv)
