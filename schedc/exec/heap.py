@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import threading
 
@@ -99,6 +100,10 @@ class HeapPeak:
             self.peak = now
 
     def __enter__(self) -> HeapPeak:
+        # no garbage collection inside the block: a cycle of an earlier step's tensors freed
+        # mid-step would lower the heap under `start` and hide what the step itself grew
+        self._collecting = gc.isenabled()
+        gc.disable()
         self.start = self.peak = heap_bytes() or 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -113,6 +118,8 @@ class HeapPeak:
         self._stop.set()
         self._thread.join()
         self.sample()
+        if self._collecting:
+            gc.enable()
 
     @property
     def grew(self) -> int:
