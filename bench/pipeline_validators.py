@@ -131,10 +131,15 @@ def defer_every_recv(actions: dict[int, list[_Action]]) -> dict[int, list[_Actio
     `_defer_recv_ops` has now."""
     out = {}
     for rank, acts in actions.items():
-        recvs = {(a.stage_index, a.computation_type, a.microbatch_index): a for a in acts}
+        recv = (C.RECV_F, C.RECV_B)
+        recvs = {
+            (a.stage_index, a.computation_type, a.microbatch_index): a
+            for a in acts
+            if a.computation_type in recv
+        }
         new: list[_Action] = []
         for a in acts:
-            if a.computation_type in (C.RECV_F, C.RECV_B):
+            if a.computation_type in recv:
                 continue
             need = C.RECV_F if a.computation_type == C.FORWARD else C.RECV_B
             if a.computation_type in (C.FORWARD, C.FULL_BACKWARD, C.BACKWARD_INPUT):
@@ -142,6 +147,7 @@ def defer_every_recv(actions: dict[int, list[_Action]]) -> dict[int, list[_Actio
                 if key in recvs:
                     new.append(recvs.pop(key))
             new.append(a)
+        assert not recvs, f"rank {rank}: receives no compute consumes: {list(recvs.values())}"
         out[rank] = new
     return out
 
