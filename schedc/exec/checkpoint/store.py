@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -233,7 +234,9 @@ def _dcp_load(path: Path, meta: dict, state: dict[str, torch.Tensor], group=None
     alone = not dist.is_initialized()
     try:
         reader = SafeReader(str(path), meta)
-        dcp.load(state, storage_reader=reader, process_group=group, no_dist=alone)
+        with warnings.catch_warnings():  # alone, DCP warns that it assumes what was asked
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, process_group=group, no_dist=alone)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's errors are about this checkpoint
