@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from schedc.ir.pipeline import Action, Kind, Pipeline, Programs, needs, side_by_side
+from schedc.ir.pipeline import (
+    DEFAULT_COMM,
+    Action,
+    Kind,
+    Pipeline,
+    Programs,
+    needs,
+    side_by_side,
+)
 from schedc.lang.diagnostics import Diagnostic
 
 Where = tuple[int, int]  # (rank, item index)
@@ -151,12 +159,15 @@ def check_once(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding
 def check_order(
     pipe: Pipeline, programs: Programs, where: dict[Action, list[Where]]
 ) -> list[Finding]:
+    plain: dict[Action, list[Where]] = defaultdict(list)  # a receive on any communicator
+    for a, places in where.items():
+        plain[a._replace(comm=DEFAULT_COMM)] += places
     out = []
     for r, prog in programs.items():
         for i, item in enumerate(prog):
             for a in item:
                 for need in needs(pipe, a, _backward(where, a.stage, a.mb)):
-                    if found := _order_error(r, i, a, need, where):
+                    if found := _order_error(r, i, a, need, plain):
                         out.append(found)
     return out
 
@@ -237,7 +248,7 @@ def pair_fifo(pipe: Pipeline, programs: Programs) -> tuple[list[tuple[Member, Me
 
 def _fifo_error(key: tuple, wrong: list[tuple[int, Member, Member]]) -> Finding:
     (src, dst, comm), (k, send, recv) = key, wrong[0]
-    more = f" ({len(wrong) - 1} more pairs on this queue)" if len(wrong) > 1 else ""
+    more = f" (and {len(wrong) - 1} more mismatched on this queue)" if len(wrong) > 1 else ""
     what = "activation" if send[3].kind.forward else "input gradient"
     msg = (
         f"FIFO inversion: rank {dst}'s {_nth(k + 1)} receive from rank {src} on {comm!r}, "
