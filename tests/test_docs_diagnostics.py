@@ -211,6 +211,8 @@ STAGES = {
     "passes/check.py": "check",
     "passes/buffers.py": "check",  # the lifetime rules the check runs
     "passes/agree.py": "compare",
+    "passes/pipeline_check.py": "pipeline",  # not yet behind the language: bench/pipeline_check.py
+    "passes/pipeline_gen.py": "pipeline",
 }
 BEGIN, END = "<!-- codes: generated from schedc.lang.diagnostics.CODES -->", "<!-- end of codes -->"
 

@@ -98,6 +98,17 @@ CODES: dict[str, str] = {
     # SPMD
     "spmd": "ranks that would issue different collectives, or in a different order",
     "proof": "the ranks' plans, executed abstractly, do not compute one process's update",
+    # pipeline programs
+    "pp-placement": "a pipeline action on a rank that does not hold its stage, or for a "
+    "stage or micro-batch the pipeline does not have",
+    "pp-once": "a stage's F, and its B or I and W, not run exactly once per micro-batch",
+    "pp-order": "a pipeline action before one whose result it reads on its rank",
+    "pp-unmatched": "a send with no receive of the same tag and communicator, or a receive "
+    "with no send",
+    "pp-fifo": "a FIFO inversion: the k-th send and the k-th receive of a communicator "
+    "carry different tags",
+    "pp-deadlock": "happens-before under blocking point-to-point has a cycle",
+    "pp-microbatches": "fewer micro-batches than a named pipeline schedule needs",
     # warnings
     "bucket-order": "buckets listed in an order other than the one their gradients complete",
     "tied-late": "a bucket holding the tied weight, which completes only at the end of backward",

@@ -1,0 +1,219 @@
+"""Pipeline programs: per-rank lists of compute and point-to-point actions, one text form.
+
+    F[s1]@mb0            forward of stage 1 for micro-batch 0
+    B[s1]@mb0            full backward (input and weight gradients) of stage 1, micro-batch 0
+    I[s1]@mb0            input-gradient half of the backward (zero-bubble schedules)
+    W[s1]@mb0            weight-gradient half, after its I
+    SEND_F[s0]@mb0       stage 0 sends micro-batch 0's activation to stage 1's rank
+    RECV_F[s1]@mb0       stage 1 receives it (from stage 0's rank)
+    SEND_B[s1]@mb0       stage 1 sends the gradient of its input to stage 0's rank
+    RECV_B[s0]@mb0       stage 0 receives it
+    SEND_F[s0]@mb0:c1    the same on communicator c1 (the default is `pp`)
+
+A send names its own stage and a receive its own (as torch's `_Action` does), so
+SEND_F[s]@m pairs with RECV_F[s+1]@m and SEND_B[s]@m with RECV_B[s-1]@m. An item of a
+program is one action or a group of point-to-point actions issued together
+(`batch_isend_irecv`), written joined by `+`: `SEND_F[s0]@mb1+RECV_B[s0]@mb0`.
+`Action.parse(str(a)) == a` and `parse_program(format_program(p)) == p` (tested).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+DEFAULT_COMM = "pp"
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 (the paper's and torch's name)
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in P2P
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Kind.SEND_F, Kind.SEND_B)
+
+    @property
+    def forward(self) -> bool:
+        """Whether a transfer carries an activation (F) rather than an input gradient (B)."""
+        return self in (Kind.SEND_F, Kind.RECV_F)
+
+
+P2P = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+
+_ACTION = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)\[s(\d+)\]@mb(\d+)(?::([\w.-]+))?")
+
+
+class Action(NamedTuple):
+    kind: Kind
+    stage: int
+    mb: int
+    comm: str = DEFAULT_COMM  # the communicator of a send or receive; unused by compute
+
+    def __str__(self) -> str:
+        suffix = f":{self.comm}" if self.kind.is_p2p and self.comm != DEFAULT_COMM else ""
+        return f"{self.kind.value}[s{self.stage}]@mb{self.mb}{suffix}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = _ACTION.fullmatch(text.strip())
+        if not m:
+            raise ValueError(f"not a pipeline action: {text!r}")
+        kind = Kind(m.group(1))
+        comm = m.group(4) or DEFAULT_COMM
+        if comm != DEFAULT_COMM and not kind.is_p2p:
+            raise ValueError(f"a compute action has no communicator: {text!r}")
+        return cls(kind, int(m.group(2)), int(m.group(3)), comm)
+
+    @property
+    def edge(self) -> tuple[int, int]:
+        """(from stage, to stage) of a transfer, the same for a send and its receive."""
+        if self.kind is Kind.SEND_F:
+            return (self.stage, self.stage + 1)
+        if self.kind is Kind.RECV_F:
+            return (self.stage - 1, self.stage)
+        if self.kind is Kind.SEND_B:
+            return (self.stage, self.stage - 1)
+        if self.kind is Kind.RECV_B:
+            return (self.stage + 1, self.stage)
+        raise ValueError(f"{self} is no transfer")
+
+    @property
+    def tag(self) -> tuple[tuple[int, int], int, bool]:
+        """What a transfer carries: (stage edge, micro-batch, forward); a send and the
+        receive it is meant for have the same tag."""
+        return (self.edge, self.mb, self.kind.forward)
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end of a transfer."""
+        a, b = self.edge
+        return b if self.kind.is_send else a
+
+
+Item = tuple[Action, ...]  # one action, or a group of transfers issued together
+
+
+class Placement(str, Enum):
+    LOOP = "loop"  # stage s on rank s % pp
+    V = "v"  # chunk c of rank r: stage c * pp + r for even c, (c + 1) * pp - 1 - r for odd
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How many ranks, stages and micro-batches, and where each stage runs."""
+
+    pp: int
+    stages: int
+    microbatches: int
+    placement: Placement = Placement.LOOP
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.microbatches < 1 or self.stages < self.pp:
+            raise ValueError(f"pipeline needs pp >= 1, m >= 1, stages >= pp: {self}")
+        if self.stages % self.pp:
+            raise ValueError(f"{self.stages} stages do not divide over {self.pp} ranks")
+
+    @property
+    def per_rank(self) -> int:
+        return self.stages // self.pp
+
+    def rank_of(self, stage: int) -> int:
+        chunk, pos = divmod(stage, self.pp)
+        if self.placement is Placement.V and chunk % 2:
+            return self.pp - 1 - pos
+        return pos
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.stages) if self.rank_of(s) == rank]
+
+    def peer(self, action: Action) -> int:
+        """The rank at the other end of a transfer."""
+        return self.rank_of(action.peer_stage)
+
+    def local(self, a: int, b: int) -> bool:
+        """Whether stages a and b are on one rank (their tensors need no transfer)."""
+        return self.rank_of(a) == self.rank_of(b)
+
+
+Programs = dict[int, list[Item]]  # rank -> items in issue order
+
+
+def format_item(item: Item) -> str:
+    return "+".join(str(a) for a in item)
+
+
+def format_program(program: list[Item]) -> str:
+    return " ".join(format_item(i) for i in program)
+
+
+def parse_program(text: str) -> list[Item]:
+    return [tuple(Action.parse(a) for a in word.split("+")) for word in text.split()]
+
+
+def actions(program: list[Item]) -> list[Action]:
+    return [a for item in program for a in item]
+
+
+def side_by_side(programs: Programs, ranks: list[int], marks: dict[tuple[int, int], str]) -> str:
+    """Columns of the ranks' programs, one item a row; `marks[(rank, index)]` is printed
+    next to that item (where a cycle passes, say)."""
+    cols = []
+    for r in ranks:
+        cells = [f"{i:>3} {format_item(it)}{marks.get((r, i), '')}" for i, it in
+                 enumerate(programs.get(r, []))]  # fmt: skip
+        cols.append([f"rank {r}", *cells])
+    width = [max(len(c) for c in col) + 2 for col in cols]
+    rows = max(len(col) for col in cols)
+    out = []
+    for k in range(rows):
+        cells = [(col[k] if k < len(col) else "").ljust(w) for col, w in zip(cols, width)]
+        out.append("".join(cells).rstrip())
+    return "\n".join(out)
+
+
+# -- what each action reads: the one rule the generator, the checker and the simulator share --
+
+
+def needs(pipe: Pipeline, act: Action, backward: Kind = Kind.B) -> list[Action]:
+    """The actions whose results `act` reads, all on act's rank: its stage's forward, the
+    neighbour stage's output when that stage is local, else the receive that brings it.
+    `backward` is the kind that produces an input gradient: B, or I in a split schedule."""
+    s, m = act.stage, act.mb
+    if act.kind is Kind.F:
+        if s == 0:
+            return []
+        return [Action(Kind.F, s - 1, m) if pipe.local(s - 1, s) else Action(Kind.RECV_F, s, m)]
+    if act.kind in (Kind.B, Kind.I):
+        out = [Action(Kind.F, s, m)]
+        if s + 1 < pipe.stages:
+            local = pipe.local(s + 1, s)
+            out.append(Action(backward, s + 1, m) if local else Action(Kind.RECV_B, s, m))
+        return out
+    if act.kind is Kind.W:
+        return [Action(Kind.I, s, m)]
+    if act.kind is Kind.SEND_F:
+        return [Action(Kind.F, s, m)]
+    if act.kind is Kind.SEND_B:
+        return [Action(backward, s, m)]
+    return []
+
+
+def producer(recv: Action, backward: Kind = Kind.B) -> Action:
+    """The compute whose output a receive brings (on the sending rank)."""
+    if recv.kind is Kind.RECV_F:
+        return Action(Kind.F, recv.stage - 1, recv.mb)
+    return Action(backward, recv.stage + 1, recv.mb)
