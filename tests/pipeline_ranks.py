@@ -31,10 +31,24 @@ class Case:
     seed: int = 7
     lr: float = 1e-3
     clip: float = 1.0
+    sizes: tuple[int, ...] | None = None  # layers a stage, in order; None: split_layers
+    dtype: str = "float32"
 
     def __str__(self) -> str:
         v = f"-v{self.v}" if self.v > 1 else ""
-        return f"{self.schedule.value}{v}-pp{self.pp}-m{self.m}-{self.steps}steps"
+        cut = "-" + ".".join(map(str, self.sizes)) if self.sizes else ""
+        dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
+        return f"{self.schedule.value}{v}-pp{self.pp}-m{self.m}{cut}-{self.steps}steps{dtype}"
+
+    def split(self, stages: int) -> tuple[tuple[str, ...], ...]:
+        from schedc.exec.pipeline_model import split_layers
+
+        if self.sizes is None:
+            return split_layers(self.config, stages)
+        layers, out = self.config.layers, []
+        for n in self.sizes:
+            out.append(tuple(layers[len(sum(out, ())) :][:n]))
+        return tuple(out)
 
     @property
     def config(self) -> GPTConfig:
@@ -58,15 +72,16 @@ def batches(seq_len: int, seqs: int, vocab: int):
 
 def run_case(rank: int, groups, case: Case) -> list:
     """This rank's steps of the case (StepStats with its own gradients and parameters)."""
+    import torch
+
     from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
-    from schedc.exec.pipeline_model import split_layers
     from schedc.passes.pipeline_gen import generate
 
     gen = generate(case.request)
     cfg = case.config
     data = batches(case.seq_len, case.m * case.micro, cfg.vocab_size)
-    split = split_layers(cfg, gen.pipeline.stages)
-    job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed)
+    split = case.split(gen.pipeline.stages)
+    job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, getattr(torch, case.dtype))
     comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
     ex = PipelineExecutor(job, gen, comm, record=True)
     return [ex.step() for _ in range(case.steps)]
@@ -84,7 +99,8 @@ def reference(case: Case) -> tuple:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = Reference(cfg, case.optim, data, case.micro, case.steps, case.seed)
+        dtype = getattr(torch, case.dtype)
+        ref = Reference(cfg, case.optim, data, case.micro, case.steps, case.seed, dtype)
         return tuple(ref.step() for _ in range(case.steps))
     finally:
         torch.set_num_threads(threads)
