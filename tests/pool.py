@@ -55,6 +55,19 @@ class JobResult:
     linears: int = 0  # rank 0's Linear forwards that ran on emulated TF32 (with tf32)
 
 
+@dataclass
+class Call:
+    """`target(rank, groups, *args)` on ranks 0..world-1 ("module:function", imported on the
+    worker): any distributed test code on the pool's processes (the pipeline executor's,
+    tests/pipeline_ranks.py). `groups[d]` is the group of ranks 0..d-1, `groups["ends", d]`
+    that of ranks 0 and d-1. The reply is every rank's return value, in rank order."""
+
+    target: str
+    world: int
+    args: tuple = ()
+    id: int = 0
+
+
 class JobFailed(AssertionError):
     pass
 
@@ -75,7 +88,9 @@ def _worker(rank: int, size: int, store_dir: str, conn) -> None:
         world_size=size,
         timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S),
     )
-    groups = {d: dist.new_group(list(range(d))) for d in range(1, size + 1)}
+    groups: dict = {d: dist.new_group(list(range(d))) for d in range(1, size + 1)}
+    for d in range(2, size + 1):  # the first and last rank of ranks 0..d-1 (pipeline ends)
+        groups["ends", d] = groups[2] if d == 2 else dist.new_group([0, d - 1])
     conn.send("ready")
     while True:
         try:
@@ -85,7 +100,8 @@ def _worker(rank: int, size: int, store_dir: str, conn) -> None:
         if job is None:
             break
         try:
-            conn.send_bytes(_dumps(("ok", _run_job(job, rank, groups))))
+            run = _call if isinstance(job, Call) else _run_job
+            conn.send_bytes(_dumps(("ok", run(job, rank, groups))))
         except BaseException:  # noqa: BLE001 - reported to the parent, which restarts us
             conn.send_bytes(_dumps(("error", traceback.format_exc())))
     dist.destroy_process_group()
@@ -117,6 +133,13 @@ def _dumps(reply) -> bytes:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(reply)
     return buf.getvalue()
+
+
+def _call(job: Call, rank: int, groups):
+    import importlib
+
+    module, name = job.target.split(":")
+    return getattr(importlib.import_module(module), name)(rank, groups, *job.args)
 
 
 def _run_job(job: Job, rank: int, groups):
@@ -287,7 +310,24 @@ class Pool:
             outs[0]["linears"],
         )
 
-    def _replies(self, job: Job, deadline: float, timeout: float) -> dict[int, dict]:
+    def call(self, target: str, world: int, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+        """`target(rank, groups, *args)` on ranks 0..world-1 (see Call); every rank's return
+        value; JobFailed as for `run`."""
+        assert 1 <= world <= self.size, world
+        if not self.alive:
+            self.restart()
+        self.jobs += 1
+        job = Call(target, world, args, self.jobs)
+        deadline = time.monotonic() + timeout
+        for r, c in enumerate(self.conns[:world]):
+            try:
+                c.send(job)
+            except (BrokenPipeError, OSError):
+                self._fail(job, r, f"rank {r} was gone before the job started")
+        replies = self._replies(job, deadline, timeout)
+        return [replies[r] for r in range(world)]
+
+    def _replies(self, job: Job | Call, deadline: float, timeout: float) -> dict[int, dict]:
         """Every job rank's reply by the deadline, or JobFailed saying which rank did not."""
         world = job.world
         replies: dict[int, dict] = {}
@@ -337,7 +377,7 @@ class Pool:
         p.join(timeout=1.0)
         return p.exitcode
 
-    def _fail(self, job: Job, rank: int, why: str):
+    def _fail(self, job: Job | Call, rank: int, why: str):
         """Restart the pool, then raise JobFailed saying why, with the schedule and plan."""
         try:
             self.restart()
@@ -346,8 +386,10 @@ class Pool:
         raise JobFailed(f"{why}\n{describe(job, rank)}")
 
 
-def describe(job: Job, rank: int | None = None) -> str:
+def describe(job: Job | Call, rank: int | None = None) -> str:
     """The schedule text and the plan `rank` runs, for a failure message."""
+    if isinstance(job, Call):
+        return f"--- {job.target} on {job.world} ranks, arguments ---\n{job.args!r}"
     from schedc.compiler import compile_text
     from schedc.lang.diagnostics import CompileError
     from schedc.lang.resolve import Overrides

@@ -44,6 +44,7 @@ __all__ = [
     "EmbeddingIntoGrad",
     "GPTConfig",
     "chunked_loss",
+    "init_value",
 ]
 
 
@@ -134,16 +135,8 @@ class GPT(nn.Module):
         same values on every device, and a float64 model holds the fp32 values exactly.
         """
         gen = torch.Generator().manual_seed(seed)
-        proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = proj_std if name.endswith("c_proj.weight") else 0.02
-                draw = torch.empty(p.shape, dtype=torch.float32, device="cpu")
-                p.copy_(draw.normal_(0.0, std, generator=gen))
-            elif name.endswith(".weight"):  # the only vectors named weight: LayerNorm gains
-                p.fill_(1.0)
-            else:
-                p.zero_()
+            p.copy_(init_value(self.config, name, tuple(p.shape), gen))
 
     # -- whole model -------------------------------------------------------------------
 
@@ -220,6 +213,21 @@ class GPT(nn.Module):
 
     def _block_index(self, name: str) -> int:
         return self._layer_index(name) - 1  # layers are embed, h.0, h.1, ...
+
+
+def init_value(
+    config: GPTConfig, name: str, shape: tuple[int, ...], gen: torch.Generator
+) -> torch.Tensor:
+    """The initial value of parameter `name` (nanoGPT's init, see GPT.init_weights), drawn
+    from `gen` in fp32 on the CPU; called in parameter order, as the draws follow each other.
+    A pipeline rank calls it for every parameter and keeps only its stages' (exec/pipeline.py)."""
+    if len(shape) >= 2:
+        proj_std = 0.02 / math.sqrt(2 * config.n_layer)
+        std = proj_std if name.endswith("c_proj.weight") else 0.02
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    if name.endswith(".weight"):  # the only vectors named weight: LayerNorm gains
+        return torch.ones(shape)
+    return torch.zeros(shape)
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

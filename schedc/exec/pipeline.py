@@ -1,0 +1,300 @@
+"""The pipeline executor: one rank's proven program (passes/pipeline_gen.py) run on its stages.
+
+    ex = PipelineExecutor(job, generated, PipeComm(rank, group, tied_group))
+    stats = ex.step()     # one optimizer step over the global batch's m micro-batches
+
+Each item of the rank's program runs in order (`Runner`, one small function a kind):
+- F[s]@j: the stage's layers on micro-batch j: tokens on stage 0, else the activation the
+  previous stage made (received, or local when that stage is on this rank), detached so the
+  stage's backward stops at its input. The last stage makes the loss of its micro-batch.
+- B[s]@j: backward of the stage from the output's gradient (received or local), or from
+  loss_j / m on the last stage (the reference's accumulation: the mean loss's gradient);
+  the input's gradient is kept for SEND_B or the local stage before.
+- I[s]@j / W[s]@j (zero bubble): I is the backward to the stage's input only, keeping the
+  graph; W the backward to the stage's parameters through that graph (torch's
+  stage_backward_input / stage_backward_weight do the same with less recomputation).
+- a P2P item, one transfer or a group: `batch_isend_irecv` of its sends and receives,
+  waited for before the next item. That is the model `pipeline_check.prove` proves free of
+  deadlock (a rank runs items one after another; a group completes when all its transfers
+  have), so what is proven is what runs; the executor proves the programs before it starts.
+  Untagged, as proven: the transport pairs the k-th send a -> b with the k-th receive.
+
+After the program, the update (`update`): the tied embedding's two copies (first stage's
+embed, last stage's head) get the sum of their gradients by an all-reduce on the 2-rank
+group of those ranks, as Megatron all-reduces its "embedding group"; the global gradient
+norm is the square root of the all-reduced sum of each rank's squared norms, the tied
+weight counted once (on the embed's rank); clipping by it; then AdamW with the reference's
+groups and kernels (model/reference.py make_adamw) at the spec's learning-rate schedule.
+Both copies of wte see the same gradient, state and step, so they stay bitwise equal.
+
+PP only: the pipeline ranks are the whole job (DP = 1). DP x PP would add, per stage, a
+data-parallel group of the ranks holding that stage (rank = dp * pp + pp_rank, torchtitan's
+mesh order), each stage's gradients all-reduced or reduce-scattered there after its last B
+or W (pipelining's REDUCE_GRAD), the tied all-reduce over the embed and head ranks of one
+replica, and the norm's sum over the pipeline group only (the replicas agree after the
+reduction).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from schedc.errors import RunError
+from schedc.exec.options import StepStats
+from schedc.exec.pipeline_model import RankModel, check_split
+from schedc.ir.pipeline import Action, Item, Kind, format_item
+from schedc.lang.diagnostics import CompileError
+from schedc.model.arch import GPTConfig
+from schedc.model.config import OptimConfig
+from schedc.model.data import GlobalBatches
+from schedc.model.reference import clip_coef, make_adamw
+from schedc.passes.pipeline_check import prove
+from schedc.passes.pipeline_gen import Generated
+
+
+@dataclass(frozen=True)
+class PipeJob:
+    """What every pipeline rank trains: the model, its stages, the data and the optimizer."""
+
+    model: GPTConfig
+    split: tuple[tuple[str, ...], ...]
+    """Layers of each stage, contiguous, embed .. head (exec/pipeline_model.py split_layers)."""
+    batches: GlobalBatches
+    """The global batch of each step; micro-batch j is its j-th of m equal slices."""
+    optim: OptimConfig
+    steps: int
+    """The run's steps (the learning-rate schedule's horizon)."""
+    seed: int
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class PipeComm:
+    """This rank's place: its pipeline rank, the pipeline ranks' group (P2P and the norm),
+    and the group of the first and last stage's ranks (the tied embedding; None when one
+    rank holds both)."""
+
+    rank: int
+    group: dist.ProcessGroup | None = None  # None: the default group
+    tied: dist.ProcessGroup | None = None
+
+
+@dataclass
+class Flight:
+    """One step's tensors in flight, by (stage, micro-batch), each dropped once used."""
+
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    received: dict[Action, torch.Tensor] = field(default_factory=dict)
+    weights: dict[tuple[int, int], tuple] = field(default_factory=dict)  # I done, W to come
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+class PipelineExecutor:
+    """Runs one rank's program of a proven pipeline schedule, step after step."""
+
+    def __init__(self, job: PipeJob, generated: Generated, comm: PipeComm, record: bool = False):
+        pipe, programs = generated.pipeline, generated.programs
+        check_split(job.model, job.split)
+        if len(job.split) != pipe.stages:
+            raise ValueError(f"{len(job.split)} stages split, the schedule has {pipe.stages}")
+        if job.batches.global_seqs % pipe.microbatches:
+            raise ValueError(
+                f"{job.batches.global_seqs} sequences do not split into {pipe.microbatches} "
+                "equal micro-batches"
+            )
+        proof = prove(pipe, programs)
+        if not proof.ok:
+            raise CompileError([f.diagnostic for f in proof.findings])
+        self.job, self.pipe, self.comm, self.record = job, pipe, comm, record
+        self.program: list[Item] = programs[comm.rank]
+        self.stages = pipe.stages_of(comm.rank)
+        layers = [name for s in self.stages for name in job.split[s]]
+        self.model = RankModel(job.model, layers, job.seed, job.dtype)
+        self.named = list(self.model.named_parameters())
+        self.optimizer = make_adamw(self.named, job.optim)
+        self.micro = job.batches.global_seqs // pipe.microbatches
+        self.peers = [_global_rank(comm.group, r) for r in range(pipe.pp)]
+        self.step_index = 0
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> StepStats:
+        t0 = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
+        flight = Flight()
+        for i, item in enumerate(self.program):
+            try:
+                with torch.profiler.record_function(format_item(item)):
+                    self.run_item(item, flight)
+            except Exception as e:
+                raise RunError(
+                    f"pipeline rank {self.comm.rank}, step {self.step_index}: "
+                    f"{type(e).__name__}: {e}\n{self.render(i)}"
+                ) from e
+        left = flight.inputs or flight.received or flight.grads_in or flight.weights
+        assert not left, "tensors left over after the program"
+        stats = self.update(flight.losses)
+        stats.dt_ms = (time.perf_counter() - t0) * 1e3
+        tokens = self.job.batches.global_seqs * self.job.batches.seq_len
+        stats.tokens_per_s = tokens / max(stats.dt_ms / 1e3, 1e-9)
+        self.step_index += 1
+        return stats
+
+    def render(self, failed: int) -> str:
+        """The rank's program, one item a line, the failing one marked."""
+        lines = [f"{i:>4} {format_item(it)}" for i, it in enumerate(self.program)]
+        lines[failed] += "   <-- ERROR HERE"
+        return "\n".join(lines)
+
+    def run_item(self, item: Item, flight: Flight) -> None:
+        if item[0].kind.is_p2p:
+            self.transfer(item, flight)
+            return
+        (act,) = item
+        RUN[act.kind](self, act, flight)
+
+    # -- compute -----------------------------------------------------------------------------
+
+    def forward(self, act: Action, flight: Flight) -> None:
+        s, j = act.stage, act.mb
+        last = s == self.pipe.stages - 1
+        x, y = self.job.batches.micro_batch(self.step_index, 0, j, self.micro, 1)
+        if s > 0:
+            x = self._input(act, flight).detach().requires_grad_()
+        flight.inputs[(s, j)] = x
+        out = self.model.run(self.job.split[s], x, y if last else None)
+        if last:
+            flight.losses.append(out.detach())
+            out = out / self.pipe.microbatches  # the reference's loss_j / k
+        flight.outputs[(s, j)] = out
+
+    def _input(self, act: Action, flight: Flight) -> torch.Tensor:
+        s, j = act.stage, act.mb
+        if self.pipe.local(s - 1, s):
+            return flight.outputs[(s - 1, j)]
+        return flight.received.pop(Action(Kind.RECV_F, s, j))
+
+    def _grad_out(self, act: Action, flight: Flight) -> torch.Tensor | None:
+        s, j = act.stage, act.mb
+        if s == self.pipe.stages - 1:
+            return None  # the loss: its gradient is 1
+        if self.pipe.local(s + 1, s):
+            return flight.grads_in.pop((s + 1, j))
+        return flight.received.pop(Action(Kind.RECV_B, s, j))
+
+    def backward(self, act: Action, flight: Flight) -> None:
+        key = (act.stage, act.mb)
+        out, grad = flight.outputs.pop(key), self._grad_out(act, flight)
+        torch.autograd.backward(out, grad)
+        self._keep_input_grad(key, flight.inputs.pop(key), flight)
+
+    def backward_input(self, act: Action, flight: Flight) -> None:
+        """I: the input's gradient only, the graph kept for W (stage 0 has no input to
+        differentiate: its W does the whole backward)."""
+        key = (act.stage, act.mb)
+        out, grad, inp = (
+            flight.outputs.pop(key),
+            self._grad_out(act, flight),
+            flight.inputs.pop(key),
+        )
+        if act.stage > 0:
+            torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
+            self._keep_input_grad(key, inp, flight)
+        flight.weights[key] = (out, grad)
+
+    def backward_weight(self, act: Action, flight: Flight) -> None:
+        """W: the parameters' gradients, through the graph I kept."""
+        out, grad = flight.weights.pop((act.stage, act.mb))
+        params = {id(p): p for name in self.job.split[act.stage] for p in self._params(name)}
+        torch.autograd.backward(out, grad, inputs=list(params.values()))
+
+    def _keep_input_grad(self, key: tuple[int, int], inp: torch.Tensor, flight: Flight) -> None:
+        if key[0] > 0:
+            assert inp.grad is not None
+            flight.grads_in[key] = inp.grad
+
+    def _params(self, layer: str) -> list[torch.nn.Parameter]:
+        own = dict(self.named)
+        return [own[spec.name] for spec in self.job.model.layer_params(layer)] + (
+            [own["wte.weight"]] if layer == "head" else []
+        )
+
+    # -- communication -----------------------------------------------------------------------
+
+    def transfer(self, item: Item, flight: Flight) -> None:
+        """A send, a receive or a group of them, issued together and waited for."""
+        ops = []
+        for act in item:
+            peer = self.peers[self.pipe.peer(act)]
+            if act.kind.is_send:
+                tensor = self._payload(act, flight)
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.comm.group))
+            else:
+                tensor = torch.empty(self._shape(), dtype=self.job.dtype)
+                flight.received[act] = tensor
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, self.comm.group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def _payload(self, send: Action, flight: Flight) -> torch.Tensor:
+        key = (send.stage, send.mb)
+        if send.kind is Kind.SEND_F:
+            return flight.outputs[key].detach().contiguous()
+        return flight.grads_in.pop(key).contiguous()
+
+    def _shape(self) -> tuple[int, int, int]:
+        return (self.micro, self.job.batches.seq_len, self.job.model.n_embd)  # (B, T, C)
+
+    # -- the update --------------------------------------------------------------------------
+
+    def update(self, losses: list[torch.Tensor]) -> StepStats:
+        """Tied gradients summed, global norm, clipping, AdamW; the step's loss and norm."""
+        job, opt = self.job, self.job.optim
+        wte = dict(self.named).get("wte.weight")
+        if self.comm.tied is not None and wte is not None:
+            assert wte.grad is not None
+            dist.all_reduce(wte.grad, group=self.comm.tied)  # embed's part + head's part
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        assert len(grads) == len(self.named), "a parameter the loss does not reach"
+        counted = [g for (n, p), g in zip(self.named, grads) if not self._tied_copy(n)]
+        sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else None
+        totals = torch.zeros(2, dtype=torch.float64)
+        totals[0] = 0.0 if sq is None else sq.double()
+        totals[1] = torch.stack(losses).double().sum() if losses else 0.0
+        dist.all_reduce(totals, group=self.comm.group)
+        norm = totals[0].sqrt().to(grads[0].dtype)
+        lr = opt.lr_at(self.step_index, job.steps)
+        stats = StepStats(self.step_index, 0.0, lr, 0.0, 0.0, 0.0)
+        if self.record:
+            stats.grads = {n: p.grad.detach().clone() for n, p in self.named if p.grad is not None}
+        if opt.clip > 0:
+            torch._foreach_mul_(grads, clip_coef(norm, opt.clip))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self.record:
+            stats.params = {n: p.detach().clone() for n, p in self.named}
+        stats.loss = (totals[1] / self.pipe.microbatches).item()
+        stats.grad_norm = norm.item()
+        return stats
+
+    def _tied_copy(self, name: str) -> bool:
+        return name == "wte.weight" and self.model.holds_tied_copy
+
+
+RUN = {
+    Kind.F: PipelineExecutor.forward,
+    Kind.B: PipelineExecutor.backward,
+    Kind.I: PipelineExecutor.backward_input,
+    Kind.W: PipelineExecutor.backward_weight,
+}
+
+
+def _global_rank(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)

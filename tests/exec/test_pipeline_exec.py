@@ -1,0 +1,108 @@
+"""The pipeline executor (schedc/exec/pipeline.py) computes what one process computes.
+
+Real gloo ranks (tests/pool.py, the session's pool: no process is started per case) run
+the proven programs of GPipe, 1F1B, Interleaved 1F1B (v = 2) and ZB-H1 at pp = 2 and 4
+with m = pp and 2pp micro-batches, on nano's width with 6 blocks (8 layers: embed, h.0 ..
+h.5, head, so 8 stages at most); after each of two optimizer steps every parameter (after
+the update), every gradient (before clipping), the loss and the norm equal the
+single-process reference (model/reference.py) within tests/oracle.py's fp32 tolerances,
+and the two copies of the tied wte.weight are bitwise equal (tests/pipeline_ranks.py
+`merged`). A hypothesis property draws the schedule, pp 1..4, m, v and the stage split.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m pytest -q tests/exec/test_pipeline_exec.py
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedc.ir.pipeline import Action, Kind
+from schedc.lang.diagnostics import CompileError
+from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
+from tests.oracle import assert_matches
+from tests.pipeline_ranks import Case, merged, reference
+
+RUN = "tests.pipeline_ranks:run_case"
+
+
+def run(pool, case: Case):
+    return merged(pool.call(RUN, case.pp, case, timeout=60))
+
+
+FIXED = [
+    Case(schedule, pp, m)
+    for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1)
+    for pp in (2, 4)
+    for m in (pp, 2 * pp)
+] + [Case(Schedule.INTERLEAVED, pp, m, v=2) for pp in (2, 4) for m in (pp, 2 * pp)]
+
+
+@pytest.mark.parametrize("case", FIXED, ids=str)
+def test_pipeline_equals_reference(pool, case):
+    assert_matches(run(pool, case), reference(case))
+
+
+def test_float64_is_much_tighter(pool):
+    case = Case(Schedule.ONE_F_ONE_B, 4, 8, dtype="float64")
+    assert_matches(run(pool, case), reference(case), "float64")
+
+
+def test_clipping_inactive_and_uneven_split(pool):
+    """A large clip (no clipping) and stages of 1, 4, 2 and 1 layers."""
+    case = Case(Schedule.ONE_F_ONE_B, 4, 5, clip=100.0, sizes=(1, 4, 2, 1), micro=2)
+    assert_matches(run(pool, case), reference(case))
+
+
+@st.composite
+def cases(draw) -> Case:
+    schedule = draw(st.sampled_from(list(Schedule)))
+    pp = draw(st.integers(1, 4))
+    v = draw(st.integers(2, 8 // pp)) if schedule is Schedule.INTERLEAVED else 1
+    if schedule is Schedule.INTERLEAVED:
+        m = pp * draw(st.integers(1, 2))
+    elif schedule is Schedule.GPIPE:
+        m = draw(st.integers(1, 2 * pp + 1))
+    else:
+        m = draw(st.integers(pp, 2 * pp + 1))
+    stages = pp * v
+    cuts = sorted(draw(st.sets(st.integers(1, 7), min_size=stages - 1, max_size=stages - 1)))
+    sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, 8]))
+    steps = draw(st.integers(1, 2))
+    return Case(schedule, pp, m, v=v, steps=steps, sizes=sizes, micro=draw(st.integers(1, 2)))
+
+
+@settings(max_examples=24)
+@given(case=cases())
+def test_generated_pipelines_equal_reference(pool, case):
+    assert_matches(run(pool, case), reference(case))
+
+
+def _swapped(gen: Generated) -> Generated:
+    """rank 1 receives micro-batches 0 and 1 the other way round (a FIFO misdelivery)."""
+    prog = list(gen.programs[1])
+    i = prog.index((Action(Kind.RECV_F, 1, 0),))
+    j = prog.index((Action(Kind.RECV_F, 1, 1),))
+    prog[i], prog[j] = prog[j], prog[i]
+    return Generated(gen.pipeline, {**gen.programs, 1: prog})
+
+
+def test_an_unproven_program_is_refused_before_it_runs():
+    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+
+    case = Case(Schedule.GPIPE, 2, 2)
+    gen = generate(Request(Schedule.GPIPE, 2, 2))
+    from tests.pipeline_ranks import batches
+
+    data = batches(case.seq_len, case.m, case.config.vocab_size)
+    job = PipeJob(case.config, case.split(2), data, case.optim, 1, case.seed)
+    with pytest.raises(CompileError) as e:
+        PipelineExecutor(job, _swapped(gen), PipeComm(0))
+    assert "pp-fifo" in [d.code for d in e.value.diagnostics]
+    with pytest.raises(ValueError, match="contiguous ranges"):
+        PipelineExecutor(
+            PipeJob(case.config, case.split(2)[::-1], data, case.optim, 1, case.seed),
+            gen,
+            PipeComm(0),
+        )
