@@ -122,7 +122,7 @@ def _refuse_not_yet(cx: Context, head: Span) -> None:
             span = cx.src.span(stmt.span.start, stmt.span.start + len(word))
             cx.err(
                 "conflict",
-                f"a pipeline schedule takes no {what} yet",
+                f"a pipeline schedule cannot take {what} yet",
                 span,
                 hint=why,
                 notes=(Note("the pipeline is declared here", head),),
