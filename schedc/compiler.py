@@ -1,6 +1,7 @@
 """The whole compiler in one function; every CLI verb goes through it.
 
     source -> parse -> to_ast -> resolve -> build_graphs -> check -> lower
+                               a pipeline -> generate -> prove -> simulate
 
 Nothing here imports torch: a schedule can be checked, dumped and drawn on any machine.
 """
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from schedc.errors import UserError
 from schedc.ir.bound import Bound
 from schedc.ir.plan import Plan
 from schedc.ir.source import Source
@@ -27,6 +29,7 @@ from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
+from schedc.passes.pipeline_plan import PipelinePlan, plan_pipeline
 from schedc.passes.prove import Proof
 
 
@@ -40,12 +43,26 @@ class Compiled:
     memories: dict[int | None, MemoryReport]  # predicted per plan
     warnings: tuple[Diagnostic, ...]
     proof: Proof | None = None  # None: compiled without the proof (`prove=False`)
+    # a pipeline schedule's proven programs; it has no DP graphs, plans or memories yet
+    pipeline: PipelinePlan | None = None
 
     def graph(self, rank: int | None = None) -> ScheduleGraph:
+        self.require_dp("a dependency graph")
         return self.graphs.get(rank, self.graphs[None])
 
     def plan(self, rank: int | None = None) -> Plan:
+        self.require_dp("a lowered plan")
         return self.plans.get(rank, self.plans[None])
+
+    def require_dp(self, what: str) -> None:
+        """A UserError where a verb needs what only data-parallel schedules have yet (the
+        one place that says so: render, run, export and tune all reach it)."""
+        if self.pipeline is not None:
+            raise UserError(
+                f"{self.source.path} is a pipeline schedule: {what} of pipeline stages is "
+                "not built yet (schedc check proves it and prints its programs: "
+                "--dump pipeline)"
+            )
 
     def bound(self, rank: int) -> Bound:
         """Rank `rank`'s plan with its operands: what its executor runs (ir/bound.py)."""
@@ -55,6 +72,10 @@ class Compiled:
         """A stage's text form (`schedc check --dump`): ast, graph, program or plan."""
         if stage == "ast":
             return dump_ast(self.ast)
+        if stage == "pipeline":
+            if self.pipeline is None:
+                raise UserError(f"{self.source.path} has no pipeline block to dump")
+            return self.pipeline.dump()
         if stage == "plan":
             return dump_plan(self.plan(rank))
         return {"graph": dump_graph, "program": dump_program}[stage](self.graph(rank))
@@ -62,6 +83,7 @@ class Compiled:
     @property
     def memory(self) -> MemoryReport:
         """The predicted memory of the plan every rank without a program of its own runs."""
+        self.require_dp("a memory prediction")
         return self.memories[None]
 
 
@@ -72,6 +94,8 @@ def compile_source(
     with no_cyclic_gc():
         ast = to_ast(parse(source), source)  # grammar/schedc.lark -> frozen AST with spans
         spec, warnings = resolve(ast, overrides)  # names, values, coverage, batch arithmetic
+        if spec.pipeline is not None:  # stages: generated, proven and timed instead
+            return _compile_pipeline(source, ast, spec, warnings)
         graphs = build_graphs(spec)  # networkx DiGraph of ops: needs, streams, events
         diag = Diagnostics(source)
         diag.extend(warnings)
@@ -84,6 +108,15 @@ def compile_source(
                 proof = check_proof(spec, bounds, diag)
         diag.raise_if_any()
         return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings), proof)
+
+
+def _compile_pipeline(source: Source, ast: Schedule, spec: Spec, warnings: list) -> Compiled:
+    """A pipeline schedule: its named schedule's programs, proven free of deadlock, timed."""
+    diag = Diagnostics(source)
+    diag.extend(warnings)
+    pipeline = plan_pipeline(spec, diag)
+    diag.raise_if_any()
+    return Compiled(source, ast, spec, {}, {}, {}, tuple(diag.warnings), None, pipeline)
 
 
 @contextmanager

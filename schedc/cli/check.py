@@ -15,7 +15,7 @@ from schedc.ir.spec import DDPSpec, FSDPSpec, Spec
 from schedc.lang.diagnostics import CompileError, Diagnostic, count, render_all
 from schedc.lang.params import describe_params
 from schedc.lang.resolve import flag_place, range_error
-from schedc.lang.resources import bundled_schedules
+from schedc.lang.resources import bundled_schedules, pipeline_schedules
 from schedc.passes.memory import fmt_bytes, traffic
 
 HELP = "prove schedules legal; print a summary or a stage's text"
@@ -29,11 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "files",
         nargs="*",
         metavar="FILE",
-        help="one schedule, or two to prove they agree (default: every bundled schedule)",
+        help="one schedule, or two to prove they agree (default: every bundled schedule, "
+        "schedules/pipeline/ included)",
     )
     p.add_argument(
         "--dump",
-        choices=["ast", "graph", "program", "plan"],
+        choices=["ast", "graph", "program", "plan", "pipeline"],
         help="print a stage's text form instead of the summary",
     )
     p.add_argument(
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require(args, NEEDS)
-    files = [Path(f) for f in args.files] or bundled_schedules()
+    files = [Path(f) for f in args.files] or bundled_schedules() + pipeline_schedules()
     if args.dump and len(files) != 1 and args.files:
         raise UserError("--dump takes one file")
     ov = overrides(args)  # a bad flag is one error, not one per file
@@ -121,16 +122,53 @@ def _compare(a: Compiled, b: Compiled) -> None:
         print(f"agree: {same}, same numerics: the same update")
 
 
-def summary(c: Compiled) -> str:
-    """`schedc check`'s report of one schedule: model, batch, strategy, streams, memory."""
+def _head_lines(c: Compiled) -> list[str]:
+    """The path, the model and the global batch: the summary's first lines for any schedule."""
     s, cfg = c.spec, c.spec.model
-    plan = c.plan()
-    lines = [
+    return [
         f"{c.source.path}: ok",
         f"  model     {s.model_name}: {cfg.numel:,} params ({count(cfg.n_layer, 'layer')}, "
         f"{count(cfg.n_head, 'head')}, C={cfg.n_embd}, context {cfg.block_size}, "
         f"vocab {cfg.vocab_size})",
         f"  batch     {s.seqs:,} x {s.seq_len:,} = {count(s.tokens_per_step, 'token')} per update",
+    ]
+
+
+def pipeline_summary(c: Compiled) -> str:
+    """A pipeline schedule's report: the split over dp, the stages on their ranks, the
+    schedule and its simulated bubble per rank, the proof."""
+    s, pp = c.spec, c.pipeline
+    assert s.pipeline is not None and pp is not None
+    ps = s.pipeline
+    bubble = " ".join(f"{b:.1%}" for _, b in sorted(pp.bubble.items()))
+    mbs = count(s.accum, "micro-batch", "micro-batches")
+    lines = [
+        *_head_lines(c),
+        f"  split     dp {s.dp} x micro {s.micro} x {mbs} (the "
+        f"{count(ps.degree, 'rank')} of a pipeline compute each micro-batch together)",
+        f"  pipeline  {count(len(ps.stages), 'stage')}, {ps.schedule.value}, placement "
+        f"{ps.placement.value}, {mbs}; bubble per rank {bubble} "
+        f"(simulated at {pp.cost_words})",
+        *(
+            f"    {st.name:<6} rank {pp.pipeline.rank_of(i)}  {', '.join(st.layers)}"
+            for i, st in enumerate(ps.stages)
+        ),
+        f"  numerics  {s.numerics.describe(s.kind)}",
+        f"  proof     every rank's program proven: each send paired with one receive in FIFO "
+        f"order, no deadlock under blocking rendezvous ({count(len(pp.programs), 'program')}, "
+        "--dump pipeline prints them)",
+    ]
+    return "\n".join(lines)
+
+
+def summary(c: Compiled) -> str:
+    """`schedc check`'s report of one schedule: model, batch, strategy, streams, memory."""
+    if c.pipeline is not None:
+        return pipeline_summary(c)
+    s, cfg = c.spec, c.spec.model
+    plan = c.plan()
+    lines = [
+        *_head_lines(c),
         f"  split     world {s.world} x micro {s.micro} x {count(s.accum, 'micro-step')}"
         + (" (no_sync: only the last communicates)" if s.no_sync and s.accum > 1 else ""),
         *_strategy_lines(s, plan),

@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     defaults(args, save_every=100, keep=2)
     _check_outputs(args)
     compiled = compile_file(args.file or str(default_schedule()), ov)
+    compiled.require_dp("an executor")
     init = _init_dir(args, compiled.spec)
     try:
         import torch  # noqa: F401

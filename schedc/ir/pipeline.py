@@ -149,6 +149,15 @@ class Pipeline:
         return self.rank_of(a) == self.rank_of(b)
 
 
+class Schedule(str, Enum):
+    """The named schedules (passes/pipeline_gen.py generates their programs)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+
+
 Programs = dict[int, list[Item]]  # rank -> items in issue order
 
 

@@ -11,6 +11,7 @@ from enum import Enum
 from fractions import Fraction
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op
+from schedc.ir.pipeline import Pipeline, Placement, Schedule
 from schedc.ir.source import Source, Span
 from schedc.model.arch import GPTConfig
 from schedc.model.config import DataConfig, EvalConfig, OptimConfig
@@ -263,6 +264,37 @@ class Mesh:
 
 
 @dataclass(frozen=True)
+class StageSpec:
+    """A pipeline stage: a contiguous run of layers, in model order."""
+
+    name: str
+    layers: tuple[str, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """`pipeline { ... }`: stages over `degree` ranks, run by a named schedule.
+
+    Ranks are laid out pp-outermost, as torchtitan's mesh ["pp", "dp_replicate", "dp_shard"]:
+    rank = pp_index x dp + dp_index, so a stage's dp replicas are consecutive ranks (one
+    node: their gradient collectives are the heavy traffic) and the stages sit dp ranks
+    apart (the slower links carry only activations and their gradients). Only dp = 1 is
+    taken yet (world = degree), where rank r runs pipeline rank r's stages.
+    """
+
+    stages: tuple[StageSpec, ...]
+    degree: int  # pipeline ranks
+    schedule: Schedule
+    placement: Placement
+    span: Span  # the `pipeline` keyword: where a finding about the whole block points
+    where: dict[str, Span] = field(default_factory=dict, compare=False)  # setting -> span
+
+    def pipeline(self, microbatches: int) -> Pipeline:
+        return Pipeline(self.degree, len(self.stages), microbatches, self.placement)
+
+
+@dataclass(frozen=True)
 class Spec:
     """Everything a schedule declares, resolved and checked."""
 
@@ -289,6 +321,13 @@ class Spec:
     where: dict[str, Span] = field(default_factory=dict, compare=False)
     # replicate x shard; None (no `mesh` in the file): flat, the strategy's one dimension
     declared_mesh: Mesh | None = None
+    pipeline: PipelineSpec | None = None  # pipeline stages; None: every rank runs every layer
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel ranks, which share the global batch: the world, over the
+        pipeline degree (the ranks of one pipeline compute one micro-batch together)."""
+        return self.world // self.pipeline.degree if self.pipeline else self.world
 
     @property
     def mesh(self) -> Mesh:
@@ -357,5 +396,6 @@ class Spec:
         return frozenset(w for p in params for w in self.model.writers(p))
 
     def loss_weight(self) -> Fraction:
-        """Weight of one token's loss in the update: 1/(B T) per micro mean, x 1/k, x 1/D."""
-        return Fraction(1, self.micro * self.seq_len) / self.accum / self.world
+        """Weight of one token's loss in the update: 1/(B T) per micro mean, x 1/k, x 1/D
+        (D the data-parallel ranks)."""
+        return Fraction(1, self.micro * self.seq_len) / self.accum / self.dp

@@ -98,6 +98,11 @@ CODES: dict[str, str] = {
     # SPMD
     "spmd": "ranks that would issue different collectives, or in a different order",
     "proof": "the ranks' plans, executed abstractly, do not compute one process's update",
+    # pipeline stages
+    "stage-order": "a pipeline stage that is not one contiguous run of layers, or stages out "
+    "of model order",
+    "stage-count": "a stage count the schedule cannot place on the pipeline's ranks (one stage "
+    "a rank, or v >= 2 with interleaved)",
     # pipeline programs
     "pp-placement": "a pipeline action on a rank that does not hold its stage, or for a "
     "stage or micro-batch the pipeline does not have",

@@ -30,7 +30,14 @@ def grammar_path() -> Path:
 
 
 def bundled_schedules() -> list[Path]:
+    """The data-parallel schedules, which every verb takes (schedules/*.sched)."""
     return sorted(shipped_dir("schedules").glob("*.sched"))
+
+
+def pipeline_schedules() -> list[Path]:
+    """The pipeline schedules (schedules/pipeline/), which `schedc check` proves and prints;
+    they are apart because no graph, plan or executor of pipeline stages exists yet."""
+    return sorted((shipped_dir("schedules") / "pipeline").glob("*.sched"))
 
 
 def default_schedule() -> Path:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lark import Token, Transformer, Tree, v_args
+from lark import Token, Tree, v_args
 from lark.tree import Meta
 
 from schedc.ir.source import Source, Span
+from schedc.lang.syntax_pipeline import Pipeline, PipelineBuilders
 
 # -- leaves -------------------------------------------------------------------------------------
 
@@ -273,6 +274,7 @@ Stmt = (
     | FSDP
     | StreamDecl
     | Program
+    | Pipeline
 )
 
 
@@ -313,7 +315,7 @@ def _toggle(key: str) -> Callable[[_ToAST, Meta, list], Toggle]:
 
 
 @v_args(meta=True)
-class _ToAST(Transformer):
+class _ToAST(PipelineBuilders):
     """Each method builds one AST class from the rule of the same (alias) name."""
 
     def __init__(self, source: Source):
@@ -332,7 +334,7 @@ class _ToAST(Transformer):
 
     def __default_token__(self, tok: Token):
         span = self._tok(tok)
-        if tok.type == "NAME":
+        if tok.type in ("NAME", "SCHEDULE_NAME"):
             return Name(str(tok), span)
         if tok.type == "NUMBER":
             return Num(str(tok), span)

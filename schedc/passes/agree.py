@@ -44,9 +44,9 @@ def sequence_weights(spec: Spec) -> dict[int, Fraction]:
     """Weight of each global-batch position in the loss of step 0, per token."""
     w: dict[int, Fraction] = defaultdict(Fraction)
     per_token = spec.loss_weight()
-    for rank in range(spec.world):
+    for rank in range(spec.dp):  # the data-parallel ranks: a pipeline's share one batch
         for mb in range(spec.accum):
-            for n in sequence_ids(0, rank, mb, spec.micro, spec.world, spec.seqs):
+            for n in sequence_ids(0, rank, mb, spec.micro, spec.dp, spec.seqs):
                 w[n] += per_token
     return dict(w)
 

@@ -29,20 +29,25 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from enum import Enum
 
-from schedc.ir.pipeline import Action, Item, Kind, Pipeline, Placement, Programs, needs, producer
+from schedc.ir.pipeline import (
+    Action,
+    Item,
+    Kind,
+    Pipeline,
+    Placement,
+    Programs,
+    Schedule,
+    needs,
+    producer,
+)
 from schedc.lang.diagnostics import CompileError, Diagnostic
 from schedc.passes.pipeline_sim import Costs
 
 COSTS = Costs(f=1.0, b=2.0, i=1.0, w=1.0)  # the times transfers are placed by
 
 
-class Schedule(str, Enum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved-1f1b"
-    ZB_H1 = "zb-h1"
+__all__ = ["Generated", "Request", "Schedule", "generate", "request_errors"]
 
 
 @dataclass(frozen=True)

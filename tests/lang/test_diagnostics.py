@@ -27,6 +27,12 @@ FSDP = (  # k=1: one micro-step keeps the written programs short
     "fsdp { unit tied = wte.weight keep  unit u1 = wpe.weight, h.0  unit u2 = h.1, head }\n"
 )
 
+# two stages on two ranks, 1F1B over 4 micro-batches
+PP = (
+    "model nano world 2 batch 8 x 32 micro 2\n"
+    "pipeline {\n  stage s0 = embed, h.0\n  stage s1 = h.1, head\n  schedule 1f1b\n}\n"
+)
+
 # DDP's compute stream, written out (what `--dump program` prints for DDP)
 DDP_COMPUTE = """\
 program compute {
@@ -952,6 +958,141 @@ FAIL = [
         "a mismatch hangs gloo and NCCL",
         id="spmd",
     ),
+    # pipeline stages
+    pytest.param(
+        PP.replace("embed, h.0", "embed, h.1").replace("h.1, head", "h.0, head"),
+        "stage-order",
+        "stage 's0' is not one run of layers: it skips h.0",
+        "stage s0 = embed, h.1",
+        "a stage is a contiguous range of layers",
+        id="stage-order-gap",
+    ),
+    pytest.param(
+        PP.replace(
+            "s0 = embed, h.0\n  stage s1 = h.1, head", "s0 = h.1, head\n  stage s1 = embed, h.0"
+        ),
+        "stage-order",
+        "stage 's0' begins at h.1, but the first stage holds embed",
+        "stage s0 = h.1, head",
+        "list the stages in model order",
+        id="stage-order-order",
+    ),
+    pytest.param(
+        PP.replace("stage s1 = h.1, head", "stage s1 = h.1\n  stage s2 = head"),
+        "stage-count",
+        "1f1b runs one stage a rank: 3 stages on 2 ranks",
+        "schedule 1f1b",
+        "declare 2 stages, or use interleaved",
+        id="stage-count",
+    ),
+    pytest.param(
+        PP.replace("1f1b", "interleaved"),
+        "stage-count",
+        "interleaved runs v >= 2 stages on each of its 2 ranks; 2 stages are not that",
+        "schedule interleaved",
+        "declare 4 or 6 stages",
+        id="stage-count-interleaved",
+    ),
+    pytest.param(
+        PP.replace("h.1, head", "head"),
+        "uncovered",
+        "h.1 is in no stage",
+        "pipeline",
+        "every parameter must be in exactly one stage",
+        id="uncovered-stage",
+    ),
+    pytest.param(
+        PP.replace("h.1, head", "h.0 .. head"),
+        "double-cover",
+        "h.0 is in both stage 's0' and stage 's1'",
+        "h.0 .. head",
+        "a parameter belongs to exactly one stage",
+        id="double-cover-stage",
+    ),
+    pytest.param(
+        PP.replace("h.1, head", "h.1 .. h.7"),
+        "layer-range",
+        "the model has no layer h.7",
+        "h.7",
+        "its blocks are h.0 .. h.1",
+        id="layer-range-stage",
+    ),
+    pytest.param(
+        PP.replace("batch 8 x 32 micro 2", "batch 2 x 32").replace(
+            "schedule 1f1b", "schedule 1f1b\n  microbatches 1"
+        ),
+        "pp-microbatches",
+        "1f1b on 2 stages needs >= 2 micro-batches, got 1",
+        "microbatches 1",
+        "use gpipe, or m >= 2",
+        id="pp-microbatches",
+    ),
+    pytest.param(
+        PP.replace("micro 2", "").replace("schedule 1f1b", "schedule 1f1b\n  microbatches 3"),
+        "batch-arithmetic",
+        "global batch 8 is not microbatches 3 x dp 1 x a whole number of sequences",
+        "microbatches 3",
+        "micro 2 (k=4)",
+        id="batch-arithmetic-pipeline",
+    ),
+    pytest.param(
+        PP + "ddp { bucket_cap 1 MiB }\n",
+        "conflict",
+        "a pipeline schedule cannot take a ddp block yet",
+        "ddp",
+        "DP x PP, a ddp or fsdp block per stage, is not supported yet",
+        id="conflict-pipeline-ddp",
+    ),
+    pytest.param(
+        PP.replace("schedule 1f1b", "schedule 1f1b\n  degree 1"),
+        "conflict",
+        "degree 1 in world 2 leaves 2 data-parallel replicas of the pipeline",
+        "degree 1",
+        "write `world 1`",
+        id="conflict-pipeline-degree",
+    ),
+    pytest.param(
+        PP.replace("micro 2", "accumulate 4").replace(
+            "schedule 1f1b", "schedule 1f1b\n  microbatches 4"
+        ),
+        "conflict",
+        "accumulate and the pipeline's microbatches both count the micro-batches",
+        "microbatches 4",
+        "keep one",
+        id="conflict-pipeline-accumulate",
+    ),
+    pytest.param(
+        PP.replace("schedule 1f1b", "schedule 1f1b\n  placment loop"),
+        "unknown-setting",
+        "a pipeline block has no 'placment'",
+        "placment",
+        "did you mean 'placement'?",
+        id="unknown-setting-pipeline",
+    ),
+    pytest.param(
+        PP.replace("1f1b", "1f1c"),
+        "unknown-name",
+        "unknown pipeline schedule '1f1c'",
+        "1f1c",
+        "did you mean '1f1b'?",
+        id="unknown-name-pipeline-schedule",
+    ),
+    pytest.param(
+        PP.replace("  schedule 1f1b\n", ""),
+        "missing-setting",
+        "the pipeline block names no schedule",
+        "pipeline",
+        "add `schedule 1f1b`",
+        id="missing-setting-pipeline-schedule",
+    ),
+    pytest.param(
+        PP.replace("stage s1", "stage s0"),
+        "duplicate",
+        "stage 's0' is defined twice",
+        "s0",
+        "give each stage its own name",
+        id="duplicate-stage",
+    ),
 ]
 
 WARN = [
@@ -1099,6 +1240,10 @@ def test_disagree():
 
 # the tests just above; `proof`: only a wrong lowering makes one (tests/passes/test_proof.py)
 OUTSIDE_SNIPPETS = {"io", "file-too-large", "encoding", "disagree", "proof"}
+# what only written pipeline programs can break: a named schedule's programs prove for every
+# size (tests/passes/test_pipeline.py), and .sched has no written pipeline programs yet
+OUTSIDE_SNIPPETS |= {"pp-placement", "pp-once", "pp-order", "pp-unmatched", "pp-fifo"}
+OUTSIDE_SNIPPETS |= {"pp-deadlock"}
 
 
 def test_every_code_has_a_case():

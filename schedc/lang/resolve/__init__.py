@@ -15,6 +15,7 @@ statements it judges from the shared Context (context.py) and reports there:
     batch.py        global batch = micro x accumulation x world; the step's size bounded
     strategy.py     ddp or fsdp: blocks.py, then ddp.py (buckets) or fsdp.py (units),
                     both through cover.py (groups, coverage) and refs.py (layer names)
+    pipeline.py     `pipeline { ... }`: stages, degree, schedule; the batch over dp
     mesh.py         replicate x shard
     numerics.py     precision (a keyed table), tf32, compile
     activations.py  loss chunk, recompute
@@ -34,6 +35,7 @@ from schedc.lang.resolve.mesh import resolve_mesh
 from schedc.lang.resolve.model import resolve_model
 from schedc.lang.resolve.numerics import resolve_numerics
 from schedc.lang.resolve.optimizer import resolve_optimizer
+from schedc.lang.resolve.pipeline import pipeline_split
 from schedc.lang.resolve.programs import Scope, resolve_programs, resolve_streams
 from schedc.lang.resolve.settings import (
     DEFAULT_SEED,
@@ -73,9 +75,10 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     optim = resolve_optimizer(cx)
     evaluation = resolve_evaluation(cx, run.data, model)
     toggles = read_toggles(cx)
+    pipeline, split, terms = pipeline_split(cx, model, run)  # the batch is split over dp
     require(cx, model_name, run)
-    micro, accum = split_batch(cx, run, model)
-    strategy = resolve_strategy(cx, model, run.world)
+    micro, accum = split_batch(cx, split, model, terms)
+    strategy = resolve_strategy(cx, model, split.world)
     mesh = resolve_mesh(cx, run.world, strategy)
     hsdp = mesh is not None and mesh.replicate > 1
     numerics = chunk_loss(cx, resolve_numerics(cx, strategy, toggles))
@@ -111,5 +114,6 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
         evaluation=evaluation,
         where=dict(cx.seen),
         declared_mesh=mesh,
+        pipeline=pipeline,
     )
     return spec, cx.diag.warnings

@@ -4,6 +4,7 @@ fits the model's context, and one step's graph stays small enough to compile."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from schedc.ir.spec import DDPSpec, FSDPSpec
 from schedc.lang.resolve.context import Context
@@ -33,10 +34,22 @@ def ops_per_step(
     return n
 
 
-def split_batch(cx: Context, run: Run, model: GPTConfig | None) -> tuple[int | None, int | None]:
+@dataclass(frozen=True)
+class Terms:
+    """What the arithmetic's factors are called where it is written: a pipeline's
+    accumulation is its `microbatches`, and its ranks that share the batch are dp."""
+
+    accum: str = "accumulate"  # the word, and where cx.seen keeps its statement
+    key: str = "accumulate"
+    ranks: str = "world"
+
+
+def split_batch(
+    cx: Context, run: Run, model: GPTConfig | None, terms: Terms = Terms()
+) -> tuple[int | None, int | None]:
     """(micro, accumulation): the one not written derived from the other, both checked
     against the global batch; None where they do not fit it or make too many ops."""
-    micro, accum = _arithmetic(cx, run)
+    micro, accum = _arithmetic(cx, run, terms)
     if model is not None and accum is not None and 2 * accum * len(model.layers) > MAX_OPS:
         _too_many_ops(cx, accum, 2 * accum * len(model.layers), "forward and backward")
         micro, accum = None, None
@@ -52,13 +65,13 @@ def split_batch(cx: Context, run: Run, model: GPTConfig | None) -> tuple[int | N
     return micro, accum
 
 
-def _arithmetic(cx: Context, run: Run) -> tuple[int | None, int | None]:
+def _arithmetic(cx: Context, run: Run, t: Terms) -> tuple[int | None, int | None]:
     seqs, world, micro, accum = run.seqs, run.world, run.micro, run.accumulate
     if (
         seqs is None
         or world is None
         or ("micro" in cx.seen and micro is None)
-        or ("accumulate" in cx.seen and accum is None)
+        or (t.key in cx.seen and accum is None)
     ):
         return micro, accum
     if micro is None and accum is None:
@@ -67,10 +80,10 @@ def _arithmetic(cx: Context, run: Run) -> tuple[int | None, int | None]:
         if micro * accum * world != seqs:
             cx.err(
                 "batch-arithmetic",
-                f"micro {micro} x accumulate {accum} x world {world} = "
+                f"micro {micro} x {t.accum} {accum} x {t.ranks} {world} = "
                 f"{micro * accum * world:,} sequences, but the global batch is {seqs:,}",
-                cx.seen["accumulate"],
-                hint=_batch_hint(seqs, world),
+                cx.seen[t.key],
+                hint=_batch_hint(seqs, world, t.ranks),
             )
             return None, None
         return micro, accum
@@ -78,10 +91,10 @@ def _arithmetic(cx: Context, run: Run) -> tuple[int | None, int | None]:
         if seqs % (micro * world):
             cx.err(
                 "batch-arithmetic",
-                f"global batch {seqs:,} is not micro {micro} x world {world} x a whole "
+                f"global batch {seqs:,} is not micro {micro} x {t.ranks} {world} x a whole "
                 "number of micro-steps",
                 cx.seen["micro"],
-                hint=_batch_hint(seqs, world),
+                hint=_batch_hint(seqs, world, t.ranks),
             )
             return None, None
         return micro, seqs // (micro * world)
@@ -89,10 +102,10 @@ def _arithmetic(cx: Context, run: Run) -> tuple[int | None, int | None]:
     if seqs % (accum * world):
         cx.err(
             "batch-arithmetic",
-            f"global batch {seqs:,} is not accumulate {accum} x world {world} x a whole "
+            f"global batch {seqs:,} is not {t.accum} {accum} x {t.ranks} {world} x a whole "
             "number of sequences",
-            cx.seen["accumulate"],
-            hint=_batch_hint(seqs, world),
+            cx.seen[t.key],
+            hint=_batch_hint(seqs, world, t.ranks),
         )
         return None, None
     return seqs // (accum * world), accum
@@ -126,9 +139,9 @@ def _too_many_ops(cx: Context, accum: int, n: int, what: str) -> None:
     )
 
 
-def _batch_hint(seqs: int, world: int) -> str:
+def _batch_hint(seqs: int, world: int, ranks: str = "world") -> str:
     if seqs % world:
-        return f"the global batch must be a multiple of world {world}"
+        return f"the global batch must be a multiple of {ranks} {world}"
     # the smallest micro sizes that divide seqs / world, found among divisors up to its root
     # (a scan of every size up to seqs would take minutes for a batch of 2**31)
     n = seqs // world

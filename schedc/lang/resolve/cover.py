@@ -29,7 +29,7 @@ def resolve_members(
         cx.err("missing-setting", f"the {block.kind} block has no {what}s", block.head, example)
     kept, groups = _groups(cx, decls, cfg, what)
     if decls and cx.refs_ok:
-        _cover(cx, groups, cfg, block.head, what)
+        prove_cover(cx, groups, cfg, block.head, what)
     return kept, groups
 
 
@@ -57,7 +57,7 @@ def _groups(
     return kept, groups
 
 
-def _cover(
+def prove_cover(
     cx: Context, groups: list[Group], cfg: GPTConfig, block_span: Span, what: str
 ) -> dict[str, str]:
     """Prove every parameter is in exactly one group; returns param -> group."""

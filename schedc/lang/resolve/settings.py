@@ -121,7 +121,7 @@ def require(cx: Context, model_name: str | None, run: Run) -> None:
         )
         if not present
     ]
-    if not ("micro" in cx.seen or "accumulate" in cx.seen):
+    if not ("micro" in cx.seen or "accumulate" in cx.seen or "pipeline.microbatches" in cx.seen):
         missing.append("micro")
     for key in missing:  # about the whole file, so no line to point at
         cx.err("missing-setting", f"the schedule has no '{key}'", None, hint=MISSING_HINTS[key])

@@ -1,0 +1,150 @@
+"""Pipeline stages in .sched: the bundled pipeline schedules check clean with the textbook
+bubble, their programs print and parse back, they agree with one process on the batch, the
+verbs that need a DP plan refuse them in one line, and broken copies fail by code.
+
+The bundled pipeline schedules live in schedules/pipeline/, out of `bundled_schedules()`:
+the DP suites that lower, draw and run every bundled schedule have no pipeline graph,
+plan or executor to take them yet (lang/resources.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schedc.cli.main import main
+from schedc.compiler import compile_file, compile_text
+from schedc.ir.pipeline import parse_program
+from schedc.lang.diagnostics import CompileError
+from schedc.lang.resources import bundled_schedules, pipeline_schedules
+from schedc.passes.agree import compare
+from tests.goldens import REPO
+
+PIPELINE = REPO / "schedules" / "pipeline"
+
+
+def test_the_pipeline_bundle():
+    assert [p.name for p in pipeline_schedules()] == [
+        "tiny_pp2_interleaved.sched",
+        "tiny_pp4_1f1b.sched",
+        "tiny_pp_zb.sched",
+    ]
+    assert not set(pipeline_schedules()) & set(bundled_schedules())
+
+
+# (file, schedule, ranks, stages, micro-batches, bubble on every rank): the textbook bubble
+# at F = 1, B = 2 (I = W = 1): 1F1B (p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1); interleaved on
+# 2 ranks is above (p-1)/(vm+p-1) = 1/9 under blocking rendezvous (docs/pipeline.md)
+BUBBLES = [
+    ("tiny_pp4_1f1b.sched", "1f1b", 4, 4, 8, 3 / 11),
+    ("tiny_pp_zb.sched", "zb-h1", 4, 4, 8, 3 / 27),
+    ("tiny_pp2_interleaved.sched", "interleaved-1f1b", 2, 4, 4, 0.2258),
+]
+
+
+@pytest.mark.parametrize("name, schedule, pp, stages, m, bubble", BUBBLES)
+def test_bundled_pipeline_proves_with_its_bubble(name, schedule, pp, stages, m, bubble):
+    c = compile_file(PIPELINE / name)
+    ps, plan = c.spec.pipeline, c.pipeline
+    assert ps is not None and plan is not None and c.warnings == ()
+    assert (ps.schedule.value, ps.degree, len(ps.stages), c.spec.accum) == (
+        schedule,
+        pp,
+        stages,
+        m,
+    )
+    assert c.spec.dp == 1 and c.spec.micro * c.spec.accum == c.spec.seqs
+    assert sorted(plan.bubble) == list(range(pp))
+    assert all(b == pytest.approx(bubble, abs=1e-4) for b in plan.bubble.values())
+    layers = [layer for st in ps.stages for layer in st.layers]
+    assert layers == list(c.spec.model.layers)  # every layer once, in order
+
+
+def test_the_programs_print_side_by_side_and_parse_back():
+    c = compile_file(PIPELINE / "tiny_pp4_1f1b.sched")
+    assert c.pipeline is not None
+    for line, (rank, prog) in zip(c.pipeline.rank_lines(), sorted(c.pipeline.programs.items())):
+        head, text = line.split(": ", 1)
+        assert head == f"rank {rank}" and parse_program(text) == prog
+    dump = c.dump("pipeline")
+    assert dump.splitlines()[0].split() == ["rank", "0", "rank", "1", "rank", "2", "rank", "3"]
+    assert "SEND_F[s0]@mb0" in dump and "RECV_B[s0]@mb7" in dump
+
+
+def test_a_pipeline_agrees_with_one_process_on_the_batch():
+    """dp = world / degree = 1: every sequence read once at weight 1/(micro T) / m."""
+    one = compile_file(REPO / "schedules" / "tiny_1gpu.sched").spec
+    for name in ("tiny_pp4_1f1b.sched", "tiny_pp_zb.sched"):
+        pp = compile_file(PIPELINE / name).spec
+        assert pp.loss_weight() == one.loss_weight()
+        assert compare(one, pp).agree, compare(one, pp).diagnostics
+
+
+def test_check_prints_the_pipeline_line(capsys):
+    assert main(["check", str(PIPELINE / "tiny_pp4_1f1b.sched")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  pipeline "))
+    assert "4 stages, 1f1b, placement loop, 8 micro-batches" in line
+    assert "bubble per rank 27.3% 27.3% 27.3% 27.3%" in line
+    assert "    s3     rank 3  h.3, head" in out
+
+
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["run"], "an executor"),
+        (["check", "--dump", "plan"], "a lowered plan"),
+        (["render"], "a dependency graph"),
+    ],
+)
+def test_verbs_without_pipeline_support_refuse_in_one_line(capsys, tmp_path, argv, what):
+    path = str(PIPELINE / "tiny_pp4_1f1b.sched")
+    extra = ["-o", str(tmp_path / "x.svg")] if argv == ["render"] else []
+    assert main([*argv, path, *extra]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert f"is a pipeline schedule: {what} of pipeline stages is not built yet" in err
+
+
+def test_a_dp_schedule_has_no_pipeline_to_dump(capsys):
+    assert main(["check", "--dump", "pipeline", str(REPO / "schedules" / "tiny_1gpu.sched")]) == 1
+    assert "has no pipeline block to dump" in capsys.readouterr().err
+
+
+# -- broken copies of the bundled files, one rule each ----------------------------------------
+
+MUTATIONS = {
+    "tiny_pp4_1f1b.sched": [
+        ("stage s2 = h.2\n", "", "uncovered"),
+        ("stage s1 = h.1", "stage s1 = h.1 .. h.2", "double-cover"),
+        ("micro 2", "micro 8", "pp-microbatches"),  # 2 micro-batches on 4 stages
+        ("schedule 1f1b", "schedule gpipe\n  microbatches 3", "batch-arithmetic"),  # 2 x 3 != 16
+        ("stage s3 = h.3, head", "stage s3 = h.3\n  stage s4 = head", "stage-count"),
+    ],
+    "tiny_pp2_interleaved.sched": [
+        ("microbatches 4", "microbatches 3", "batch-arithmetic"),
+        ("placement loop", "placement v", "conflict"),
+        ("stage s1 = h.1\n  stage s2 = h.2", "stage s1 = h.2\n  stage s2 = h.1", "stage-order"),
+    ],
+    "tiny_pp_zb.sched": [
+        ("batch 16 x 64", "batch 4 x 64", "pp-microbatches"),
+        ("world 4", "world 4\nddp { bucket_cap 1 MiB }", "conflict"),
+        ("zb-h1", "zb-h2", "unknown-name"),
+    ],
+}
+
+
+def test_every_pipeline_file_has_mutations():
+    assert set(MUTATIONS) == {p.name for p in pipeline_schedules()}
+
+
+@pytest.mark.parametrize(
+    "name, old, new, code",
+    [(n, *m) for n, ms in MUTATIONS.items() for m in ms],
+    ids=lambda v: v if isinstance(v, str) and v.endswith(".sched") else None,
+)
+def test_a_broken_pipeline_fails_by_code(name, old, new, code):
+    text = (PIPELINE / name).read_text()
+    assert old in text
+    with pytest.raises(CompileError) as info:
+        compile_text(text.replace(old, new, 1), name)
+    assert set(info.value.codes) == {code}, info.value.render()
