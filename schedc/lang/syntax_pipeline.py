@@ -1,40 +1,11 @@
-"""The AST of a `pipeline { ... }` block, and the builders that make it from the Lark tree
-(mixed into syntax._ToAST, which is already at the size a module should stay under)."""
+"""The builders of a `pipeline { ... }` block's AST (nodes.py) from the Lark tree, mixed into
+syntax._ToAST."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from lark import Transformer, v_args
 
-if TYPE_CHECKING:
-    from schedc.ir.source import Span
-    from schedc.lang.syntax import Name, Num, OtherSetting, Ref
-
-
-@dataclass(frozen=True)
-class StageDecl:
-    """`stage s0 = embed, h.0 .. h.1`: a named run of layers that one rank computes."""
-
-    name: Name
-    refs: tuple[Ref, ...]
-    span: Span
-
-
-@dataclass(frozen=True)
-class PipeSetting:
-    """`degree 4`, `schedule 1f1b`, `placement loop`, `microbatches 8`: a key and its value."""
-
-    key: str
-    value: Name | Num
-    span: Span
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    stmts: tuple[StageDecl | PipeSetting | OtherSetting, ...]  # Other: a key it lacks
-    span: Span
+from schedc.lang.nodes import Pipeline, PipeSetting, StageDecl
 
 
 def _setting(key: str):

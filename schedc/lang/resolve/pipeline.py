@@ -16,6 +16,7 @@ from schedc.ir.pipeline import Placement, Schedule
 from schedc.ir.source import Span
 from schedc.ir.spec import PipelineSpec, StageSpec
 from schedc.lang.diagnostics import Note, did_you_mean
+from schedc.lang.nodes import Pipeline, PipeSetting, StageDecl
 from schedc.lang.resolve.batch import Terms
 from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.cover import prove_cover
@@ -34,7 +35,6 @@ from schedc.lang.syntax import (
     Recompute,
     StreamDecl,
 )
-from schedc.lang.syntax_pipeline import Pipeline, PipeSetting, StageDecl
 from schedc.model.arch import GPTConfig
 
 KEYS = ("stage", "degree", "schedule", "placement", "microbatches")
