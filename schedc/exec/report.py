@@ -27,8 +27,12 @@ def start_line(compiled: Compiled, device: torch.device, threads: str) -> str:
     """What the run does, before its first step: schedule, strategy, mesh, batch, steps,
     device and threads."""
     spec, n = compiled.spec, torch.get_num_threads()
+    kind = f"{spec.kind}"
+    if spec.pipeline is not None:  # `single` would say nothing of its stages
+        p = spec.pipeline
+        kind = f"pipeline ({p.schedule.value}, {len(p.stages)} stages, {p.placement.value})"
     return (
-        f"schedc: {compiled.source.path}: {spec.kind}, world {spec.world}"
+        f"schedc: {compiled.source.path}: {kind}, world {spec.world}"
         + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")
         + f"{spec.accum} micro-step{'s' if spec.accum != 1 else ''} of {spec.micro} x "
         f"{spec.seq_len}, {spec.steps} step{'s' if spec.steps != 1 else ''} "

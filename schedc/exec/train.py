@@ -19,7 +19,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,6 @@ from schedc.exec.report import (
     step_line,
     write_trace,
 )
-from schedc.ir.plan import Plan
 from schedc.ir.spec import Spec
 from schedc.model.data import CORPUS, DataError, GlobalBatches, load_batches
 
@@ -69,8 +68,19 @@ class TrainOptions:
     init: str | None = None  # --init hf:DIR: the directory of step 0's weights (exec/hf.py)
 
 
+class Collectives(Protocol):
+    """What agreement compares of a rank's communication: a DP plan's collective order, or a
+    pipeline's programs (exec/pipeline_train.py)."""
+
+    def collective_digest(self) -> str: ...
+
+
 def agree_at_startup(
-    compiled: Compiled, comm: Comm, plan: Plan, data: str, flags: dict[str, str] | None = None
+    compiled: Compiled,
+    comm: Comm,
+    plan: Collectives,
+    data: str,
+    flags: dict[str, str] | None = None,
 ) -> None:
     """Every rank runs the same thing, or none starts: the schedule's meaning (agree.meaning:
     model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its

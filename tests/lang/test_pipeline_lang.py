@@ -91,7 +91,6 @@ def test_check_prints_the_pipeline_line(capsys):
 @pytest.mark.parametrize(
     "argv, what",
     [
-        (["run"], "an executor"),
         (["check", "--dump", "plan"], "a lowered plan"),
         (["render"], "a dependency graph"),
     ],
@@ -103,6 +102,26 @@ def test_verbs_without_pipeline_support_refuse_in_one_line(capsys, tmp_path, arg
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
     assert f"is a pipeline schedule: {what} of pipeline stages is not built yet" in err
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--save", "ck"], "--save"),
+        (["--nonfinite", "skip", "--resume", "ck"], "--resume, --nonfinite skip"),
+        (["--precision", "bf16"], "a precision other than fp32"),
+        (["--val-every", "5"], None),  # refused by the compiler: val needs shards
+    ],
+)
+def test_run_refuses_what_a_pipeline_run_does_not_do_yet(capsys, tmp_path, argv, said):
+    """Before torch is imported, one line: nothing asked of a pipeline run is dropped."""
+    path = str(PIPELINE / "tiny_pp4_1f1b.sched")
+    assert main(["run", path, *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    if said:
+        assert err.count("\n") == 0, err
+        assert f"is a pipeline schedule, whose runs do not take {said} yet" in err
 
 
 def test_a_dp_schedule_has_no_pipeline_to_dump(capsys):

@@ -1,0 +1,118 @@
+"""`schedc run` of a pipeline schedule: each torchrun rank runs its stages' proven program.
+
+    torchrun --standalone --nproc_per_node=2 -m schedc run \
+        schedules/pipeline/tiny_pp2_interleaved.sched
+
+The compiler generated, proved and timed every rank's program (passes/pipeline_plan.py);
+here each rank builds its stages (exec/pipeline.py) and runs that program step after step,
+logging each step as a DP run does. Before step 1 the ranks agree as a DP run's do: the
+schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
+pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
+`PIPELINE_NOT_YET`): checkpoints, traces, evaluations, --init, CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from schedc.compiler import Compiled
+from schedc.errors import RunError
+from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
+from schedc.exec.options import Comm, RunOptions
+from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
+from schedc.exec.train import TrainOptions, agree_at_startup, check_job, cpu_threads, data_error
+from schedc.model.data import DataError, load_batches
+from schedc.passes.pipeline_gen import Generated
+from schedc.passes.pipeline_plan import PipelinePlan
+
+
+class _Programs:
+    """What the start-up agreement compares of a pipeline in place of a DP plan's collective
+    order: every rank's program, as text."""
+
+    def __init__(self, plan: PipelinePlan):
+        self.text = "\n".join(plan.rank_lines())
+
+    def collective_digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
+    """Train a pipeline schedule for its steps under torchrun, on CPU ranks (gloo)."""
+    plan = compiled.pipeline
+    assert plan is not None, "run_pipeline runs pipeline schedules"
+    device = torch.device("cpu")
+    check_job(compiled, job, device)
+    threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    comm = Comm.from_env("gloo", opts.timeout_s)
+    phase.where, phase.ex = "start-up", None
+    watch_sigterm(comm)
+    beats = start_heartbeat(comm, opts.timeout_s)
+    try:
+        ex = _start(compiled, plan, comm)
+        log(comm, start_line(compiled, device, threads))
+        _steps(compiled, ex, comm, job, device)
+    except RunError as e:
+        if compiled.spec.world > 1:
+            fail(comm, str(e), phase.where)
+        raise
+    except Exception as e:  # a transfer that timed out or lost its peer, mostly
+        fail(comm, f"{type(e).__name__}: {e}", phase.where)
+    beats.done()
+    dist.destroy_process_group()
+    return 0
+
+
+def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecutor:
+    """The data read, the ranks agreed, this rank's stages built."""
+    spec = compiled.spec
+    try:
+        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
+    except DataError as e:
+        raise RunError(data_error(e, spec.data.source)) from None
+    agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint())
+    pipe = plan.pipeline
+    stages = compiled.spec.pipeline.stages if compiled.spec.pipeline else ()
+    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
+    tied = dist.new_group([first, last]) if first != last else None
+    job = PipeJob(
+        spec.model,
+        tuple(s.layers for s in stages),
+        batches,
+        spec.optim,
+        spec.steps,
+        spec.seed,
+    )
+    generated = Generated(pipe, plan.programs)
+    return PipelineExecutor(job, generated, PipeComm(comm.rank, None, tied))
+
+
+def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptions, device) -> None:
+    """The steps, each logged (and recorded with --log-json on rank 0), then the summary."""
+    spec = compiled.spec
+    clock = RunClock(0, spec.steps)
+    records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+    try:
+        for s in range(spec.steps):
+            phase.where = f"step {s}"
+            st = ex.step()
+            log(comm, step_line(st, spec, device, clock.done(st)))
+            if not (math.isfinite(st.loss) and math.isfinite(st.grad_norm)):
+                raise RunError(  # every rank has both, all-reduced: every rank stops here
+                    f"step {st.step}: the loss is {st.loss}, the gradient norm "
+                    f"{st.grad_norm}; lower the learning rate"
+                )
+            if records:
+                records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
+                records.flush()
+    finally:
+        if records:
+            records.close()
+    log(comm, clock.summary(peak_memory(device)))
