@@ -22,6 +22,7 @@ from schedc.analysis.trace.schema import Trace
 from schedc.analysis.trace.stream import load
 from schedc.analysis.units import fmt_time, parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
+from schedc.cli.render_pipeline import is_pipeline, render_pipeline
 from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
 from schedc.viz.dot import ENGINE, FORMATS, write
@@ -169,6 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = _output(args)
+    if any(is_pipeline(f) for f in args.files):
+        return render_pipeline(args, out)
     view = _view(args)
     compiled = [compile_file(f, overrides(args)) for f in args.files]
     trace = load(args.trace) if args.trace else None
