@@ -16,6 +16,7 @@ gave the plan its bubble, so the drawn idle share of each row is the plan's bubb
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind as OpKind
@@ -106,7 +107,7 @@ def grid_of(compiled: Compiled) -> Grid:
                 reader = Action(Kind.F if a.kind.forward else back, peer, a.mb)
                 recv = Action(Kind.RECV_F if a.kind.forward else Kind.RECV_B, peer, a.mb)
                 transfers.append(Transfer(a, at[producer(recv, back)], at[reader]))
-    return Grid(compiled.source.path, compiled, plan, slots, transfers)
+    return Grid(Path(compiled.source.path).name, compiled, plan, slots, transfers)
 
 
 # -- drawing --------------------------------------------------------------------------------
