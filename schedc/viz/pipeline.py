@@ -159,7 +159,8 @@ def pipeline_dot(grids: list[Grid], width: float = WIDTH) -> str:
 def title(g: Grid) -> str:
     spec, pipe = g.compiled.spec, g.plan.pipeline
     assert spec.pipeline is not None
-    held = f", {pipe.per_rank} a rank ({pipe.placement.value})" if pipe.per_rank > 1 else ""
+    each = f" ({pipe.per_rank} each, {pipe.placement.value} placement)"
+    held = each if pipe.per_rank > 1 else ""
     return (
         f"{g.name}: {spec.pipeline.schedule.value}, {pipe.stages} stages on {pipe.pp} ranks"
         f"{held}, {pipe.microbatches} micro-batches"
