@@ -4,6 +4,7 @@
     schedc render schedules/ddp_overlap.sched -o ddp.svg --view timeline    # predicted
     schedc render schedules/tiny_ddp_overlap.sched --trace t.json -o t.svg  # measured
     schedc render a.sched b.sched --view timeline -o pair.svg               # one time scale
+    schedc render schedules/pipeline/tiny_pp4_1f1b.sched -o pp.svg          # pipeline grid
 
 The views are drawn by schedc/viz/ (graph.py for `dot`, timeline/ for `neato -n2`).
 `-o X.dot` writes the DOT text and needs no Graphviz; svg/png/pdf need Graphviz's programs.
@@ -135,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--view",
         choices=["graph", "timeline"],
-        help="graph (default) or timeline (default with --trace)",
+        help="graph (default) or timeline (default with --trace, and a pipeline schedule's "
+        "only view: its grid)",
     )
     p.add_argument(
         "--trace", metavar="RUN.json", help="draw the measured timeline from `schedc run --trace`"
