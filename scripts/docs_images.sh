@@ -28,6 +28,9 @@ for f in ${FORMATS:-svg}; do
   schedc render schedules/fsdp_prefetch.sched -o $D/seed004_fsdp_prefetch_graph.$f
   # HSDP: GPT-2 on 2 nodes x 8 GPUs, flat FSDP vs HSDP, inter-node links 8x slower
   schedc render schedules/gpt2_2x8_fsdp.sched schedules/gpt2_2x8_hsdp.sched --view timeline --bandwidth 100G --inter-bandwidth 12.5G --node-size 8 -o $D/hsdp_2x8_vs_fsdp_timeline.$f
+  # pipeline stages: GPipe, 1F1B and ZB-H1 on one split and one time scale; interleaved 1F1B
+  schedc render docs/render/pp4_gpipe.sched schedules/pipeline/tiny_pp4_1f1b.sched schedules/pipeline/tiny_pp_zb.sched -o $D/pipeline_gpipe_1f1b_zbh1.$f
+  schedc render schedules/pipeline/tiny_pp2_interleaved.sched -o $D/pipeline_interleaved.$f
 done
 
 if [ "${1:-}" = "measured" ]; then

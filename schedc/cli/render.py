@@ -4,6 +4,7 @@
     schedc render schedules/ddp_overlap.sched -o ddp.svg --view timeline    # predicted
     schedc render schedules/tiny_ddp_overlap.sched --trace t.json -o t.svg  # measured
     schedc render a.sched b.sched --view timeline -o pair.svg               # one time scale
+    schedc render schedules/pipeline/tiny_pp4_1f1b.sched -o pp.svg          # pipeline grid
 
 The views are drawn by schedc/viz/ (graph.py for `dot`, timeline/ for `neato -n2`).
 `-o X.dot` writes the DOT text and needs no Graphviz; svg/png/pdf need Graphviz's programs.
@@ -22,6 +23,7 @@ from schedc.analysis.trace.schema import Trace
 from schedc.analysis.trace.stream import load
 from schedc.analysis.units import fmt_time, parse_rate, parse_time
 from schedc.cli.common import check_distinct, check_output, given, overrides
+from schedc.cli.render_pipeline import is_pipeline, render_pipeline
 from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
 from schedc.viz.dot import ENGINE, FORMATS, write
@@ -134,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--view",
         choices=["graph", "timeline"],
-        help="graph (default) or timeline (default with --trace)",
+        help="graph (default) or timeline (default with --trace, and a pipeline schedule's "
+        "only view: its grid)",
     )
     p.add_argument(
         "--trace", metavar="RUN.json", help="draw the measured timeline from `schedc run --trace`"
@@ -169,6 +172,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = _output(args)
+    if any(is_pipeline(f) for f in args.files):
+        return render_pipeline(args, out)
     view = _view(args)
     compiled = [compile_file(f, overrides(args)) for f in args.files]
     trace = load(args.trace) if args.trace else None
