@@ -1,9 +1,10 @@
 """The pipeline executor's test cases, run on the pool's ranks (tests/pool.py `Call`) and,
 for comparison, by the single-process reference.
 
-    pool.call("tests.pipeline_ranks:run_case", case.pp, case)  -> every rank's StepStats
-    reference(case)                                           -> the oracle's StepResults
-    merged(per_rank)                                          -> one result for the oracle
+    pool.call("tests.pipeline_ranks:run_case", case.world, case)  -> every rank's StepStats
+    reference(case)                                              -> the oracle's StepResults
+    merged(per_rank)                                             -> one result for the oracle
+    merged(replicas(per_rank, case))         -> the same, the replicas first shown bitwise equal
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ class Case:
     clip: float = 1.0
     sizes: tuple[int, ...] | None = None  # layers a stage, in order; None: split_layers
     dtype: str = "float32"
+    dp: int = 1  # replicas of the pipeline: world pp x dp, pp-outermost
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
 
     def __str__(self) -> str:
         v = f"-v{self.v}" if self.v > 1 else ""
         cut = "-" + ".".join(map(str, self.sizes)) if self.sizes else ""
         dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
-        return f"{self.schedule.value}{v}-pp{self.pp}-m{self.m}{cut}-{self.steps}steps{dtype}"
+        dp = f"-dp{self.dp}" if self.dp > 1 else ""
+        return f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}"
 
     def split(self, stages: int) -> tuple[tuple[str, ...], ...]:
         from schedc.exec.pipeline_model import split_layers
@@ -79,12 +86,33 @@ def run_case(rank: int, groups, case: Case) -> list:
 
     gen = generate(case.request)
     cfg = case.config
-    data = batches(case.seq_len, case.m * case.micro, cfg.vocab_size)
+    data = batches(case.seq_len, case.m * case.micro * case.dp, cfg.vocab_size)
     split = case.split(gen.pipeline.stages)
     job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, getattr(torch, case.dtype))
-    comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
+    if case.dp == 1:
+        comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
+    else:
+        comm = dp_comm(rank, case.world, gen.pipeline)
     ex = PipelineExecutor(job, gen, comm, record=True)
     return [ex.step() for _ in range(case.steps)]
+
+
+_COMMS: dict = {}
+
+
+def dp_comm(rank: int, world: int, pipe):
+    """make_comm's groups, made once per layout in this worker: every rank of the pool gets
+    the same jobs in the same order, so each makes the same groups in the same order (the
+    pool's default group is its 4 ranks: a DP x PP case uses all of them)."""
+    import torch.distributed as dist
+
+    from schedc.exec.pipeline import make_comm
+
+    assert world == dist.get_world_size(), "a DP x PP case takes the whole pool"
+    key = (rank, world, pipe.pp, pipe.rank_of(0), pipe.rank_of(pipe.stages - 1))
+    if key not in _COMMS:
+        _COMMS[key] = make_comm(rank, world, pipe)
+    return _COMMS[key]
 
 
 @lru_cache(maxsize=128)
@@ -95,7 +123,7 @@ def reference(case: Case) -> tuple:
     from schedc.model.reference import Reference
 
     cfg = case.config
-    data = batches(case.seq_len, case.m * case.micro, cfg.vocab_size)
+    data = batches(case.seq_len, case.m * case.micro * case.dp, cfg.vocab_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -129,3 +157,21 @@ def merged(per_rank: list[list]) -> Merged:
                 mine.update(theirs)
         out.append(first)
     return Merged(out)
+
+
+def replicas(per_rank: list[list], case: Case) -> list[list]:
+    """Replica 0's ranks' steps, after showing every other replica's parameters, gradients,
+    loss and norm bitwise equal to replica 0's at every step (global rank p x dp + d)."""
+    import torch
+
+    for p in range(case.pp):
+        mine = per_rank[p * case.dp]
+        for d in range(1, case.dp):
+            for a, b in zip(mine, per_rank[p * case.dp + d], strict=True):
+                assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm), (p, d, a.step)
+                for what in ("grads", "params"):
+                    ours, theirs = getattr(a, what), getattr(b, what)
+                    assert ours.keys() == theirs.keys()
+                    for name in ours:
+                        assert torch.equal(ours[name], theirs[name]), (what, name, p, d, a.step)
+    return [per_rank[p * case.dp] for p in range(case.pp)]

@@ -147,10 +147,10 @@ def pipeline_summary(c: Compiled) -> str:
         f"  split     dp {s.dp} x micro {s.micro} x {mbs} (the "
         f"{count(ps.degree, 'rank')} of a pipeline compute each micro-batch together)",
         f"  pipeline  {count(len(ps.stages), 'stage')}, {ps.schedule.value}, placement "
-        f"{ps.placement.value}, {mbs}; bubble per rank {bubble} "
+        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp)}; bubble per rank {bubble} "
         f"(simulated at {pp.cost_words})",
         *(
-            f"    {st.name:<6} rank {pp.pipeline.rank_of(i)}  {', '.join(st.layers)}"
+            f"    {st.name:<6} {_ranks(pp.pipeline.rank_of(i), s.dp)}  {', '.join(st.layers)}"
             for i, st in enumerate(ps.stages)
         ),
         f"  numerics  {s.numerics.describe(s.kind)}",
@@ -159,6 +159,22 @@ def pipeline_summary(c: Compiled) -> str:
         "--dump pipeline prints them)",
     ]
     return "\n".join(lines)
+
+
+def _replicas(dp: int) -> str:
+    if dp == 1:
+        return ""
+    return (
+        f" (rank = pp x {dp} + replica; each stage's gradients all-reduced over its {dp} "
+        "replicas after its last backward, one bucket a stage)"
+    )
+
+
+def _ranks(pp_rank: int, dp: int) -> str:
+    """The global ranks holding a pipeline rank's stages, pp-outermost (ir/spec.py)."""
+    if dp == 1:
+        return f"rank {pp_rank}"
+    return "ranks " + ", ".join(str(pp_rank * dp + d) for d in range(dp))
 
 
 def summary(c: Compiled) -> str:

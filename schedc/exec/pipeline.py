@@ -27,12 +27,17 @@ weight counted once (on the embed's rank); clipping by it; then AdamW with the r
 groups and kernels (model/reference.py make_adamw) at the spec's learning-rate schedule.
 Both copies of wte see the same gradient, state and step, so they stay bitwise equal.
 
-PP only: the pipeline ranks are the whole job (DP = 1). DP x PP would add, per stage, a
-data-parallel group of the ranks holding that stage (rank = dp * pp + pp_rank, torchtitan's
-mesh order), each stage's gradients all-reduced or reduce-scattered there after its last B
-or W (pipelining's REDUCE_GRAD), the tied all-reduce over the embed and head ranks of one
-replica, and the norm's sum over the pipeline group only (the replicas agree after the
-reduction).
+DP x PP (`replicas` > 1): the pipeline is replicated, ranks laid out pp-outermost (global rank
+= pipeline rank x dp + replica, ir/spec.py PipelineSpec); replica d runs micro-batch j of the
+slice the DP executor gives rank d of dp at micro-step j (model/batching.py sequence_ids),
+so the replicas together read the global batch once. Each stage's gradients are all-reduced
+over the ranks holding it in every replica (`PipeComm.dp`) in one flat bucket, launched
+right after the program's last B or W of that stage (pipelining's REDUCE_GRAD: a DDP with
+one bucket a stage; buckets or FSDP units per stage are not built) and waited for before the
+update, then divided by dp. The tied all-reduce then runs within each replica; the norm is
+replica 0's pipeline ranks' sum (the other replicas add zeros: after the reduction their
+gradients are bitwise replica 0's), in the same all-reduce over every rank as the losses,
+whose sum over m x dp micro-batches is the global mean.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch.distributed as dist
 from schedc.errors import RunError
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
-from schedc.ir.pipeline import Action, Item, Kind, format_item
+from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item
 from schedc.lang.diagnostics import CompileError
 from schedc.model.arch import GPTConfig
 from schedc.model.config import OptimConfig
@@ -74,13 +79,40 @@ class PipeJob:
 
 @dataclass
 class PipeComm:
-    """This rank's place: its pipeline rank, the pipeline ranks' group (P2P and the norm),
-    and the group of the first and last stage's ranks (the tied embedding; None when one
-    rank holds both)."""
+    """This rank's place: its pipeline rank, its replica's pipeline group (P2P and the
+    norm), the group of its replica's first and last stage's ranks (the tied embedding; None
+    when one rank holds both) and, with dp > 1 replicas, the group of the ranks holding its
+    stages in every replica and the group of every rank (the loss and the norm)."""
 
-    rank: int
+    rank: int  # pipeline rank
     group: dist.ProcessGroup | None = None  # None: the default group
     tied: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None  # None: one replica
+    replica: int = 0
+    replicas: int = 1
+    world: dist.ProcessGroup | None = None  # None: the default group
+
+
+def make_comm(rank: int, world: int, pipe: Pipeline) -> PipeComm:
+    """Global `rank`'s PipeComm in a job of `world` = pp x dp ranks, pp-outermost. Every rank
+    makes every group, in the same order (`dist.new_group` is collective over the default
+    group): each replica's pipeline group and tied pair, then each pipeline rank's dp group."""
+    dp = world // pipe.pp
+    assert dp * pipe.pp == world, f"world {world} is not {pipe.pp} pipeline ranks x dp"
+    pp_rank, replica = divmod(rank, dp)
+    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
+    mine = PipeComm(pp_rank, replica=replica, replicas=dp)
+    for d in range(dp):
+        ranks = [p * dp + d for p in range(pipe.pp)]
+        group = dist.new_group(ranks) if dp > 1 else None
+        tied = dist.new_group([ranks[first], ranks[last]]) if first != last else None
+        if d == replica:
+            mine.group, mine.tied = group, tied
+    for p in range(pipe.pp if dp > 1 else 0):
+        group = dist.new_group([p * dp + d for d in range(dp)])
+        if p == pp_rank:
+            mine.dp = group
+    return mine
 
 
 @dataclass
@@ -93,6 +125,7 @@ class Flight:
     received: dict[Action, torch.Tensor] = field(default_factory=dict)
     weights: dict[tuple[int, int], tuple] = field(default_factory=dict)  # I done, W to come
     losses: list[torch.Tensor] = field(default_factory=list)
+    reductions: list[tuple] = field(default_factory=list)  # (work, flat bucket, its grads)
 
 
 class PipelineExecutor:
@@ -103,10 +136,10 @@ class PipelineExecutor:
         check_split(job.model, job.split)
         if len(job.split) != pipe.stages:
             raise ValueError(f"{len(job.split)} stages split, the schedule has {pipe.stages}")
-        if job.batches.global_seqs % pipe.microbatches:
+        if job.batches.global_seqs % (pipe.microbatches * comm.replicas):
             raise ValueError(
                 f"{job.batches.global_seqs} sequences do not split into {pipe.microbatches} "
-                "equal micro-batches"
+                f"equal micro-batches on each of {comm.replicas} replicas"
             )
         proof = prove(pipe, programs)
         if not proof.ok:
@@ -118,8 +151,9 @@ class PipelineExecutor:
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
         self.named = list(self.model.named_parameters())
         self.optimizer = make_adamw(self.named, job.optim)
-        self.micro = job.batches.global_seqs // pipe.microbatches
+        self.micro = job.batches.global_seqs // (pipe.microbatches * comm.replicas)
         self.peers = [_global_rank(comm.group, r) for r in range(pipe.pp)]
+        self.buckets = self._buckets() if comm.replicas > 1 else {}
         self.step_index = 0
 
     # -- one step ----------------------------------------------------------------------------
@@ -139,6 +173,7 @@ class PipelineExecutor:
                 ) from e
         left = flight.inputs or flight.received or flight.grads_in or flight.weights
         assert not left, "tensors left over after the program"
+        self._wait_reductions(flight)
         stats = self.update(flight.losses)
         stats.dt_ms = (time.perf_counter() - t0) * 1e3
         tokens = self.job.batches.global_seqs * self.job.batches.seq_len
@@ -158,13 +193,56 @@ class PipelineExecutor:
             return
         (act,) = item
         RUN[act.kind](self, act, flight)
+        if bucket := self.buckets.get(act):
+            self._reduce(bucket, flight)
+
+    # -- data parallelism across replicas ----------------------------------------------------
+
+    def _buckets(self) -> dict[Action, list[torch.nn.Parameter]]:
+        """Each stage's parameters, keyed by the program's last action writing their
+        gradients (its last B or W); the tied wte, in two stages where one rank holds both,
+        goes with the later one."""
+        last: dict[int, Action] = {}
+        for item in self.program:
+            for act in item:
+                if act.kind in (Kind.B, Kind.W):
+                    last[act.stage] = act
+        owner: dict[int, tuple[int, Action, torch.nn.Parameter]] = {}
+        index = {a: i for i, item in enumerate(self.program) for a in item}
+        for s, act in last.items():
+            for name in self.job.split[s]:
+                for p in self._params(name):
+                    if id(p) not in owner or owner[id(p)][0] < index[act]:
+                        owner[id(p)] = (index[act], act, p)
+        out: dict[Action, list[torch.nn.Parameter]] = {}
+        for _, act, p in owner.values():
+            out.setdefault(act, []).append(p)
+        return out
+
+    def _reduce(self, params: list[torch.nn.Parameter], flight: Flight) -> None:
+        """The bucket's gradients summed over the replicas, launched now, waited for in
+        `update` (its gradients are final: nothing after this action writes them)."""
+        grads = [p.grad for p in params]
+        assert all(g is not None for g in grads), "a bucket's gradient was never written"
+        flat = torch._utils._flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=self.comm.dp, async_op=True)
+        flight.reductions.append((work, flat, grads))
+
+    def _wait_reductions(self, flight: Flight) -> None:
+        for work, flat, grads in flight.reductions:
+            work.wait()
+            flat.div_(self.comm.replicas)
+            for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(mean)
 
     # -- compute -----------------------------------------------------------------------------
 
     def forward(self, act: Action, flight: Flight) -> None:
         s, j = act.stage, act.mb
         last = s == self.pipe.stages - 1
-        x, y = self.job.batches.micro_batch(self.step_index, 0, j, self.micro, 1)
+        x, y = self.job.batches.micro_batch(
+            self.step_index, self.comm.replica, j, self.micro, self.comm.replicas
+        )
         if s > 0:
             x = self._input(act, flight).detach().requires_grad_()
         flight.inputs[(s, j)] = x
@@ -265,9 +343,10 @@ class PipelineExecutor:
         counted = [g for (n, p), g in zip(self.named, grads) if not self._tied_copy(n)]
         sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else None
         totals = torch.zeros(2, dtype=torch.float64)
-        totals[0] = 0.0 if sq is None else sq.double()
+        totals[0] = 0.0 if sq is None or self.comm.replica else sq.double()  # replica 0's
         totals[1] = torch.stack(losses).double().sum() if losses else 0.0
-        dist.all_reduce(totals, group=self.comm.group)
+        c = self.comm
+        dist.all_reduce(totals, group=c.group if c.replicas == 1 else c.world)
         norm = totals[0].sqrt().to(grads[0].dtype)
         lr = opt.lr_at(self.step_index, job.steps)
         stats = StepStats(self.step_index, 0.0, lr, 0.0, 0.0, 0.0)
@@ -280,7 +359,7 @@ class PipelineExecutor:
         self.optimizer.step()
         if self.record:
             stats.params = {n: p.detach().clone() for n, p in self.named}
-        stats.loss = (totals[1] / self.pipe.microbatches).item()
+        stats.loss = (totals[1] / (self.pipe.microbatches * self.comm.replicas)).item()
         stats.grad_norm = norm.item()
         return stats
 

@@ -3,8 +3,10 @@
     torchrun --standalone --nproc_per_node=2 -m schedc run \
         schedules/pipeline/tiny_pp2_interleaved.sched
 
-The compiler generated, proved and timed every rank's program (passes/pipeline_plan.py);
-here each rank builds its stages (exec/pipeline.py) and runs that program step after step,
+The compiler generated, proved and timed every pipeline rank's program
+(passes/pipeline_plan.py); here each rank builds its stages (exec/pipeline.py) and runs that
+program step after step (with world = degree x dp, global rank r runs pipeline rank r // dp's
+program on replica r % dp's slice of the batch, its stages' gradients all-reduced over dp),
 logging each step as a DP run does. Before step 1 the ranks agree as a DP run's do: the
 schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
 pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
@@ -25,7 +27,7 @@ from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
 from schedc.exec.options import Comm, RunOptions
-from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+from schedc.exec.pipeline import PipeJob, PipelineExecutor, make_comm
 from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
 from schedc.exec.train import TrainOptions, agree_at_startup, check_job, cpu_threads, data_error
 from schedc.model.data import DataError, load_batches
@@ -80,8 +82,7 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecut
     agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint())
     pipe = plan.pipeline
     stages = compiled.spec.pipeline.stages if compiled.spec.pipeline else ()
-    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
-    tied = dist.new_group([first, last]) if first != last else None
+    pipe_comm = make_comm(comm.rank, spec.world, pipe)  # every rank makes every group
     job = PipeJob(
         spec.model,
         tuple(s.layers for s in stages),
@@ -91,7 +92,7 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecut
         spec.seed,
     )
     generated = Generated(pipe, plan.programs)
-    return PipelineExecutor(job, generated, PipeComm(comm.rank, None, tied))
+    return PipelineExecutor(job, generated, pipe_comm)
 
 
 def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptions, device) -> None:

@@ -279,8 +279,8 @@ class PipelineSpec:
     Ranks are laid out pp-outermost, as torchtitan's mesh ["pp", "dp_replicate", "dp_shard"]:
     rank = pp_index x dp + dp_index, so a stage's dp replicas are consecutive ranks (one
     node: their gradient collectives are the heavy traffic) and the stages sit dp ranks
-    apart (the slower links carry only activations and their gradients). Only dp = 1 is
-    taken yet (world = degree), where rank r runs pipeline rank r's stages.
+    apart (the slower links carry only activations and their gradients). Global rank r runs
+    pipeline rank r // dp's stages on replica r % dp's slice of the batch.
     """
 
     stages: tuple[StageSpec, ...]

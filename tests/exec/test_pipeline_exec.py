@@ -22,13 +22,14 @@ from schedc.ir.pipeline import Action, Kind
 from schedc.lang.diagnostics import CompileError
 from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
 from tests.oracle import assert_matches
-from tests.pipeline_ranks import Case, merged, reference
+from tests.pipeline_ranks import Case, merged, reference, replicas
 
 RUN = "tests.pipeline_ranks:run_case"
 
 
 def run(pool, case: Case):
-    return merged(pool.call(RUN, case.pp, case, timeout=60))
+    per_rank = pool.call(RUN, case.world, case, timeout=60)
+    return merged(replicas(per_rank, case) if case.dp > 1 else per_rank)
 
 
 FIXED = [
@@ -41,6 +42,21 @@ FIXED = [
 
 @pytest.mark.parametrize("case", FIXED, ids=str)
 def test_pipeline_equals_reference(pool, case):
+    assert_matches(run(pool, case), reference(case))
+
+
+# DP x PP: 2 stages x 2 replicas on the pool's 4 ranks, each replica its own slice of the
+# global batch, each stage's gradients all-reduced over the replicas (one bucket a stage)
+DP_X_PP = [
+    Case(Schedule.GPIPE, 2, 2, dp=2),
+    Case(Schedule.ONE_F_ONE_B, 2, 3, dp=2),
+    Case(Schedule.ZB_H1, 2, 2, dp=2),
+    Case(Schedule.INTERLEAVED, 2, 2, v=2, dp=2),
+]
+
+
+@pytest.mark.parametrize("case", DP_X_PP, ids=str)
+def test_dp_x_pp_equals_reference_and_replicas_agree_bitwise(pool, case):
     assert_matches(run(pool, case), reference(case))
 
 

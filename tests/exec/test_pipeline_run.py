@@ -1,8 +1,9 @@
 """`schedc run` of a bundled pipeline schedule under torchrun (#31): each rank runs its
 stages' proven program, and the steps it logs are one process's.
 
-schedules/pipeline/tiny_pp2_interleaved.sched (interleaved 1F1B, 4 stages on 2 ranks)
-against a world-1 schedule that `schedc check` says makes the same update (the same model,
+schedules/pipeline/tiny_pp2_interleaved.sched (interleaved 1F1B, 4 stages on 2 ranks) and
+tiny_pp2_dp2.sched (DP x PP: 1F1B on 2 stages x 2 replicas, world 4), each against a world-1
+schedule that `schedc check` says makes the same update (the same model,
 seed, sequences and optimizer, k = 4 micro-steps of 2): the losses and gradient norms of
 three steps agree within the suite's fp32 bound (tests/oracle.py), and the run's lines say
 what ran. The executor's own equivalence suite (every schedule, pp 1-4, on the rank pool)
@@ -22,7 +23,7 @@ from tests.ranks import python, torchrun
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 
-PIPE = REPO / "schedules" / "pipeline" / "tiny_pp2_interleaved.sched"
+PIPELINE = REPO / "schedules" / "pipeline"
 ONE = """\
 model tiny
 world 1
@@ -39,16 +40,12 @@ def records(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_a_pipeline_run_logs_what_one_process_computes(tmp_path, capsys):
-    one = tmp_path / "one.sched"
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple:
+    """The world-1 schedule's path and its three steps' records (run once for both tests)."""
+    tmp = tmp_path_factory.mktemp("one")
+    one = tmp / "one.sched"
     one.write_text(ONE)
-    assert main(["check", str(one), str(PIPE)]) == 0  # the same update, proven first
-    assert "the same update" in capsys.readouterr().out
-    r = torchrun(2, str(PIPE), "--steps", "3", "--log-json", str(tmp_path / "pp.jsonl"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(
-        f"schedc: {PIPE}: pipeline (interleaved-1f1b, 4 stages, loop), world 2, 4 micro-steps of 2 x 64"
-    ), r.stdout
     w1 = python(
         "-m",
         "schedc",
@@ -57,11 +54,31 @@ def test_a_pipeline_run_logs_what_one_process_computes(tmp_path, capsys):
         "--steps",
         "3",
         "--log-json",
-        str(tmp_path / "w1.jsonl"),
+        str(tmp / "w1.jsonl"),
         env={"OMP_NUM_THREADS": "1"},
     )
     assert w1.returncode == 0, w1.stderr
-    got, want = records(tmp_path / "pp.jsonl"), records(tmp_path / "w1.jsonl")
+    return one, records(tmp / "w1.jsonl")
+
+
+@pytest.mark.parametrize(
+    "name, world, said",
+    [
+        ("tiny_pp2_interleaved.sched", 2, "(interleaved-1f1b, 4 stages, loop), world 2, 4 "),
+        ("tiny_pp2_dp2.sched", 4, "(1f1b, 2 stages, loop), world 4, 2 "),
+    ],
+)
+def test_a_pipeline_run_logs_what_one_process_computes(
+    tmp_path, capsys, one_process, name, world, said
+):
+    one, want = one_process
+    pipe = PIPELINE / name
+    assert main(["check", str(one), str(pipe)]) == 0  # the same update, proven first
+    assert "the same update" in capsys.readouterr().out
+    r = torchrun(world, str(pipe), "--steps", "3", "--log-json", str(tmp_path / "pp.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"schedc: {pipe}: pipeline {said}micro-steps of 2 x 64"), r.stdout
+    got = records(tmp_path / "pp.jsonl")
     assert [g["step"] for g in got] == [0, 1, 2]
     for g, w in zip(got, want, strict=True):
         assert g["lr"] == w["lr"]

@@ -1040,16 +1040,18 @@ FAIL = [
         "conflict",
         "a pipeline schedule cannot take a ddp block yet",
         "ddp",
-        "DP x PP, a ddp or fsdp block per stage, is not supported yet",
+        "ddp buckets or fsdp units per stage are not supported yet",
         id="conflict-pipeline-ddp",
     ),
     pytest.param(
-        PP.replace("schedule 1f1b", "schedule 1f1b\n  degree 1"),
-        "conflict",
-        "degree 1 in world 2 leaves 2 data-parallel replicas of the pipeline",
-        "degree 1",
-        "write `world 1`",
-        id="conflict-pipeline-degree",
+        PP.replace("world 2", "world 3")
+        .replace("batch 8", "batch 12")
+        .replace("schedule 1f1b", "schedule 1f1b\n  degree 2"),
+        "mesh-size",
+        "degree 2 does not divide world 3: the ranks are degree x dp, whole pipelines",
+        "degree 2",
+        "for world 3, degree 1, 3",
+        id="mesh-size-pipeline-degree",
     ),
     pytest.param(
         PP.replace("micro 2", "accumulate 4").replace(

@@ -24,6 +24,7 @@ PIPELINE = REPO / "schedules" / "pipeline"
 
 def test_the_pipeline_bundle():
     assert [p.name for p in pipeline_schedules()] == [
+        "tiny_pp2_dp2.sched",
         "tiny_pp2_interleaved.sched",
         "tiny_pp4_1f1b.sched",
         "tiny_pp_zb.sched",
@@ -77,6 +78,33 @@ def test_a_pipeline_agrees_with_one_process_on_the_batch():
         pp = compile_file(PIPELINE / name).spec
         assert pp.loss_weight() == one.loss_weight()
         assert compare(one, pp).agree, compare(one, pp).diagnostics
+
+
+ONE_TINY = """\
+model tiny
+world 1
+batch 8 x 64
+micro 2
+steps 40
+seed 1337
+data corpus
+optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }
+"""
+
+
+def test_dp_x_pp_agrees_with_one_process_and_prints_its_layout(capsys):
+    """world 4 = degree 2 x dp 2: each replica reads its own half of the batch, and `schedc
+    check` says so, with the global ranks of each stage pp-outermost."""
+    c = compile_file(PIPELINE / "tiny_pp2_dp2.sched")
+    assert c.spec.pipeline is not None and c.spec.pipeline.degree == 2
+    assert (c.spec.world, c.spec.dp, c.spec.micro, c.spec.accum) == (4, 2, 2, 2)
+    one = compile_text(ONE_TINY, "one.sched").spec
+    assert compare(one, c.spec).agree, compare(one, c.spec).diagnostics
+    assert main(["check", str(PIPELINE / "tiny_pp2_dp2.sched")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  pipeline "))
+    assert "2 stages, 1f1b, placement loop, 2 micro-batches, dp 2 (rank = pp x 2 + replica" in line
+    assert "    s0     ranks 0, 1  embed" in out and "    s1     ranks 2, 3  h.2" in out
 
 
 def test_check_prints_the_pipeline_line(capsys):
@@ -137,6 +165,11 @@ MUTATIONS = {
         ("micro 2", "micro 8", "pp-microbatches"),  # 2 micro-batches on 4 stages
         ("schedule 1f1b", "schedule gpipe\n  microbatches 3", "batch-arithmetic"),  # 2 x 3 != 16
         ("stage s3 = h.3, head", "stage s3 = h.3\n  stage s4 = head", "stage-count"),
+    ],
+    "tiny_pp2_dp2.sched": [
+        ("  degree 2", "  degree 3", "mesh-size"),  # 3 does not divide world 4
+        ("microbatches 2", "microbatches 3", "batch-arithmetic"),  # 8 != 3 x dp 2 x micro
+        ("world 4\n", "world 4\nfsdp { unit all = embed .. head }\n", "conflict"),
     ],
     "tiny_pp2_interleaved.sched": [
         ("microbatches 4", "microbatches 3", "batch-arithmetic"),

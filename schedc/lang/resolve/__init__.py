@@ -78,7 +78,8 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     pipeline, split, terms = pipeline_split(cx, model, run)  # the batch is split over dp
     require(cx, model_name, run)
     micro, accum = split_batch(cx, split, model, terms)
-    strategy = resolve_strategy(cx, model, split.world)
+    # a pipeline's replicas all-reduce each stage's gradients implicitly: no block to ask for
+    strategy = resolve_strategy(cx, model, 1 if pipeline or "pipeline" in cx.seen else split.world)
     mesh = resolve_mesh(cx, run.world, strategy)
     hsdp = mesh is not None and mesh.replicate > 1
     numerics = chunk_loss(cx, resolve_numerics(cx, strategy, toggles))

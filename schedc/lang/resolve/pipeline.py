@@ -2,9 +2,11 @@
 pipeline degree, a named schedule, its placement and micro-batches.
 
 The degree is the pipeline dimension of the mesh, outermost (ir/spec.py PipelineSpec), so
-dp = world / degree ranks share the global batch. DP x PP (a ddp or fsdp block per stage)
-is not taken yet: a pipeline's world is its degree, and the statements the pipeline
-executor and graph cannot honour yet are refused by name ([conflict]), not ignored.
+dp = world / degree replicas of the pipeline share the global batch (a degree that does not
+divide the world is [mesh-size]). Each stage's gradients are all-reduced over its dp
+replicas implicitly, one bucket a stage; a ddp or fsdp block per stage (buckets, units) is
+not taken yet, and the statements the pipeline executor and graph cannot honour yet are
+refused by name ([conflict]), not ignored.
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ SCHEDULES = {
 }
 # what a pipeline schedule cannot take yet, and why (the graph, lowering and executor of
 # DP schedules run every layer on every rank)
-DP_PER_STAGE = "DP x PP, a ddp or fsdp block per stage, is not supported yet"
+DP_PER_STAGE = (
+    "a pipeline's replicas all-reduce each stage's gradients in one bucket, implicitly; "
+    "ddp buckets or fsdp units per stage are not supported yet"
+)
 NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what, why)
     DDP: ("ddp", "a ddp block", DP_PER_STAGE),
     FSDP: ("fsdp", "an fsdp block", DP_PER_STAGE),
-    MeshDecl: ("mesh", "a mesh", "a pipeline's world is its degree: there is no DP mesh yet"),
+    MeshDecl: ("mesh", "a mesh", "a pipeline's mesh is degree x dp, dp = world / degree"),
     Program: (
         "program",
         "a written program",
@@ -176,18 +181,19 @@ def _number(cx: Context, s: PipeSetting, what: str, limits: tuple[int, int]) -> 
 
 
 def _degree(cx: Context, s: PipeSetting | None, world: int | None) -> int | None:
-    """The pipeline ranks: the world, which is all DP x PP can be yet."""
+    """The pipeline ranks (the world when not written); it must divide the world, whose
+    quotient is dp, the pipeline's replicas ([mesh-size])."""
     if s is None or world is None:
         return world
     degree = _number(cx, s, "degree", LIMITS["world"])
-    if degree is not None and degree != world:
-        dp = f"{world / degree:g}"
+    if degree is not None and world % degree:
+        fits = [str(d) for d in range(1, world + 1) if world % d == 0][:6]
         cx.err(
-            "conflict",
-            f"degree {degree} in world {world} leaves {dp} data-parallel replicas of the "
-            "pipeline; DP x PP is not supported yet",
+            "mesh-size",
+            f"degree {degree} does not divide world {world}: the ranks are degree x dp, "
+            "whole pipelines",
             s.span,
-            hint=f"a pipeline's world is its degree for now: write `world {degree}`",
+            hint=f"for world {world}, degree {', '.join(fits)}",
             notes=tuple(Note("the world is given here", w) for w in [cx.seen.get("world")] if w),
         )
         return None
