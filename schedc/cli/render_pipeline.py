@@ -21,7 +21,7 @@ from schedc.lang.parse import parse
 from schedc.lang.read import read_source
 from schedc.lang.syntax import to_ast
 from schedc.viz.dot import write
-from schedc.viz.pipeline import grid_of, pipeline_dot
+from schedc.viz.pipeline import grid_of, pipeline_dot, who
 
 # flags a pipeline grid has no use for, and why (the first given is said)
 REFUSED = (
@@ -80,6 +80,6 @@ def render_pipeline(args: argparse.Namespace, out: Path) -> int:
         raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} (pipeline timeline)")
     for g in grids:
-        bubble = ", ".join(f"rank {r} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
+        bubble = ", ".join(f"{who(g, r)} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
         print(f"  {g.name}: step {g.plan.step:g} (F = 1 a stage), bubble {bubble}")
     return 0

@@ -161,14 +161,26 @@ def title(g: Grid) -> str:
     assert spec.pipeline is not None
     each = f" ({pipe.per_rank} each, {pipe.placement.value} placement)"
     held = each if pipe.per_rank > 1 else ""
+    ranks = f"{pipe.pp} ranks"
+    if spec.dp > 1:  # each row is a pipeline rank, run by dp replicas (rank = pp x dp + d)
+        ranks = f"{pipe.pp} pipeline ranks x {spec.dp} replicas (world {spec.world})"
     return (
-        f"{g.name}: {spec.pipeline.schedule.value}, {pipe.stages} stages on {pipe.pp} ranks"
+        f"{g.name}: {spec.pipeline.schedule.value}, {pipe.stages} stages on {ranks}"
         f"{held}, {pipe.microbatches} micro-batches"
     )
 
 
+def who(g: Grid, r: int) -> str:
+    """A row's name: `rank r`, or with data parallelism the ranks that run pipeline rank r
+    (pp-outermost: r x dp + d for each replica d)."""
+    dp = g.compiled.spec.dp
+    if dp == 1:
+        return f"rank {r}"
+    return "ranks " + ", ".join(str(r * dp + d) for d in range(dp))
+
+
 def subtitle(g: Grid) -> str:
-    bubble = ", ".join(f"rank {r} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
+    bubble = ", ".join(f"{who(g, r)} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
     return (
         f"predicted at {g.plan.cost_words}: step {g.plan.step:g} (one stage's F = 1); "
         f"bubble {bubble}"
@@ -185,7 +197,7 @@ def _grid(cv: GridCanvas, g: Grid, sc: Scale, y: float) -> float:
     for r, row_y in top.items():
         cv.box(LEFT, row_y, right - LEFT, ROW, fill=LANE_FILL, stroke=LANE_STROKE)
         held = ", ".join(f"s{s}" for s in pipe.stages_of(r))
-        cv.text(LEFT - 8, row_y + ROW / 2 - 13, f"rank {r}\n{held}", size=10, align="r")
+        cv.text(LEFT - 8, row_y + ROW / 2 - 13, f"{who(g, r)}\n{held}", size=10, align="r")
         for s in g.slots[r]:
             _box(cv, s, sc, row_y, pipe.per_rank > 1)
         cv.text(right + 8, row_y + ROW / 2 - 7, f"bubble {100 * g.idle(r):.1f}%", size=10)

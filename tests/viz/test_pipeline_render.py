@@ -105,10 +105,14 @@ def test_transfers_go_from_producer_end_to_reader_start(case):
 
 def test_title_says_schedule_stages_microbatches_and_bubble(case):
     _, c, dot = case
-    ps, pipe = c.spec.pipeline, c.pipeline.pipeline
-    assert f"{ps.schedule.value}, {pipe.stages} stages on {pipe.pp} ranks" in dot
+    ps, pipe, dp = c.spec.pipeline, c.pipeline.pipeline, c.spec.dp
+    ranks = f"{pipe.pp} ranks" if dp == 1 else f"{pipe.pp} pipeline ranks x {dp} replicas"
+    assert f"{ps.schedule.value}, {pipe.stages} stages on {ranks}" in dot
     assert f"{pipe.microbatches} micro-batches" in dot
-    assert "bubble rank 0 " in dot
+    # a row is a pipeline rank: the ranks that run it (pp-outermost: r x dp + replica)
+    assert (
+        "bubble rank 0 " if dp == 1 else f"bubble ranks {', '.join(map(str, range(dp)))} "
+    ) in dot
 
 
 def test_several_files_share_one_time_scale():
@@ -135,7 +139,7 @@ def test_cli_writes_the_grid_by_default(ext, tmp_path, capsys):
     if ext == "svg" and not HAVE_NEATO:
         pytest.skip("Graphviz's neato is not installed")
     out = tmp_path / f"pp.{ext}"
-    assert render(str(PIPELINES[0]), "-o", str(out)) == 0
+    assert render(str(REPO / "schedules" / "pipeline" / "tiny_pp4_1f1b.sched"), "-o", str(out)) == 0
     said = capsys.readouterr().out
     assert f"wrote {out} (pipeline timeline)" in said and "bubble rank 0" in said
     text = out.read_text()
