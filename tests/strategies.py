@@ -467,7 +467,8 @@ def summary() -> list[str]:
     if eq:
         by = ", ".join(f"{kind} w{w}: {n}" for (kind, w), n in sorted(eq.items()))
         lines.append(f"equivalence cases (fp32, vs the reference): {sum(eq.values())} [{by}]")
-    for family in ("precision", "recompute", "float64", "pairs", "rewritten", "roundtrip", "fuzz"):
+    families = ("precision", "recompute", "float64", "pairs", "rewritten", "roundtrip", "fuzz")
+    for family in (*families, "pipeline"):
         sub = {k[1:]: n for k, n in TALLY.items() if k[0] == family}
         if sub:
             by = ", ".join(

@@ -7,7 +7,8 @@ h.5, head, so 8 stages at most); after each of two optimizer steps every paramet
 the update), every gradient (before clipping), the loss and the norm equal the
 single-process reference (model/reference.py) within tests/oracle.py's fp32 tolerances,
 and the two copies of the tied wte.weight are bitwise equal (tests/pipeline_ranks.py
-`merged`). A hypothesis property draws the schedule, pp 1..4, m, v and the stage split.
+`merged`). A hypothesis property draws the schedule, pp 1..4, m, v, the stage split and
+(at pp 2) dp 1 or 2: 100 cases under the `ci` profile, tallied in the session's summary.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m pytest -q tests/exec/test_pipeline_exec.py
 """
@@ -23,6 +24,7 @@ from schedc.lang.diagnostics import CompileError
 from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
 from tests.oracle import assert_matches
 from tests.pipeline_ranks import Case, merged, reference, replicas
+from tests.strategies import examples, tally
 
 RUN = "tests.pipeline_ranks:run_case"
 
@@ -86,13 +88,18 @@ def cases(draw) -> Case:
     cuts = sorted(draw(st.sets(st.integers(1, 7), min_size=stages - 1, max_size=stages - 1)))
     sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, 8]))
     steps = draw(st.integers(1, 2))
-    return Case(schedule, pp, m, v=v, steps=steps, sizes=sizes, micro=draw(st.integers(1, 2)))
+    dp = draw(st.sampled_from([1, 2])) if pp == 2 else 1  # DP x PP takes the pool's 4 ranks
+    micro = draw(st.integers(1, 2))
+    return Case(schedule, pp, m, v=v, steps=steps, sizes=sizes, micro=micro, dp=dp)
 
 
-@settings(max_examples=24)
+@settings(max_examples=examples(100))
 @given(case=cases())
 def test_generated_pipelines_equal_reference(pool, case):
     assert_matches(run(pool, case), reference(case))
+    tally(
+        "pipeline", case.schedule.value, f"pp{case.pp}" + (f"xdp{case.dp}" if case.dp > 1 else "")
+    )
 
 
 def _swapped(gen: Generated) -> Generated:
