@@ -35,8 +35,10 @@ def bundled_schedules() -> list[Path]:
 
 
 def pipeline_schedules() -> list[Path]:
-    """The pipeline schedules (schedules/pipeline/), which `schedc check` proves and prints;
-    they are apart because no graph, plan or executor of pipeline stages exists yet."""
+    """The pipeline schedules (schedules/pipeline/), which `schedc check` proves and prints,
+    `render` draws and `run` runs with the pipeline executor; apart from the others because
+    the DP graph, plan and executor, which every bundled DP schedule is put through, do not
+    take pipeline stages."""
     return sorted((shipped_dir("schedules") / "pipeline").glob("*.sched"))
 
 
