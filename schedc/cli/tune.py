@@ -132,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
     require(args, NEEDS)
     defaults(args, steps=4, rounds=1, timeout=600)
     base = Base.read(args.file)
+    if base.pipeline:
+        raise UserError(
+            f"{args.file} is a pipeline schedule: tune searches data-parallel layouts (DDP and "
+            "FSDP); pipeline degree, schedule and placement are not in its space yet"
+        )
     if base.mesh:
         print(f"schedc: note: {args.file}: {NOT_SEARCHED.format(mesh=base.mesh)}")
     opts = options(args, base)

@@ -28,6 +28,7 @@ from schedc.lang.syntax import (
     FSDP,
     Memory,
     MeshDecl,
+    Pipeline,
     Precision,
     Program,
     Setting,
@@ -100,12 +101,13 @@ class Base:
     precision: Span | None  # the file's `precision` statement: dropped when tune searches it
     world: int = 1  # as written (the compiler judges it)
     mesh: str | None = None  # the file's `mesh` statement as written: HSDP, not searched
+    pipeline: bool = False  # a `pipeline` block: not in tune's space at all
 
     @classmethod
     def read(cls, path: str | Path) -> Base:
         source = read_source(path)
         ast = to_ast(parse(source), source)  # a syntax error is the user's, located
-        dropped, memory, precision, world, mesh = [], None, None, 1, None
+        dropped, memory, precision, world, mesh, pipeline = [], None, None, 1, None, False
         for s in ast.stmts:
             if isinstance(s, Setting) and s.key in SEARCHED_SETTINGS:
                 dropped.append(s.span)
@@ -119,9 +121,10 @@ class Base:
                 mesh = source.snippet(s.span) if isinstance(s, MeshDecl) else mesh
             elif isinstance(s, Precision):
                 precision = s.span
+            pipeline = pipeline or isinstance(s, Pipeline)
             if isinstance(s, Setting) and s.key == "world" and s.value.is_int:
                 world = int(s.value.text)
-        return cls(source, tuple(dropped), memory, precision, world, mesh)
+        return cls(source, tuple(dropped), memory, precision, world, mesh, pipeline)
 
     def kept_text(self, *, blank: bool, precision: bool = True) -> str:
         """The file without the dropped statements (and their trailing comments): blanked
