@@ -16,6 +16,19 @@ from schedc.model.arch import SIZES, GPTConfig
 from schedc.model.config import DataConfig, OptimConfig
 from schedc.passes.pipeline_gen import Request, Schedule
 
+# the world-1 schedule `schedc check` says makes the same update as the bundled tiny pipelines
+# (tiny_pp2_interleaved, tiny_pp2_dp2): the same model, seed, 8 sequences and optimizer
+ONE_PROCESS = """\
+model tiny
+world 1
+batch 8 x 64
+micro 2
+steps 40
+seed 1337
+data corpus
+optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }
+"""
+
 
 @dataclass(frozen=True)
 class Case:

@@ -293,14 +293,7 @@ class Pool:
             self.restart()
         self.jobs += 1
         job = Job(text, world, steps, dtype, trace, fault, self.jobs, heap, tf32, log_buffers)
-        deadline = time.monotonic() + timeout
-        for r, c in enumerate(self.conns[:world]):
-            try:
-                c.send(job)
-            except (BrokenPipeError, OSError):
-                self._fail(job, r, f"rank {r} was gone before the job started")
-        replies = self._replies(job, deadline, timeout)
-        outs = [replies[r] for r in range(world)]
+        outs = self._dispatch(job, world, timeout)
         return JobResult(
             outs[0]["steps"],
             [o["memory"] for o in outs],
@@ -317,7 +310,10 @@ class Pool:
         if not self.alive:
             self.restart()
         self.jobs += 1
-        job = Call(target, world, args, self.jobs)
+        return self._dispatch(Call(target, world, args, self.jobs), world, timeout)
+
+    def _dispatch(self, job: Job | Call, world: int, timeout: float) -> list:
+        """Send `job` to ranks 0..world-1 and return their replies in rank order."""
         deadline = time.monotonic() + timeout
         for r, c in enumerate(self.conns[:world]):
             try:

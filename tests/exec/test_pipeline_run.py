@@ -19,21 +19,12 @@ import pytest
 from schedc.cli.main import main
 from tests.goldens import REPO
 from tests.oracle import TOL
+from tests.pipeline_ranks import ONE_PROCESS
 from tests.ranks import python, torchrun
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 
 PIPELINE = REPO / "schedules" / "pipeline"
-ONE = """\
-model tiny
-world 1
-batch 8 x 64
-micro 2
-steps 40
-seed 1337
-data corpus
-optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }
-"""
 
 
 def records(path) -> list[dict]:
@@ -45,7 +36,7 @@ def one_process(tmp_path_factory) -> tuple:
     """The world-1 schedule's path and its three steps' records (run once for both tests)."""
     tmp = tmp_path_factory.mktemp("one")
     one = tmp / "one.sched"
-    one.write_text(ONE)
+    one.write_text(ONE_PROCESS)
     w1 = python(
         "-m",
         "schedc",

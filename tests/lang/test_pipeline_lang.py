@@ -18,6 +18,7 @@ from schedc.lang.diagnostics import CompileError
 from schedc.lang.resources import bundled_schedules, pipeline_schedules
 from schedc.passes.agree import compare
 from tests.goldens import REPO
+from tests.pipeline_ranks import ONE_PROCESS
 
 PIPELINE = REPO / "schedules" / "pipeline"
 
@@ -80,25 +81,13 @@ def test_a_pipeline_agrees_with_one_process_on_the_batch():
         assert compare(one, pp).agree, compare(one, pp).diagnostics
 
 
-ONE_TINY = """\
-model tiny
-world 1
-batch 8 x 64
-micro 2
-steps 40
-seed 1337
-data corpus
-optimizer adamw { lr = 3e-3  min_lr = 3e-4  warmup = 5 }
-"""
-
-
 def test_dp_x_pp_agrees_with_one_process_and_prints_its_layout(capsys):
     """world 4 = degree 2 x dp 2: each replica reads its own half of the batch, and `schedc
     check` says so, with the global ranks of each stage pp-outermost."""
     c = compile_file(PIPELINE / "tiny_pp2_dp2.sched")
     assert c.spec.pipeline is not None and c.spec.pipeline.degree == 2
     assert (c.spec.world, c.spec.dp, c.spec.micro, c.spec.accum) == (4, 2, 2, 2)
-    one = compile_text(ONE_TINY, "one.sched").spec
+    one = compile_text(ONE_PROCESS, "one.sched").spec
     assert compare(one, c.spec).agree, compare(one, c.spec).diagnostics
     assert main(["check", str(PIPELINE / "tiny_pp2_dp2.sched")]) == 0
     out = capsys.readouterr().out
