@@ -92,40 +92,54 @@ def _block_acts(spec: Spec) -> LayerActs:
     log-sum-exp (H); ln_2: x + attn (C) and mean, rstd; c_fc: ln_2's output (C); GELU: c_fc's
     output (4 C); mlp.c_proj: GELU's output (4 C). The residual adds save nothing.
 
-    bf16 autocast (`compute = bf16`) saves the bf16 copies its matmuls read: 14 C bf16 +
-    2 C fp32 (the LayerNorms' inputs) + 4 + H fp32 per token, plus the bf16 casts of the
-    block's weights (12 C^2 x 2 bytes, made again by every forward).
+    bf16 autocast (`compute = bf16`) saves the bf16 copies its matmuls read: 14 C bf16 per
+    token; the LayerNorms' inputs and statistics (2 C + 4) stay in the residual stream's
+    dtype and the log-sum-exp (H) in fp32; and, where the weights are fp32, the bf16 casts
+    of the block's weights (12 C^2 x 2 bytes, made again by every forward). Under FSDP's
+    bf16 gather the weights and so the residual stream are bf16 themselves: nothing is
+    cast, and the LayerNorms save bf16 (read with saved_tensors_hooks on torch 2.13).
 
     Transients: forward, the attention projection and MLP outputs before their residual adds
     (2 C); backward, the gradients of the 4 C hidden and its input (about 4 C + 4 C + 2 C).
     """
     cfg, N = spec.model, spec.micro * spec.seq_len
     C, H = cfg.n_embd, cfg.n_head
+    c, s = spec.numerics.compute.nbytes, stream_bytes(spec)
+    saved = N * (14 * C * c + (2 * C + 4) * s + H * FP32) + _weight_casts(spec, 12 * C * C)
+    return LayerActs(saved, N * C * s, N * 2 * C * s, N * 10 * C * s)
+
+
+def stream_bytes(spec: Spec) -> int:
+    """Bytes of one element of the residual stream between layers, and of the parameters the
+    layers compute with: FSDP's gather dtype (its units' parameters are gathered in it, so
+    embed's output is in it too), else fp32 (autocast casts on the fly; its outputs add
+    into the fp32 stream)."""
+    return spec.numerics.gather.nbytes if spec.kind is Strategy.FSDP else FP32
+
+
+def _weight_casts(spec: Spec, numel: int) -> int:
+    """What autocast's casts of `numel` weight elements hold: none unless the compute dtype
+    is narrower than the weights the layers read."""
     c = spec.numerics.compute.nbytes
-    if spec.numerics.compute is not Dtype.FP32:
-        saved = N * (14 * C * c + (2 * C + 4 + H) * FP32) + 12 * C * C * c
-    else:
-        saved = N * (16 * C + 4 + H) * FP32
-    return LayerActs(saved, N * C * FP32, N * 2 * C * FP32, N * 10 * C * FP32)
+    return numel * c if c < stream_bytes(spec) else 0
 
 
 def _head_acts(spec: Spec) -> LayerActs:
     """head: 2 C + 2 + V per token: ln_f's input and output, mean and rstd, and
     log_softmax's output (cross_entropy = log_softmax + nll_loss, which saves the targets:
-    the batch's). The logits themselves are not saved. bf16: the bf16 logits (V x 2)
-    besides the fp32 log_softmax output (V x 4), C fp32 and C bf16.
+    the batch's). The logits themselves are not saved. bf16: ln_f's input and statistics in
+    the stream's dtype, its output cast to bf16 (C x 2) for the matmul, log_softmax's output
+    in fp32 (autocast upcasts the logits for it) and, where the tied weight is fp32, its
+    bf16 cast (V C x 2, once a micro-step, not per token).
 
     Transients: forward, the logits (V); backward, the gradient of log_softmax's output
     and of the logits (2 V) and of its input (C).
     """
     cfg, N = spec.model, spec.micro * spec.seq_len
     C, V = cfg.n_embd, cfg.vocab_size
-    c = spec.numerics.compute.nbytes
-    if spec.numerics.compute is not Dtype.FP32:
-        saved = N * ((C + 2 + V) * FP32 + (C + V) * c)
-    else:
-        saved = N * (2 * C + 2 + V) * FP32
-    return LayerActs(saved, N * C * FP32, N * V * c, N * (2 * V + C) * FP32)
+    c, s = spec.numerics.compute.nbytes, stream_bytes(spec)
+    saved = N * ((C + 2) * s + C * c + V * FP32) + _weight_casts(spec, V * C)
+    return LayerActs(saved, N * C * s, N * V * c, N * (2 * V + C) * FP32)
 
 
 def _chunked_head_acts(spec: Spec, chunk: int) -> LayerActs:
