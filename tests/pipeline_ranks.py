@@ -48,6 +48,8 @@ class Case:
     sizes: tuple[int, ...] | None = None  # layers a stage, in order; None: split_layers
     dtype: str = "float32"
     dp: int = 1  # replicas of the pipeline: world pp x dp, pp-outermost
+    fsdp: bool = False  # each stage's parameters sharded over dp (one unit a stage)
+    precision: tuple[str, str, str] = ("fp32", "fp32", "fp32")  # compute, gather, reduce
 
     @property
     def world(self) -> int:
@@ -57,8 +59,34 @@ class Case:
         v = f"-v{self.v}" if self.v > 1 else ""
         cut = "-" + ".".join(map(str, self.sizes)) if self.sizes else ""
         dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
-        dp = f"-dp{self.dp}" if self.dp > 1 else ""
-        return f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}"
+        dp = f"-{'fsdp' if self.fsdp else 'dp'}{self.dp}" if self.dp > 1 or self.fsdp else ""
+        low = "-" + "-".join(self.precision) if self.low else ""
+        return (
+            f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps"
+            f"{dtype}{low}"
+        )
+
+    @property
+    def low(self) -> bool:
+        return self.precision != ("fp32", "fp32", "fp32")
+
+    @property
+    def tolerance(self) -> str:
+        """The TOL key the case is held to (tests/oracle.py policy_key)."""
+        from schedc.ir.spec import Dtype, Numerics
+        from tests.oracle import policy_key
+
+        compute, gather, reduce = (Dtype(d) for d in self.precision)
+        num = Numerics(compute, gather if self.fsdp else Dtype.FP32, reduce)
+        return policy_key(num, self.dp, self.dtype)
+
+    def torch_dtypes(self) -> dict:
+        """PipeJob's compute, gather and reduce (None: the run's dtype)."""
+        import torch
+
+        low = {"fp32": None, "bf16": torch.bfloat16}
+        compute, gather, reduce = (low[d] for d in self.precision)
+        return {"compute": compute, "gather": gather if self.fsdp else None, "reduce": reduce}
 
     def split(self, stages: int) -> tuple[tuple[str, ...], ...]:
         from schedc.exec.pipeline_model import split_layers
@@ -101,7 +129,22 @@ def run_case(rank: int, groups, case: Case) -> list:
     cfg = case.config
     data = batches(case.seq_len, case.m * case.micro * case.dp, cfg.vocab_size)
     split = case.split(gen.pipeline.stages)
-    job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, getattr(torch, case.dtype))
+    units = None
+    if case.fsdp:
+        from schedc.ir.spec import stage_units
+
+        units = tuple(params for _, params in stage_units(cfg, split))
+    job = PipeJob(
+        cfg,
+        split,
+        data,
+        case.optim,
+        case.steps,
+        case.seed,
+        getattr(torch, case.dtype),
+        units,
+        **case.torch_dtypes(),
+    )
     if case.dp == 1:
         comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
     else:
@@ -141,7 +184,18 @@ def reference(case: Case) -> tuple:
     torch.set_num_threads(1)
     try:
         dtype = getattr(torch, case.dtype)
-        ref = Reference(cfg, case.optim, data, case.micro, case.steps, case.seed, dtype)
+        low = case.torch_dtypes()
+        ref = Reference(
+            cfg,
+            case.optim,
+            data,
+            case.micro,
+            case.steps,
+            case.seed,
+            dtype,
+            compute=low["compute"],
+            param_dtype=low["gather"],
+        )
         return tuple(ref.step() for _ in range(case.steps))
     finally:
         torch.set_num_threads(threads)
