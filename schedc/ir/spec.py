@@ -284,11 +284,13 @@ class StageUnit:
     span: Span  # the `unit` line, or the stage's (one unit a stage, by default)
 
 
-def stage_units(cfg: GPTConfig, split: tuple[tuple[str, ...], ...]) -> list[tuple[int, tuple]]:
+def stage_units(
+    cfg: GPTConfig, split: tuple[tuple[str, ...], ...]
+) -> list[tuple[int, tuple[str, ...]]]:
     """One FSDP unit a stage, as (stage, parameters), and the tied wte.weight one of its own
     on the embed's stage (the head's stage keeps a copy, sharded in the same layout so that
     the two copies' shards are the same slices)."""
-    out = []
+    out: list[tuple[int, tuple[str, ...]]] = []
     for s, layers in enumerate(split):
         params = [p.name for layer in layers for p in cfg.layer_params(layer)]
         if TIED in params:
@@ -395,6 +397,16 @@ class Spec:
     @property
     def kind(self) -> Strategy:
         return Strategy.of(self.strategy)
+
+    @property
+    def sync(self) -> Strategy:
+        """How gradients are combined across data-parallel ranks: the strategy's kind, or a
+        pipeline's (FSDP under its fsdp block, DDP with replicas, else none)."""
+        if self.pipeline is None:
+            return self.kind
+        if self.pipeline.units:
+            return Strategy.FSDP
+        return Strategy.DDP if self.dp > 1 else Strategy.SINGLE
 
     @property
     def fsdp(self) -> FSDPSpec:
