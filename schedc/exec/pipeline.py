@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from schedc.errors import RunError
 from schedc.exec.backends import DONE, copy_alone
+from schedc.exec.cpu_backend import CPUBackend
 from schedc.exec.flat import FlatUnit
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
@@ -279,9 +280,7 @@ class PipelineExecutor:
         grad = unit.take_grad(0)
         send = _share(grad, self.comm.replicas, self.reduce)
         out = torch.empty(unit.shard_len, dtype=self.reduce)
-        work = self._collective(
-            lambda pg: dist.reduce_scatter_tensor(out, send, group=pg, async_op=True), (out, send)
-        )
+        work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
         unit.release()  # the stage is done with its weights this step
 
         def land(unit=unit, out=out):
@@ -339,9 +338,7 @@ class PipelineExecutor:
                 full = u.alloc_full()
                 shard = u.shard.to(full.dtype)
                 work = self._collective(
-                    lambda pg, full=full, shard=shard: dist.all_gather_into_tensor(
-                        full, shard, group=pg, async_op=True
-                    ),
+                    CPUBackend.all_gather(full, shard),
                     (full, shard),
                 )
                 flight.gathers[i] = (work, shard)
@@ -525,13 +522,14 @@ class PipelineExecutor:
         is the same slice, so the sum is wte's whole gradient there, both copies get the
         same clipping, AdamW state and update, and stay bitwise equal. The norm counts the
         head's copy's shard not at all."""
-        grads, counted = [], []
+        grads: list[torch.Tensor] = []
+        counted: list[torch.Tensor] = []
         for u in self.units:
             shard = u.live_shard_grad()
             tied = u.layout[0][0] is dict(self.named).get("wte.weight")
             if tied and self.comm.tied is not None:
                 dist.all_reduce(shard, group=self.comm.tied)
-            mine = [p.grad for group in u.optimizer_params() for p in group]
+            mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
             grads += mine
             if not (tied and self.model.holds_tied_copy):
                 counted += mine
@@ -548,9 +546,7 @@ class PipelineExecutor:
             full = torch.empty(u.padded, dtype=u.dtype)
             shard = of_unit(u).detach()
             self._collective(
-                lambda pg, full=full, shard=shard: dist.all_gather_into_tensor(
-                    full, shard, group=pg, async_op=True
-                ),
+                CPUBackend.all_gather(full, shard),
                 (full, shard),
             ).wait()
             out.update({names[id(p)]: t for p, t in u.assemble(full).items()})
