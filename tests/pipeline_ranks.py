@@ -62,8 +62,7 @@ class Case:
         dp = f"-{'fsdp' if self.fsdp else 'dp'}{self.dp}" if self.dp > 1 or self.fsdp else ""
         low = "-" + "-".join(self.precision) if self.low else ""
         return (
-            f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps"
-            f"{dtype}{low}"
+            f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}{low}"
         )
 
     @property
@@ -242,3 +241,38 @@ def replicas(per_rank: list[list], case: Case) -> list[list]:
                     for name in ours:
                         assert torch.equal(ours[name], theirs[name]), (what, name, p, d, a.step)
     return [per_rank[p * case.dp] for p in range(case.pp)]
+
+
+def run_file(rank: int, groups, path: str, precision: str | None, steps: int) -> list:
+    """This rank's steps of a bundled pipeline schedule (under `precision`, a named policy,
+    if given), as `schedc run` builds its job (exec/pipeline_train.py), on the pool's ranks."""
+    from schedc.compiler import compile_file
+    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+    from schedc.exec.pipeline_train import precision as job_precision
+    from schedc.lang.resolve import Overrides
+    from schedc.passes.pipeline_gen import Generated
+
+    c = compile_file(path, Overrides(steps=steps, precision=precision))
+    spec, plan = c.spec, c.pipeline
+    assert spec.pipeline is not None and plan is not None
+    pipe = plan.pipeline
+    data = batches_of(spec)
+    split = tuple(st.layers for st in spec.pipeline.stages)
+    job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
+    if spec.dp == 1:
+        ends = (
+            groups.get(("ends", pipe.pp))
+            if pipe.rank_of(0) != pipe.rank_of(pipe.stages - 1)
+            else None
+        )
+        comm = PipeComm(rank, groups[pipe.pp], ends)
+    else:
+        comm = dp_comm(rank, spec.world, pipe)
+    ex = PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=True)
+    return [ex.step() for _ in range(steps)]
+
+
+def batches_of(spec):
+    from schedc.model.data import load_batches
+
+    return load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
