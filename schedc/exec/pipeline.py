@@ -33,11 +33,26 @@ slice the DP executor gives rank d of dp at micro-step j (model/batching.py sequ
 so the replicas together read the global batch once. Each stage's gradients are all-reduced
 over the ranks holding it in every replica (`PipeComm.dp`) in one flat bucket, launched
 right after the program's last B or W of that stage (pipelining's REDUCE_GRAD: a DDP with
-one bucket a stage; buckets or FSDP units per stage are not built) and waited for before the
-update, then divided by dp. The tied all-reduce then runs within each replica; the norm is
+one bucket a stage; DDP buckets per stage are not built) as each rank's x / dp, and waited
+for before the update. The tied all-reduce then runs within each replica; the norm is
 replica 0's pipeline ranks' sum (the other replicas add zeros: after the reduction their
 gradients are bitwise replica 0's), in the same all-reduce over every rank as the losses,
 whose sum over m x dp micro-batches is the global mean.
+
+FSDP per stage (`PipeJob.units`, torchtitan's FSDP2 under PP): each unit lies in one stage
+and is a FlatUnit (exec/flat.py) sharded over the dp group. Every unit's all-gather is
+launched at the rank's first F of the step and waited for before its stage's first F; the
+unit stays gathered through the step (reshard_after_forward=False), its micro-batches'
+gradients accumulate in one unsharded buffer (folded into the reduce dtype when that is
+wider than the gather's: FSDP2's upcast), and after the stage's last B or W it is
+reduce-scattered (async, waited for before the update) and freed. AdamW steps the shards;
+the norm sums every rank's shards. The tied wte is a unit of its own on both ends, one
+layout, so the tied all-reduce sums the same slice on each replica's pair.
+
+Numerics (`PipeJob.compute/gather/reduce`, the schedule's precision policy): autocast in the
+compute dtype around each forward, units gathered in the gather dtype, dp reductions in the
+reduce dtype; P2P carries the residual stream in the dtype of the weights the layers
+compute with (`wire`), and each send asserts it.
 """
 
 from __future__ import annotations
