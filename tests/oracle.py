@@ -293,11 +293,13 @@ def reference_steps(text: str, steps: int, dtype: str = "float32", *, tf32: bool
                 steps,
                 dtype,
                 spec.numerics,
-                spec.kind.value == "fsdp",
+                spec.sync.value == "fsdp",
             )
         )
     )
-    out.policy = policy_key(spec.numerics, spec.world, dtype, tf32)
+    # a pipeline without an fsdp block gathers nothing: its policy's gather dtype is moot
+    numerics = spec.numerics.effective(spec.sync) if spec.pipeline else spec.numerics
+    out.policy = policy_key(numerics, spec.dp, dtype, tf32)
     return out
 
 

@@ -48,6 +48,8 @@ class Case:
     sizes: tuple[int, ...] | None = None  # layers a stage, in order; None: split_layers
     dtype: str = "float32"
     dp: int = 1  # replicas of the pipeline: world pp x dp, pp-outermost
+    fsdp: bool = False  # each stage's parameters sharded over dp (one unit a stage)
+    precision: tuple[str, str, str] = ("fp32", "fp32", "fp32")  # compute, gather, reduce
 
     @property
     def world(self) -> int:
@@ -57,8 +59,33 @@ class Case:
         v = f"-v{self.v}" if self.v > 1 else ""
         cut = "-" + ".".join(map(str, self.sizes)) if self.sizes else ""
         dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
-        dp = f"-dp{self.dp}" if self.dp > 1 else ""
-        return f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}"
+        dp = f"-{'fsdp' if self.fsdp else 'dp'}{self.dp}" if self.dp > 1 or self.fsdp else ""
+        low = "-" + "-".join(self.precision) if self.low else ""
+        return (
+            f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}{low}"
+        )
+
+    @property
+    def low(self) -> bool:
+        return self.precision != ("fp32", "fp32", "fp32")
+
+    @property
+    def tolerance(self) -> str:
+        """The TOL key the case is held to (tests/oracle.py policy_key)."""
+        from schedc.ir.spec import Dtype, Numerics
+        from tests.oracle import policy_key
+
+        compute, gather, reduce = (Dtype(d) for d in self.precision)
+        num = Numerics(compute, gather if self.fsdp else Dtype.FP32, reduce)
+        return policy_key(num, self.dp, self.dtype)
+
+    def torch_dtypes(self) -> dict:
+        """PipeJob's compute, gather and reduce (None: the run's dtype)."""
+        import torch
+
+        low = {"fp32": None, "bf16": torch.bfloat16}
+        compute, gather, reduce = (low[d] for d in self.precision)
+        return {"compute": compute, "gather": gather if self.fsdp else None, "reduce": reduce}
 
     def split(self, stages: int) -> tuple[tuple[str, ...], ...]:
         from schedc.exec.pipeline_model import split_layers
@@ -101,7 +128,22 @@ def run_case(rank: int, groups, case: Case) -> list:
     cfg = case.config
     data = batches(case.seq_len, case.m * case.micro * case.dp, cfg.vocab_size)
     split = case.split(gen.pipeline.stages)
-    job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, getattr(torch, case.dtype))
+    units = None
+    if case.fsdp:
+        from schedc.ir.spec import stage_units
+
+        units = tuple(params for _, params in stage_units(cfg, split))
+    job = PipeJob(
+        cfg,
+        split,
+        data,
+        case.optim,
+        case.steps,
+        case.seed,
+        getattr(torch, case.dtype),
+        units,
+        **case.torch_dtypes(),
+    )
     if case.dp == 1:
         comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
     else:
@@ -141,7 +183,18 @@ def reference(case: Case) -> tuple:
     torch.set_num_threads(1)
     try:
         dtype = getattr(torch, case.dtype)
-        ref = Reference(cfg, case.optim, data, case.micro, case.steps, case.seed, dtype)
+        low = case.torch_dtypes()
+        ref = Reference(
+            cfg,
+            case.optim,
+            data,
+            case.micro,
+            case.steps,
+            case.seed,
+            dtype,
+            compute=low["compute"],
+            param_dtype=low["gather"],
+        )
         return tuple(ref.step() for _ in range(case.steps))
     finally:
         torch.set_num_threads(threads)
@@ -188,3 +241,38 @@ def replicas(per_rank: list[list], case: Case) -> list[list]:
                     for name in ours:
                         assert torch.equal(ours[name], theirs[name]), (what, name, p, d, a.step)
     return [per_rank[p * case.dp] for p in range(case.pp)]
+
+
+def run_file(rank: int, groups, path: str, precision: str | None, steps: int) -> list:
+    """This rank's steps of a bundled pipeline schedule (under `precision`, a named policy,
+    if given), as `schedc run` builds its job (exec/pipeline_train.py), on the pool's ranks."""
+    from schedc.compiler import compile_file
+    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+    from schedc.exec.pipeline_train import precision as job_precision
+    from schedc.lang.resolve import Overrides
+    from schedc.passes.pipeline_gen import Generated
+
+    c = compile_file(path, Overrides(steps=steps, precision=precision))
+    spec, plan = c.spec, c.pipeline
+    assert spec.pipeline is not None and plan is not None
+    pipe = plan.pipeline
+    data = batches_of(spec)
+    split = tuple(st.layers for st in spec.pipeline.stages)
+    job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
+    if spec.dp == 1:
+        ends = (
+            groups.get(("ends", pipe.pp))
+            if pipe.rank_of(0) != pipe.rank_of(pipe.stages - 1)
+            else None
+        )
+        comm = PipeComm(rank, groups[pipe.pp], ends)
+    else:
+        comm = dp_comm(rank, spec.world, pipe)
+    ex = PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=True)
+    return [ex.step() for _ in range(steps)]
+
+
+def batches_of(spec):
+    from schedc.model.data import load_batches
+
+    return load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)

@@ -147,13 +147,14 @@ def pipeline_summary(c: Compiled) -> str:
         f"  split     dp {s.dp} x micro {s.micro} x {mbs} (the "
         f"{count(ps.degree, 'rank')} of a pipeline compute each micro-batch together)",
         f"  pipeline  {count(len(ps.stages), 'stage')}, {ps.schedule.value}, placement "
-        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp)}; bubble per rank {bubble} "
+        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp, ps.units)}; bubble per rank "
+        f"{bubble} "
         f"(simulated at {pp.cost_words})",
         *(
             f"    {st.name:<6} {_ranks(pp.pipeline.rank_of(i), s.dp)}  {', '.join(st.layers)}"
             for i, st in enumerate(ps.stages)
         ),
-        f"  numerics  {s.numerics.describe(s.kind)}",
+        f"  numerics  {s.numerics.describe(s.sync)}",
         f"  proof     every rank's program proven: each send paired with one receive in FIFO "
         f"order, no deadlock under blocking rendezvous ({count(len(pp.programs), 'program')}, "
         "--dump pipeline prints them)",
@@ -161,7 +162,13 @@ def pipeline_summary(c: Compiled) -> str:
     return "\n".join(lines)
 
 
-def _replicas(dp: int) -> str:
+def _replicas(dp: int, units) -> str:
+    if units:
+        return (
+            f" (rank = pp x {dp} + replica; FSDP per stage: {count(len(units), 'unit')} "
+            f"sharded over the {dp} replicas, gathered once a step before the stage's first "
+            "forward, gradients reduce-scattered after its last backward)"
+        )
     if dp == 1:
         return ""
     return (

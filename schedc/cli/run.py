@@ -22,7 +22,6 @@ from schedc.cli.common import (
 )
 from schedc.compiler import compile_file
 from schedc.errors import UserError
-from schedc.ir.spec import Dtype
 from schedc.lang.resources import default_schedule
 from schedc.model.hf import CONFIG, check_config, parse_init, read_config, weights_file
 
@@ -269,14 +268,12 @@ PIPELINE_NOT_YET = (
 
 
 def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
-    """A pipeline schedule runs on CPU ranks in fp32, eager, without checkpoints, traces or
-    evaluations yet (exec/pipeline_train.py): anything else asked is a user error, not
-    silently dropped."""
+    """A pipeline schedule runs on CPU ranks, eager (in fp32 or its precision policy), without
+    checkpoints, traces or evaluations yet (exec/pipeline_train.py): anything else asked is
+    a user error, not silently dropped."""
     path, spec = compiled.source.path, compiled.spec
     asked = [flag for flag, given in PIPELINE_NOT_YET if given(args)]
     n, ev = spec.numerics, spec.evaluation
-    if (n.compute, n.gather, n.reduce) != (Dtype.FP32,) * 3:
-        asked.append("a precision other than fp32")
     if n.compile or n.loss_chunk is not None:
         asked.append("`compile` and `loss chunk`")
     if ev.val_every or ev.sample_every or ev.hellaswag_on:
@@ -284,7 +281,7 @@ def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     if asked:
         raise UserError(
             f"{path} is a pipeline schedule, whose runs do not take {', '.join(asked)} yet: "
-            "a pipeline runs on CPU ranks in fp32, eager, logging its steps (--log-json)"
+            "a pipeline runs on CPU ranks, eager, logging its steps (--log-json)"
         )
 
 

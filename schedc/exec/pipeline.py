@@ -33,15 +33,31 @@ slice the DP executor gives rank d of dp at micro-step j (model/batching.py sequ
 so the replicas together read the global batch once. Each stage's gradients are all-reduced
 over the ranks holding it in every replica (`PipeComm.dp`) in one flat bucket, launched
 right after the program's last B or W of that stage (pipelining's REDUCE_GRAD: a DDP with
-one bucket a stage; buckets or FSDP units per stage are not built) and waited for before the
-update, then divided by dp. The tied all-reduce then runs within each replica; the norm is
+one bucket a stage; DDP buckets per stage are not built) as each rank's x / dp, and waited
+for before the update. The tied all-reduce then runs within each replica; the norm is
 replica 0's pipeline ranks' sum (the other replicas add zeros: after the reduction their
 gradients are bitwise replica 0's), in the same all-reduce over every rank as the losses,
 whose sum over m x dp micro-batches is the global mean.
+
+FSDP per stage (`PipeJob.units`, torchtitan's FSDP2 under PP): each unit lies in one stage
+and is a FlatUnit (exec/flat.py) sharded over the dp group. Every unit's all-gather is
+launched at the rank's first F of the step and waited for before its stage's first F; the
+unit stays gathered through the step (reshard_after_forward=False), its micro-batches'
+gradients accumulate in one unsharded buffer (folded into the reduce dtype when that is
+wider than the gather's: FSDP2's upcast), and after the stage's last B or W it is
+reduce-scattered (async, waited for before the update) and freed. AdamW steps the shards;
+the norm sums every rank's shards. The tied wte is a unit of its own on both ends, one
+layout, so the tied all-reduce sums the same slice on each replica's pair.
+
+Numerics (`PipeJob.compute/gather/reduce`, the schedule's precision policy): autocast in the
+compute dtype around each forward, units gathered in the gather dtype, dp reductions in the
+reduce dtype; P2P carries the residual stream in the dtype of the weights the layers
+compute with (`wire`), and each send asserts it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -49,14 +65,19 @@ import torch
 import torch.distributed as dist
 
 from schedc.errors import RunError
+from schedc.exec.backends import DONE, copy_alone
+from schedc.exec.cpu_backend import CPUBackend
+from schedc.exec.flat import FlatUnit
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
 from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item
+from schedc.ir.source import Span
+from schedc.ir.spec import UnitSpec
 from schedc.lang.diagnostics import CompileError
 from schedc.model.arch import GPTConfig
 from schedc.model.config import OptimConfig
 from schedc.model.data import GlobalBatches
-from schedc.model.reference import clip_coef, make_adamw
+from schedc.model.reference import adamw_groups, clip_coef, make_adamw
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_gen import Generated
 
@@ -75,6 +96,13 @@ class PipeJob:
     """The run's steps (the learning-rate schedule's horizon)."""
     seed: int
     dtype: torch.dtype = torch.float32
+    units: tuple[tuple[str, ...], ...] | None = None
+    """FSDP per stage: each unit's parameters (every one of the model once, each unit inside
+    one stage, wte.weight alone in its unit: the head's copy is sharded like it); None: each
+    stage's gradients are all-reduced in one bucket (DDP)."""
+    compute: torch.dtype | None = None  # the autocast dtype of forward; None: `dtype`
+    gather: torch.dtype | None = None  # what FSDP units are gathered and computed in
+    reduce: torch.dtype | None = None  # what gradients are all-reduced or reduce-scattered in
 
 
 @dataclass
@@ -125,7 +153,8 @@ class Flight:
     received: dict[Action, torch.Tensor] = field(default_factory=dict)
     weights: dict[tuple[int, int], tuple] = field(default_factory=dict)  # I done, W to come
     losses: list[torch.Tensor] = field(default_factory=list)
-    reductions: list[tuple] = field(default_factory=list)  # (work, flat bucket, its grads)
+    reductions: list[tuple] = field(default_factory=list)  # (work, what to do once it is done)
+    gathers: dict[int, tuple] | None = None  # unit index -> (work, shard sent); None: not yet
 
 
 class PipelineExecutor:
@@ -150,10 +179,20 @@ class PipelineExecutor:
         layers = [name for s in self.stages for name in job.split[s]]
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
         self.named = list(self.model.named_parameters())
-        self.optimizer = make_adamw(self.named, job.optim)
+        self.units = self._shard() if job.units is not None else []
+        self.readers = {s: self._readers(s) for s in self.stages}
+        self.optimizer = (
+            adamw_groups(*_shard_groups(self.units), job.optim)
+            if self.units
+            else make_adamw(self.named, job.optim)
+        )
         self.micro = job.batches.global_seqs // (pipe.microbatches * comm.replicas)
         self.peers = [_global_rank(comm.group, r) for r in range(pipe.pp)]
-        self.buckets = self._buckets() if comm.replicas > 1 else {}
+        self.buckets = self._buckets() if comm.replicas > 1 or self.units else {}
+        self.reduce = job.reduce or job.dtype
+        # what P2P carries: the residual stream, in the dtype of the weights the layers
+        # compute with (autocast's bf16 branches are added to it in its own dtype)
+        self.wire = (job.gather or job.dtype) if self.units else job.dtype
         self.step_index = 0
 
     # -- one step ----------------------------------------------------------------------------
@@ -198,42 +237,143 @@ class PipelineExecutor:
 
     # -- data parallelism across replicas ----------------------------------------------------
 
-    def _buckets(self) -> dict[Action, list[torch.nn.Parameter]]:
-        """Each stage's parameters, keyed by the program's last action writing their
-        gradients (its last B or W); the tied wte, in two stages where one rank holds both,
-        goes with the later one."""
+    def _buckets(self) -> dict[Action, list]:
+        """What each action completes: the parameters (DDP) or units (FSDP) whose gradients
+        no later action writes, keyed by that action (a stage's last B or W)."""
+        owner = self._last_writers()
+        out: dict[Action, list] = {}
+        if self.units:  # a unit is done with its last parameter
+            for u in self.units:
+                _, act = max(owner[id(p)] for p, *_ in u.layout)
+                out.setdefault(act, []).append(u)
+            return out
+        for _, p in self.named:
+            out.setdefault(owner[id(p)][1], []).append(p)
+        return out
+
+    def _last_writers(self) -> dict[int, tuple[int, Action]]:
+        """Each parameter's last writer in the program, by id: (its index, the action); the
+        tied wte, in two stages where one rank holds both, goes with the later one."""
         last: dict[int, Action] = {}
         for item in self.program:
             for act in item:
                 if act.kind in (Kind.B, Kind.W):
                     last[act.stage] = act
-        owner: dict[int, tuple[int, Action, torch.nn.Parameter]] = {}
         index = {a: i for i, item in enumerate(self.program) for a in item}
+        owner: dict[int, tuple[int, Action]] = {}
         for s, act in last.items():
             for name in self.job.split[s]:
                 for p in self._params(name):
-                    if id(p) not in owner or owner[id(p)][0] < index[act]:
-                        owner[id(p)] = (index[act], act, p)
-        out: dict[Action, list[torch.nn.Parameter]] = {}
-        for _, act, p in owner.values():
-            out.setdefault(act, []).append(p)
-        return out
+                    owner[id(p)] = max(owner.get(id(p), (-1, act)), (index[act], act))
+        return owner
 
-    def _reduce(self, params: list[torch.nn.Parameter], flight: Flight) -> None:
-        """The bucket's gradients summed over the replicas, launched now, waited for in
-        `update` (its gradients are final: nothing after this action writes them)."""
-        grads = [p.grad for p in params]
+    def _reduce(self, done: list, flight: Flight) -> None:
+        """The gradients `done` completes, summed over the replicas, launched now (nothing
+        after this action writes them: pipelining's REDUCE_GRAD), waited for in
+        `_wait_reductions` before the update: a flat bucket all-reduced (DDP), or each unit's
+        gradient reduce-scattered into this rank's shard and its gathered weights freed
+        (FSDP). Each rank's share is x / dp before the sum, in the reduce dtype (the DP
+        executor's order: the division in the wider dtype)."""
+        if self.units:
+            for u in done:
+                self._reduce_scatter(u, flight)
+            return
+        grads = [p.grad for p in done]
         assert all(g is not None for g in grads), "a bucket's gradient was never written"
         flat = torch._utils._flatten_dense_tensors(grads)
-        work = dist.all_reduce(flat, group=self.comm.dp, async_op=True)
-        flight.reductions.append((work, flat, grads))
+        send = _share(flat, self.comm.replicas, self.reduce)
+        work = self._collective(lambda pg: dist.all_reduce(send, group=pg, async_op=True))
 
-    def _wait_reductions(self, flight: Flight) -> None:
-        for work, flat, grads in flight.reductions:
-            work.wait()
-            flat.div_(self.comm.replicas)
+        def land(send=send, flat=flat, grads=grads):
+            flat.copy_(send)  # a no-op view copy when no cast
             for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(mean)
+
+        flight.reductions.append((work, land))
+
+    def _reduce_scatter(self, unit: FlatUnit, flight: Flight) -> None:
+        grad = unit.take_grad(0)
+        send = _share(grad, self.comm.replicas, self.reduce)
+        out = torch.empty(unit.shard_len, dtype=self.reduce)
+        work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
+        unit.release()  # the stage is done with its weights this step
+
+        def land(unit=unit, out=out):
+            unit.new_shard_grad().copy_(out)  # cast back into the fp32 gradient shard
+
+        flight.reductions.append((work, land))
+
+    def _collective(self, launch, copy: tuple | None = None):
+        """`launch` on the dp group, async; one replica: nothing to send (a copy, if given)."""
+        if self.comm.replicas > 1:
+            return launch(self.comm.dp)
+        if copy is not None:
+            copy_alone(*copy)
+        return DONE
+
+    def _wait_reductions(self, flight: Flight) -> None:
+        for work, land in flight.reductions:
+            work.wait()
+            land()
+
+    # -- FSDP per stage ----------------------------------------------------------------------
+
+    def _shard(self) -> list[FlatUnit]:
+        """This rank's units: each sharded over the replicas (replica d keeps shard d), the
+        fp32 shard its own, gathered in the gather dtype. Its own units are those whose
+        parameters it holds: a stage's, and the tied wte's on the embed's and head's ranks
+        (one layout, so shard d is the same slice of wte on both)."""
+        assert self.job.units is not None
+        own, cfg, out = dict(self.named), self.job.model, []
+        upcast = self.job.reduce if _wider(self.job.reduce, self.job.gather) else None
+        for i, names in enumerate(self.job.units):
+            held = [n in own for n in names]
+            if not any(held):
+                continue
+            assert all(held), f"unit {i} ({', '.join(names)}) lies across ranks"
+            spec = UnitSpec(f"u{i}", tuple(names), (), True, Span.point(1, 1), 0)
+            unit = FlatUnit(
+                spec, cfg, own, self.comm.replica, self.comm.replicas, self.job.gather, upcast
+            )
+            out.append(unit)
+        return out
+
+    def _readers(self, stage: int) -> list[FlatUnit]:
+        """The units stage `stage` computes with (on this rank)."""
+        mine = {id(p) for name in self.job.split[stage] for p in self._params(name)}
+        return [u for u in self.units if any(id(p) in mine for p, *_ in u.layout)]
+
+    def _unshard(self, stage: int, flight: Flight) -> None:
+        """Before a stage's forward: at the rank's first forward of the step every unit's
+        all-gather is launched (torchtitan under PP: reshard_after_forward=False, so each
+        is gathered once a step), and the stage's own are waited for."""
+        if flight.gathers is None:
+            flight.gathers = {}
+            for i, u in enumerate(self.units):
+                full = u.alloc_full()
+                shard = u.shard.to(full.dtype)
+                work = self._collective(
+                    CPUBackend.all_gather(full, shard),
+                    (full, shard),
+                )
+                flight.gathers[i] = (work, shard)
+        for u in self.readers[stage]:
+            if (g := flight.gathers.pop(self.units.index(u), None)) is not None:
+                g[0].wait()
+
+    def _bind_grads(self, stage: int) -> None:
+        """Before a backward that writes the stage's weights: their .grad are views of each
+        unit's unsharded gradient, where autograd accumulates the micro-batches."""
+        for u in self.readers[stage]:
+            u.grad_buffer(0)
+
+    def _fold_grads(self, stage: int) -> None:
+        """After it: with a reduce dtype wider than the gather's, the micro-batch's gradient
+        is added into the unit's accumulator in that dtype (FSDP2's upcast), as the
+        reference accumulates in fp32."""
+        for u in self.readers[stage]:
+            if u.accumulate is not None and 0 in u.grads:
+                u.fold(0)
 
     # -- compute -----------------------------------------------------------------------------
 
@@ -246,7 +386,10 @@ class PipelineExecutor:
         if s > 0:
             x = self._input(act, flight).detach().requires_grad_()
         flight.inputs[(s, j)] = x
-        out = self.model.run(self.job.split[s], x, y if last else None)
+        if self.units:
+            self._unshard(s, flight)
+        with self._autocast():
+            out = self.model.run(self.job.split[s], x, y if last else None)
         if last:
             flight.losses.append(out.detach())
             out = out / self.pipe.microbatches  # the reference's loss_j / k
@@ -269,7 +412,9 @@ class PipelineExecutor:
     def backward(self, act: Action, flight: Flight) -> None:
         key = (act.stage, act.mb)
         out, grad = flight.outputs.pop(key), self._grad_out(act, flight)
+        self._bind_grads(act.stage)
         torch.autograd.backward(out, grad)
+        self._fold_grads(act.stage)
         self._keep_input_grad(key, flight.inputs.pop(key), flight)
 
     def backward_input(self, act: Action, flight: Flight) -> None:
@@ -290,7 +435,16 @@ class PipelineExecutor:
         """W: the parameters' gradients, through the graph I kept."""
         out, grad = flight.weights.pop((act.stage, act.mb))
         params = {id(p): p for name in self.job.split[act.stage] for p in self._params(name)}
+        self._bind_grads(act.stage)
         torch.autograd.backward(out, grad, inputs=list(params.values()))
+        self._fold_grads(act.stage)
+
+    def _autocast(self):
+        """The compute dtype's autocast around a forward (the DP executor's
+        `autocast_forward`); backward runs outside it, in the dtypes autocast chose."""
+        if self.job.compute is None or self.job.compute == self.job.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.job.compute)
 
     def _keep_input_grad(self, key: tuple[int, int], inp: torch.Tensor, flight: Flight) -> None:
         if key[0] > 0:
@@ -314,7 +468,7 @@ class PipelineExecutor:
                 tensor = self._payload(act, flight)
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.comm.group))
             else:
-                tensor = torch.empty(self._shape(), dtype=self.job.dtype)
+                tensor = torch.empty(self._shape(), dtype=self.wire)
                 flight.received[act] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.comm.group))
         for work in dist.batch_isend_irecv(ops):
@@ -323,8 +477,11 @@ class PipelineExecutor:
     def _payload(self, send: Action, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)
         if send.kind is Kind.SEND_F:
-            return flight.outputs[key].detach().contiguous()
-        return flight.grads_in.pop(key).contiguous()
+            out = flight.outputs[key].detach().contiguous()
+        else:
+            out = flight.grads_in.pop(key).contiguous()
+        assert out.dtype == self.wire, f"{send}: {out.dtype} where the peer receives {self.wire}"
+        return out
 
     def _shape(self) -> tuple[int, int, int]:
         return (self.micro, self.job.batches.seq_len, self.job.model.n_embd)  # (B, T, C)
@@ -333,35 +490,82 @@ class PipelineExecutor:
 
     def update(self, losses: list[torch.Tensor]) -> StepStats:
         """Tied gradients summed, global norm, clipping, AdamW; the step's loss and norm."""
-        job, opt = self.job, self.job.optim
-        wte = dict(self.named).get("wte.weight")
-        if self.comm.tied is not None and wte is not None:
-            assert wte.grad is not None
-            dist.all_reduce(wte.grad, group=self.comm.tied)  # embed's part + head's part
-        grads = [p.grad for _, p in self.named if p.grad is not None]
-        assert len(grads) == len(self.named), "a parameter the loss does not reach"
-        counted = [g for (n, p), g in zip(self.named, grads) if not self._tied_copy(n)]
+        job, opt, c = self.job, self.job.optim, self.comm
+        grads, counted = self._sharded_grads() if self.units else self._replicated_grads()
         sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else None
         totals = torch.zeros(2, dtype=torch.float64)
-        totals[0] = 0.0 if sq is None or self.comm.replica else sq.double()  # replica 0's
+        # replicated: replica 0's squares (every replica's gradients are bitwise its);
+        # sharded: every rank's, each holding its own slice
+        mine = sq is not None and (self.units or not c.replica)
+        totals[0] = sq.double() if mine and sq is not None else 0.0
         totals[1] = torch.stack(losses).double().sum() if losses else 0.0
-        c = self.comm
         dist.all_reduce(totals, group=c.group if c.replicas == 1 else c.world)
-        norm = totals[0].sqrt().to(grads[0].dtype)
+        norm = totals[0].sqrt().to(job.dtype)
         lr = opt.lr_at(self.step_index, job.steps)
         stats = StepStats(self.step_index, 0.0, lr, 0.0, 0.0, 0.0)
         if self.record:
-            stats.grads = {n: p.grad.detach().clone() for n, p in self.named if p.grad is not None}
+            stats.grads = self._full(lambda u: u.live_shard_grad(), lambda p: p.grad)
         if opt.clip > 0:
             torch._foreach_mul_(grads, clip_coef(norm, opt.clip))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         if self.record:
-            stats.params = {n: p.detach().clone() for n, p in self.named}
+            stats.params = self._full(lambda u: u.shard, lambda p: p)
+        for u in self.units:
+            u.drop_shard_grad()
         stats.loss = (totals[1] / (self.pipe.microbatches * self.comm.replicas)).item()
         stats.grad_norm = norm.item()
         return stats
+
+    def _replicated_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every parameter's gradient, the tied copies' summed by an all-reduce on the pair
+        of ranks holding them (embed's part + head's part); and those the norm counts (the
+        tied weight once, on the embed's rank)."""
+        wte = dict(self.named).get("wte.weight")
+        if self.comm.tied is not None and wte is not None:
+            assert wte.grad is not None
+            dist.all_reduce(wte.grad, group=self.comm.tied)
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        assert len(grads) == len(self.named), "a parameter the loss does not reach"
+        counted = [g for (n, _), g in zip(self.named, grads) if not self._tied_copy(n)]
+        return grads, counted
+
+    def _sharded_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients of this rank's shards (the optimizer's parameters), the tied wte's
+        unit summed with its copy's on the other end of the pipeline: shard d of both copies
+        is the same slice, so the sum is wte's whole gradient there, both copies get the
+        same clipping, AdamW state and update, and stay bitwise equal. The norm counts the
+        head's copy's shard not at all."""
+        grads: list[torch.Tensor] = []
+        counted: list[torch.Tensor] = []
+        for u in self.units:
+            shard = u.live_shard_grad()
+            tied = u.layout[0][0] is dict(self.named).get("wte.weight")
+            if tied and self.comm.tied is not None:
+                dist.all_reduce(shard, group=self.comm.tied)
+            mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
+            grads += mine
+            if not (tied and self.model.holds_tied_copy):
+                counted += mine
+        return grads, counted
+
+    def _full(self, of_unit, of_param) -> dict[str, torch.Tensor]:
+        """Whole tensors by name, for tests: a unit's shards all-gathered over the replicas
+        (`of_unit`), or each replicated parameter's (`of_param`)."""
+        if not self.units:
+            return {n: of_param(p).detach().clone() for n, p in self.named}
+        names = {id(p): n for n, p in self.named}
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=u.dtype)
+            shard = of_unit(u).detach()
+            self._collective(
+                CPUBackend.all_gather(full, shard),
+                (full, shard),
+            ).wait()
+            out.update({names[id(p)]: t for p, t in u.assemble(full).items()})
+        return out
 
     def _tied_copy(self, name: str) -> bool:
         return name == "wte.weight" and self.model.holds_tied_copy
@@ -373,6 +577,30 @@ RUN = {
     Kind.I: PipelineExecutor.backward_input,
     Kind.W: PipelineExecutor.backward_weight,
 }
+
+
+def _share(grad: torch.Tensor, dp: int, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's share of a sum over `dp` replicas that is their mean: x / dp in `dtype`,
+    divided in the wider of the two dtypes (the DP executor's rule, exec/strategies.py)."""
+    if dp == 1:
+        return grad.to(dtype)
+    if grad.element_size() >= dtype.itemsize:
+        return grad.div_(dp).to(dtype)
+    return grad.to(dtype).div_(dp)
+
+
+def _wider(a: torch.dtype | None, b: torch.dtype | None) -> bool:
+    return a is not None and b is not None and a.itemsize > b.itemsize
+
+
+def _shard_groups(units: list[FlatUnit]) -> tuple[list, list]:
+    """AdamW's (decay, no decay) parameters over every unit's shard."""
+    decay, plain = [], []
+    for u in units:
+        d, p = u.optimizer_params()
+        decay += d
+        plain += p
+    return decay, plain
 
 
 def _global_rank(group, r: int) -> int:

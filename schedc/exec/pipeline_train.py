@@ -6,8 +6,10 @@
 The compiler generated, proved and timed every pipeline rank's program
 (passes/pipeline_plan.py); here each rank builds its stages (exec/pipeline.py) and runs that
 program step after step (with world = degree x dp, global rank r runs pipeline rank r // dp's
-program on replica r % dp's slice of the batch, its stages' gradients all-reduced over dp),
-logging each step as a DP run does. Before step 1 the ranks agree as a DP run's do: the
+program on replica r % dp's slice of the batch, its stages' gradients all-reduced over dp,
+or reduce-scattered into each replica's shard under the file's fsdp block), in the file's
+precision policy (bf16 autocast, gather and reduce dtypes), logging each step as a DP run
+does. Before step 1 the ranks agree as a DP run's do: the
 schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
 pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
 `PIPELINE_NOT_YET`): checkpoints, traces, evaluations, --init, CUDA.
@@ -26,10 +28,11 @@ import torch.distributed as dist
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
-from schedc.exec.options import Comm, RunOptions
+from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipeJob, PipelineExecutor, make_comm
 from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
 from schedc.exec.train import TrainOptions, agree_at_startup, check_job, cpu_threads, data_error
+from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
@@ -90,9 +93,27 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecut
         spec.optim,
         spec.steps,
         spec.seed,
+        **precision(spec),
     )
     generated = Generated(pipe, plan.programs)
     return PipelineExecutor(job, generated, pipe_comm)
+
+
+def precision(spec) -> dict:
+    """PipeJob's FSDP units and dtypes from the schedule: compute (autocast), gather (the
+    units', under FSDP only) and reduce; None where it is the run's own fp32."""
+    pipe, n = spec.pipeline, spec.numerics
+    units = tuple(u.params for u in pipe.units) if pipe and pipe.units else None
+
+    def low(d: Dtype) -> torch.dtype | None:
+        return None if d is Dtype.FP32 else TORCH_DTYPES[d]
+
+    return {
+        "units": units,
+        "compute": low(n.compute),
+        "gather": low(n.gather) if units else None,
+        "reduce": low(n.reduce),
+    }
 
 
 def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptions, device) -> None:

@@ -273,6 +273,35 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class StageUnit:
+    """An FSDP unit of a pipeline stage: parameters of one stage, sharded over its dp
+    replicas, gathered once a step before the stage's first forward and kept until its last
+    backward, its gradient then reduce-scattered."""
+
+    name: str
+    stage: int
+    params: tuple[str, ...]
+    span: Span  # the `unit` line, or the stage's (one unit a stage, by default)
+
+
+def stage_units(
+    cfg: GPTConfig, split: tuple[tuple[str, ...], ...]
+) -> list[tuple[int, tuple[str, ...]]]:
+    """One FSDP unit a stage, as (stage, parameters), and the tied wte.weight one of its own
+    on the embed's stage (the head's stage keeps a copy, sharded in the same layout so that
+    the two copies' shards are the same slices)."""
+    out: list[tuple[int, tuple[str, ...]]] = []
+    for s, layers in enumerate(split):
+        params = [p.name for layer in layers for p in cfg.layer_params(layer)]
+        if TIED in params:
+            out.append((s, (TIED,)))
+            params.remove(TIED)
+        if params:
+            out.append((s, tuple(params)))
+    return out
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """`pipeline { ... }`: stages over `degree` ranks, run by a named schedule.
 
@@ -289,6 +318,9 @@ class PipelineSpec:
     placement: Placement
     span: Span  # the `pipeline` keyword: where a finding about the whole block points
     where: dict[str, Span] = field(default_factory=dict, compare=False)  # setting -> span
+    # FSDP per stage (an fsdp block): its units, every parameter once, each inside a stage;
+    # empty: each stage's gradients are all-reduced over dp in one bucket (DDP)
+    units: tuple[StageUnit, ...] = ()
 
     def pipeline(self, microbatches: int) -> Pipeline:
         return Pipeline(self.degree, len(self.stages), microbatches, self.placement)
@@ -365,6 +397,16 @@ class Spec:
     @property
     def kind(self) -> Strategy:
         return Strategy.of(self.strategy)
+
+    @property
+    def sync(self) -> Strategy:
+        """How gradients are combined across data-parallel ranks: the strategy's kind, or a
+        pipeline's (FSDP under its fsdp block, DDP with replicas, else none)."""
+        if self.pipeline is None:
+            return self.kind
+        if self.pipeline.units:
+            return Strategy.FSDP
+        return Strategy.DDP if self.dp > 1 else Strategy.SINGLE
 
     @property
     def fsdp(self) -> FSDPSpec:

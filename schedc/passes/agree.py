@@ -69,7 +69,7 @@ def compare(a: Spec, b: Spec) -> Agreement:
             "steps",
             hint="give both the same `steps`, or fix `decay_steps` in the optimizer",
         )
-    numerics = a.numerics.effective(a.kind).differences(b.numerics.effective(b.kind))
+    numerics = a.numerics.effective(a.sync).differences(b.numerics.effective(b.sync))
     return Agreement((a.tokens_per_step, b.tokens_per_step), tuple(found.out), tuple(numerics))
 
 

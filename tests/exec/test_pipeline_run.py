@@ -2,12 +2,13 @@
 stages' proven program, and the steps it logs are one process's.
 
 schedules/pipeline/tiny_pp2_interleaved.sched (interleaved 1F1B, 4 stages on 2 ranks) and
-tiny_pp2_dp2.sched (DP x PP: 1F1B on 2 stages x 2 replicas, world 4), each against a world-1
-schedule that `schedc check` says makes the same update (the same model,
+tiny_pp2_dp2_fsdp.sched (DP x PP: 1F1B on 2 stages x 2 replicas, world 4, each stage's
+parameters sharded over its replicas), each against a world-1 schedule that `schedc check` says makes the same update (the same model,
 seed, sequences and optimizer, k = 4 micro-steps of 2): the losses and gradient norms of
 three steps agree within the suite's fp32 bound (tests/oracle.py), and the run's lines say
 what ran. The executor's own equivalence suite (every schedule, pp 1-4, on the rank pool)
-is tests/exec/test_pipeline_exec.py.
+is tests/exec/test_pipeline_exec.py, which also runs every bundled pipeline file (tiny_pp2_dp2.sched
+among them, one bucket a stage) on the pool in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def one_process(tmp_path_factory) -> tuple:
     "name, world, said",
     [
         ("tiny_pp2_interleaved.sched", 2, "(interleaved-1f1b, 4 stages, loop), world 2, 4 "),
-        ("tiny_pp2_dp2.sched", 4, "(1f1b, 2 stages, loop), world 4, 2 "),
+        ("tiny_pp2_dp2_fsdp.sched", 4, "(1f1b, 2 stages, loop), world 4, 2 "),
     ],
 )
 def test_a_pipeline_run_logs_what_one_process_computes(

@@ -1040,8 +1040,36 @@ FAIL = [
         "conflict",
         "a pipeline schedule cannot take a ddp block yet",
         "ddp",
-        "ddp buckets or fsdp units per stage are not supported yet",
+        "ddp buckets per stage are not supported yet (an fsdp block shards each stage)",
         id="conflict-pipeline-ddp",
+    ),
+    pytest.param(
+        PP + "fsdp { unit tied = wte.weight  unit a = wpe.weight, h.0 .. h.1, head }\n",
+        "conflict",
+        "unit 'a' spans stages 's0' and 's1': a pipeline shards each stage's parameters "
+        "over its own replicas",
+        "unit a = wpe.weight, h.0 .. h.1, head",
+        "split the unit where the stages meet",
+        id="conflict-pipeline-unit-across-stages",
+    ),
+    pytest.param(
+        PP + "fsdp { unit a = embed, h.0  unit b = h.1, head }\n",
+        "conflict",
+        "unit 'a' holds wte.weight with other parameters; in a pipeline the tied weight is "
+        "a unit of its own",
+        "unit a = embed, h.0",
+        "`unit tied = wte.weight`: the head's stage keeps a copy of it, sharded the same "
+        "way, so the two copies' shards match",
+        id="conflict-pipeline-tied-unit",
+    ),
+    pytest.param(
+        PP + "fsdp { prefetch forward 2 }\n",
+        "conflict",
+        "a pipeline's fsdp block cannot take prefetch",
+        "prefetch",
+        "a pipeline stage's units are gathered once a step, before its first forward, and "
+        "kept until its last backward (reshard_after_forward off, as torchtitan under PP)",
+        id="conflict-pipeline-fsdp-prefetch",
     ),
     pytest.param(
         PP.replace("world 2", "world 3")

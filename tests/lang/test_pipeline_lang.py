@@ -26,6 +26,7 @@ PIPELINE = REPO / "schedules" / "pipeline"
 def test_the_pipeline_bundle():
     assert [p.name for p in pipeline_schedules()] == [
         "tiny_pp2_dp2.sched",
+        "tiny_pp2_dp2_fsdp.sched",
         "tiny_pp2_interleaved.sched",
         "tiny_pp4_1f1b.sched",
         "tiny_pp_zb.sched",
@@ -125,7 +126,7 @@ def test_verbs_without_pipeline_support_refuse_in_one_line(capsys, argv, what):
     [
         (["--save", "ck"], "--save"),
         (["--nonfinite", "skip", "--resume", "ck"], "--resume, --nonfinite skip"),
-        (["--precision", "bf16"], "a precision other than fp32"),
+        (["--compile", "on"], "`compile` and `loss chunk`"),
         (["--val-every", "5"], None),  # refused by the compiler: val needs shards
     ],
 )
@@ -158,7 +159,15 @@ MUTATIONS = {
     "tiny_pp2_dp2.sched": [
         ("  degree 2", "  degree 3", "mesh-size"),  # 3 does not divide world 4
         ("microbatches 2", "microbatches 3", "batch-arithmetic"),  # 8 != 3 x dp 2 x micro
-        ("world 4\n", "world 4\nfsdp { unit all = embed .. head }\n", "conflict"),
+        ("world 4\n", "world 4\nddp { bucket_cap 1 MiB }\n", "conflict"),
+        ("world 4\n", "world 4\nfsdp { unit all = embed .. head }\n", "conflict"),  # tied + more
+    ],
+    "tiny_pp2_dp2_fsdp.sched": [
+        ("unit s1.a = h.2 .. h.3, head", "unit s1.a = h.3, head", "uncovered"),
+        ("reshard_after_forward off", "reshard_after_forward on", "conflict"),
+        ("reshard_after_forward off", "prefetch forward 2", "conflict"),
+        ("unit tied = wte.weight ", "unit tied = wte.weight, wpe.weight ", "double-cover"),
+        ("  degree 2\n", "  degree 3\n", "mesh-size"),
     ],
     "tiny_pp2_interleaved.sched": [
         ("microbatches 4", "microbatches 3", "batch-arithmetic"),
@@ -188,3 +197,56 @@ def test_a_broken_pipeline_fails_by_code(name, old, new, code):
     with pytest.raises(CompileError) as info:
         compile_text(text.replace(old, new, 1), name)
     assert set(info.value.codes) == {code}, info.value.render()
+
+
+# -- FSDP per stage -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edits, message, underlined",
+    [
+        (
+            [("wpe.weight, h.0 .. h.1", "wpe.weight, h.0 .. h.2"), ("a = h.2 .. h.3", "a = h.3")],
+            "unit 's0.a' spans stages 's0' and 's1'",
+            "unit s0.a = wpe.weight, h.0 .. h.2",
+        ),
+        (
+            [("wte.weight ", "wte.weight, wpe.weight "), ("= wpe.weight, h.0", "= h.0")],
+            "unit 'tied' holds wte.weight with other parameters",
+            "unit tied = wte.weight, wpe.weight",
+        ),
+        (
+            [("reshard_after_forward off", "no_sync on")],
+            "a pipeline's fsdp block cannot take no_sync",
+            "no_sync",
+        ),
+    ],
+)
+def test_a_pipelines_fsdp_units_lie_inside_stages(edits, message, underlined):
+    """Each unit is inside one stage, the tied weight alone in its unit, and what an fsdp
+    block says about gathering within a step is refused, each located."""
+    text = (PIPELINE / "tiny_pp2_dp2_fsdp.sched").read_text()
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new, 1)
+    with pytest.raises(CompileError) as info:
+        compile_text(text, "f.sched")
+    (d,) = info.value.diagnostics
+    assert d.code == "conflict" and message in d.message
+    assert text[d.span.start : d.span.end].strip() == underlined
+
+
+def test_an_fsdp_block_with_no_units_shards_each_stage_as_one():
+    text = (PIPELINE / "tiny_pp2_dp2_fsdp.sched").read_text()
+    block = text[text.index("fsdp {") :]
+    c = compile_text(text.replace(block, "fsdp { }\n"), "f.sched")
+    assert c.spec.pipeline is not None
+    units = [(u.name, u.stage, u.params[:1]) for u in c.spec.pipeline.units]
+    assert units == [
+        ("tied", 0, ("wte.weight",)),
+        ("s0", 0, ("wpe.weight",)),
+        ("s1", 1, ("h.2.ln_1.weight",)),
+    ]
+    written = compile_file(PIPELINE / "tiny_pp2_dp2_fsdp.sched").spec.pipeline
+    assert written is not None
+    assert [u.params for u in written.units] == [u.params for u in c.spec.pipeline.units]

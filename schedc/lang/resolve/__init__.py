@@ -26,7 +26,7 @@ Numbers with units and ranges are read by values.py, the same for a file and for
 
 from __future__ import annotations
 
-from schedc.ir.spec import Spec
+from schedc.ir.spec import FSDPSpec, Spec
 from schedc.lang.resolve.activations import chunk_loss, resolve_recompute
 from schedc.lang.resolve.batch import MAX_OPS, bound_ops, ops_per_step, split_batch
 from schedc.lang.resolve.context import Context, Overrides, flag_place
@@ -78,11 +78,15 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     pipeline, split, terms = pipeline_split(cx, model, run)  # the batch is split over dp
     require(cx, model_name, run)
     micro, accum = split_batch(cx, split, model, terms)
-    # a pipeline's replicas all-reduce each stage's gradients implicitly: no block to ask for
-    strategy = resolve_strategy(cx, model, 1 if pipeline or "pipeline" in cx.seen else split.world)
+    # a pipeline's replicas all-reduce each stage's gradients implicitly, or shard them by
+    # its fsdp block (read with the stages): no DP strategy
+    piped = pipeline is not None or "pipeline" in cx.seen
+    strategy = None if piped else resolve_strategy(cx, model, split.world)
     mesh = resolve_mesh(cx, run.world, strategy)
     hsdp = mesh is not None and mesh.replicate > 1
-    numerics = chunk_loss(cx, resolve_numerics(cx, strategy, toggles))
+    # a sharded pipeline gathers its units: its precision may name a gather dtype
+    gathers = FSDPSpec(()) if pipeline is not None and pipeline.units else strategy
+    numerics = chunk_loss(cx, resolve_numerics(cx, gathers, toggles))
     recompute = resolve_recompute(cx, model, strategy)
     accum = bound_ops(cx, model, accum, strategy, recompute, hsdp)
     streams = resolve_streams(cx, strategy)

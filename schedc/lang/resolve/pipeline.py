@@ -4,9 +4,10 @@ pipeline degree, a named schedule, its placement and micro-batches.
 The degree is the pipeline dimension of the mesh, outermost (ir/spec.py PipelineSpec), so
 dp = world / degree replicas of the pipeline share the global batch (a degree that does not
 divide the world is [mesh-size]). Each stage's gradients are all-reduced over its dp
-replicas implicitly, one bucket a stage; a ddp or fsdp block per stage (buckets, units) is
-not taken yet, and the statements the pipeline executor and graph cannot honour yet are
-refused by name ([conflict]), not ignored.
+replicas implicitly, one bucket a stage, or, with an fsdp block, sharded over them in units
+inside each stage (stage_units.py); a ddp block (buckets per stage) is not taken yet, and
+the statements the pipeline executor and graph cannot honour yet are refused by name
+([conflict]), not ignored.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.cover import prove_cover
 from schedc.lang.resolve.refs import resolve_refs
 from schedc.lang.resolve.settings import Run
+from schedc.lang.resolve.stage_units import resolve_stage_units
 from schedc.lang.resolve.values import LIMITS, int_of
 from schedc.lang.syntax import (
     DDP,
-    FSDP,
     Memory,
     MeshDecl,
     Name,
@@ -51,11 +52,10 @@ SCHEDULES = {
 # DP schedules run every layer on every rank)
 DP_PER_STAGE = (
     "a pipeline's replicas all-reduce each stage's gradients in one bucket, implicitly; "
-    "ddp buckets or fsdp units per stage are not supported yet"
+    "ddp buckets per stage are not supported yet (an fsdp block shards each stage)"
 )
 NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what, why)
     DDP: ("ddp", "a ddp block", DP_PER_STAGE),
-    FSDP: ("fsdp", "an fsdp block", DP_PER_STAGE),
     MeshDecl: ("mesh", "a mesh", "a pipeline's mesh is degree x dp, dp = world / degree"),
     Program: (
         "program",
@@ -116,7 +116,8 @@ def resolve_pipeline(
     if not _fits(cx, schedule, placement, degree, len(stages), settings, head):
         return None, None
     where = {k: s.span for k, s in settings.items()}
-    return PipelineSpec(tuple(stages), degree, schedule, placement, head, where), m
+    units = resolve_stage_units(cx, model, stages) if model is not None else ()
+    return PipelineSpec(tuple(stages), degree, schedule, placement, head, where, units), m
 
 
 def _refuse_not_yet(cx: Context, head: Span) -> None:
