@@ -16,8 +16,8 @@ MAX_KEPT errors (and warnings) it finds and only counts the rest; a report print
 first MAX_SHOWN by position, then "... and N more errors"; an excerpt shows at most
 EXCERPT_COLUMNS columns of its line around the caret; a message is cut at MAX_MESSAGE
 characters (a note of several lines, a pipeline's programs side by side, at MAX_MESSAGE
-a line and MAX_NOTE_LINES lines). A diagnostic holds a Span (offsets), never a copy of its line, and nothing is
-rendered until it is printed.
+a line and MAX_NOTE_LINES lines). A diagnostic holds a Span (offsets), never a copy of its
+line, and nothing is rendered until it is printed.
 """
 
 from __future__ import annotations
