@@ -54,7 +54,10 @@ class Kind(str, Enum):
 P2P = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 
-_ACTION = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)\[s(\d+)\]@mb(\d+)(?::([\w.-]+))?")
+# ASCII digits: Python's \d is any script's digit, and int('٣') is 3
+_ACTION = re.compile(
+    r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)\[s([0-9]+)\]@mb([0-9]+)(?::([A-Za-z0-9_.-]+))?"
+)
 
 
 class Action(NamedTuple):
@@ -158,6 +161,13 @@ class Schedule(str, Enum):
     ZB_H1 = "zb-h1"
 
 
+class Written(str, Enum):
+    """A pipeline whose programs are written in the file (`program on rank N { ... }`), in
+    place of a named schedule's."""
+
+    PROGRAMS = "written"
+
+
 Programs = dict[int, list[Item]]  # rank -> items in issue order
 
 
@@ -177,9 +187,15 @@ def actions(program: list[Item]) -> list[Action]:
     return [a for item in program for a in item]
 
 
-def side_by_side(programs: Programs, ranks: list[int], marks: dict[tuple[int, int], str]) -> str:
+def side_by_side(
+    programs: Programs,
+    ranks: list[int],
+    marks: dict[tuple[int, int], str],
+    around: int | None = None,
+) -> str:
     """Columns of the ranks' programs, one item a row; `marks[(rank, index)]` is printed
-    next to that item (where a cycle passes, say)."""
+    next to that item (where a cycle passes, say). With `around`, only the rows within
+    that many of a marked row are shown, a gap as `...`."""
     cols = []
     for r in ranks:
         cells = [f"{i:>3} {format_item(it)}{marks.get((r, i), '')}" for i, it in
@@ -187,10 +203,18 @@ def side_by_side(programs: Programs, ranks: list[int], marks: dict[tuple[int, in
         cols.append([f"rank {r}", *cells])
     width = [max(len(c) for c in col) + 2 for col in cols]
     rows = max(len(col) for col in cols)
+    shown = list(range(rows))
+    if around is not None:
+        near = {i + 1 + d for _, i in marks for d in range(-around, around + 1)}
+        shown = [k for k in range(rows) if k == 0 or k in near]
     out = []
-    for k in range(rows):
+    for k, prev in zip(shown, [-1, *shown]):
+        if k > prev + 1:
+            out.append("  ...")
         cells = [(col[k] if k < len(col) else "").ljust(w) for col, w in zip(cols, width)]
         out.append("".join(cells).rstrip())
+    if shown and shown[-1] < rows - 1:
+        out.append("  ...")
     return "\n".join(out)
 
 

@@ -11,7 +11,7 @@ from enum import Enum
 from fractions import Fraction
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op
-from schedc.ir.pipeline import Pipeline, Placement, Schedule
+from schedc.ir.pipeline import Pipeline, Placement, Programs, Schedule, Written
 from schedc.ir.source import Source, Span
 from schedc.model.arch import GPTConfig
 from schedc.model.config import DataConfig, EvalConfig, OptimConfig
@@ -302,8 +302,19 @@ def stage_units(
 
 
 @dataclass(frozen=True)
+class WrittenPrograms:
+    """`program on rank N { ... }` in a pipeline block: every rank's items as written, and
+    where each is in the file, so that a proof's finding points at the item it is about."""
+
+    programs: Programs  # pipeline rank -> items in issue order
+    items: dict[tuple[int, int], Span] = field(compare=False)  # (rank, item index) -> span
+    heads: dict[int, Span] = field(compare=False)  # rank -> its `program` keyword
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
-    """`pipeline { ... }`: stages over `degree` ranks, run by a named schedule.
+    """`pipeline { ... }`: stages over `degree` ranks, run by a named schedule or by
+    programs written in the block (`schedule` is then Written.PROGRAMS).
 
     Ranks are laid out pp-outermost, as torchtitan's mesh ["pp", "dp_replicate", "dp_shard"]:
     rank = pp_index x dp + dp_index, so a stage's dp replicas are consecutive ranks (one
@@ -314,13 +325,14 @@ class PipelineSpec:
 
     stages: tuple[StageSpec, ...]
     degree: int  # pipeline ranks
-    schedule: Schedule
+    schedule: Schedule | Written
     placement: Placement
     span: Span  # the `pipeline` keyword: where a finding about the whole block points
     where: dict[str, Span] = field(default_factory=dict, compare=False)  # setting -> span
     # FSDP per stage (an fsdp block): its units, every parameter once, each inside a stage;
     # empty: each stage's gradients are all-reduced over dp in one bucket (DDP)
     units: tuple[StageUnit, ...] = ()
+    written: WrittenPrograms | None = None  # with Written.PROGRAMS: the programs
 
     def pipeline(self, microbatches: int) -> Pipeline:
         return Pipeline(self.degree, len(self.stages), microbatches, self.placement)

@@ -15,8 +15,9 @@ one line a megabyte long, so every part of a report is bounded: a stage keeps th
 MAX_KEPT errors (and warnings) it finds and only counts the rest; a report prints the
 first MAX_SHOWN by position, then "... and N more errors"; an excerpt shows at most
 EXCERPT_COLUMNS columns of its line around the caret; a message is cut at MAX_MESSAGE
-characters. A diagnostic holds a Span (offsets), never a copy of its line, and nothing is
-rendered until it is printed.
+characters (a note of several lines, a pipeline's programs side by side, at MAX_MESSAGE
+a line and MAX_NOTE_LINES lines). A diagnostic holds a Span (offsets), never a copy of its
+line, and nothing is rendered until it is printed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MAX_KEPT = 1000  # diagnostics of each severity a stage keeps; the rest are coun
 MAX_SHOWN = 50  # diagnostics a report prints, the first by position
 EXCERPT_COLUMNS = 160  # columns of a source line an excerpt shows; longer ones are cut
 MAX_MESSAGE = 400  # characters of a message, hint or note (a name can be a megabyte long)
+MAX_NOTE_LINES = 40  # lines of a note (the ranks' programs side by side are a table)
 
 
 class Severity(str, Enum):
@@ -159,7 +161,7 @@ class Diagnostic:
         for note in self.notes:
             npath = note.path or path
             nwhere = f"{npath}:{note.span.line}:{note.span.col}" if note.span else npath
-            out.append(f"{nwhere}: note: {_clip(note.message)}")
+            out.append(f"{nwhere}: note: {_clip_lines(note.message)}")
             if note.span and source is not None and source.path == npath:
                 out += _excerpt(source, note.span)
         if self.hint:
@@ -176,6 +178,13 @@ def _paint(text: str, code: str, color: bool) -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE else f"{text[: MAX_MESSAGE - 3]}..."
+
+
+def _clip_lines(text: str) -> str:
+    """A note's lines, each cut at MAX_MESSAGE, the first MAX_NOTE_LINES of them."""
+    lines = text.split("\n", MAX_NOTE_LINES)
+    more = ["..."] if len(lines) > MAX_NOTE_LINES else []
+    return "\n".join([_clip(line) for line in lines[:MAX_NOTE_LINES]] + more)
 
 
 # What an excerpt prints for characters that would not show as one column of text: a tab is

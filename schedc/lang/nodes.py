@@ -281,8 +281,25 @@ class PipeSetting:
 
 
 @dataclass(frozen=True)
+class PipeItem:
+    """`F[s0]@mb0`, or transfers issued together: `SEND_F[s0]@mb1+RECV_B[s0]@mb0`."""
+
+    actions: tuple[OpText, ...]  # as written; resolve/pipeline_programs.py reads them
+    span: Span
+
+
+@dataclass(frozen=True)
+class PipeProgram:
+    """`program on rank 0 { ... }` in a pipeline block: a pipeline rank's items in order."""
+
+    rank: Num
+    items: tuple[PipeItem, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
 class Pipeline:
-    stmts: tuple[StageDecl | PipeSetting | OtherSetting, ...]  # Other: a key it lacks
+    stmts: tuple[StageDecl | PipeSetting | PipeProgram | OtherSetting, ...]  # Other: unknown
     span: Span
 
 

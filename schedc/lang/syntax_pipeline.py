@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lark import Transformer, v_args
 
-from schedc.lang.nodes import Pipeline, PipeSetting, StageDecl
+from schedc.lang.nodes import PipeItem, Pipeline, PipeProgram, PipeSetting, StageDecl
 
 
 def _setting(key: str):
@@ -21,6 +21,12 @@ class PipelineBuilders(Transformer):
 
     def stage(self, meta, c):
         return StageDecl(c[0], c[1], self._span(meta))
+
+    def pp_item(self, meta, c):
+        return PipeItem(tuple(c), self._span(meta))
+
+    def pp_program(self, meta, c):
+        return PipeProgram(c[0], tuple(c[1:]), self._span(meta))
 
     def pipeline(self, meta, c):
         return Pipeline(tuple(c), self._span(meta))

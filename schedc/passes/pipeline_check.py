@@ -48,6 +48,7 @@ class Finding:
 
     diagnostic: Diagnostic
     marks: dict[Where, str] = field(default_factory=dict)
+    rank: int | None = None  # the rank a finding without marks is about (what it never runs)
 
     @property
     def ranks(self) -> list[int]:
@@ -99,8 +100,14 @@ def prove(pipe: Pipeline, programs: Programs) -> Proof:
     return Proof(pipe, programs, findings, graph)
 
 
-def _error(code: str, message: str, marks: dict[Where, str], hint: str | None = None) -> Finding:
-    return Finding(Diagnostic(code, message, hint=hint), marks)
+def _error(
+    code: str,
+    message: str,
+    marks: dict[Where, str],
+    hint: str | None = None,
+    rank: int | None = None,
+) -> Finding:
+    return Finding(Diagnostic(code, message, hint=hint), marks, rank)
 
 
 # -- placement, once, order, matching ---------------------------------------------------------
@@ -128,7 +135,15 @@ def check_placement(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Fi
     for a, places in where.items():
         for r, i in places:
             if why := _misplaced(pipe, a, r):
-                out.append(_error("pp-placement", f"rank {r} runs {a}: {why}", {(r, i): " <--"}))
+                hint = None
+                if a.mb >= pipe.microbatches and 0 <= a.stage < pipe.stages:
+                    hint = (
+                        f"the micro-batches are mb0 .. mb{pipe.microbatches - 1}: a program "
+                        "written for more runs out (1F1B's warm-up is min(pp - 1 - rank, m) "
+                        "forwards, not pp - 1 - rank)"
+                    )
+                msg = f"rank {r} runs {a}: {why}"
+                out.append(_error("pp-placement", msg, {(r, i): " <--"}, hint))
     return out
 
 
@@ -149,10 +164,11 @@ def check_once(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding
             want = [Kind.F, Kind.I, Kind.W] if split else [Kind.F, Kind.B]
             for k in want:
                 if Action(k, s, m) not in where:
-                    out.append(_error("pp-once", f"rank {r} never runs {Action(k, s, m)}", {}))
+                    msg = f"rank {r} never runs {Action(k, s, m)}"
+                    out.append(_error("pp-once", msg, {}, rank=r))
             if split and Action(Kind.B, s, m) in where:
                 msg = f"stage {s} runs both B and I/W for micro-batch {m}"
-                out.append(_error("pp-once", msg, {}))
+                out.append(_error("pp-once", msg, {}, rank=r))
     return out
 
 

@@ -1,27 +1,47 @@
-"""A schedule's pipeline: its named schedule generated, proven and timed, every finding
-located in the file.
+"""A schedule's pipeline: its named schedule generated (or its written programs taken), proven
+and timed, every finding located in the file.
 
     plan_pipeline(spec, diag) -> PipelinePlan | None     # None: findings were reported
 
-The programs come from passes/pipeline_gen.py, are proven by passes/pipeline_check.py and
+The programs come from passes/pipeline_gen.py or from the file (`program on rank N`,
+lang/resolve/pipeline_programs.py), are proven by passes/pipeline_check.py and
 timed by passes/pipeline_sim.py over the proof's happens-before graph, at the generator's
 unit costs (F = 1, B = 2, I = W = 1 per stage, transfers free): the same for every stage,
 so the bubble is the schedule's, not the split's (a stage with more layers than another
 is not yet timed longer; the cost model's per-layer times are a layer above the compiler).
 A micro-batch count the schedule cannot run is located at `microbatches` (else at the
 batch's split); a finding about the generated programs at `schedule`, with the ranks'
-programs side by side in a note.
+programs side by side in a note. A finding about written programs is at the first item it
+marks (a finding that marks none, a rank that never runs an action, at that rank's
+`program`), with a note at each other item it marks and the ranks' programs side by side
+around them.
+
+Written transfers may name communicators (`:c1`), which the proof takes as FIFO queues of
+their own, as NCCL runs two communicators. schedc's executor issues every transfer on the
+pipeline's one group, so programs that name more than one are proven a second time as run,
+on one queue.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from textwrap import indent
 
-from schedc.ir.pipeline import Kind, Pipeline, Programs, format_item, side_by_side
+from schedc.ir.pipeline import (
+    DEFAULT_COMM,
+    Kind,
+    Pipeline,
+    Programs,
+    Written,
+    actions,
+    format_item,
+    side_by_side,
+)
 from schedc.ir.source import Span
-from schedc.ir.spec import Spec
-from schedc.lang.diagnostics import Diagnostics, Note
-from schedc.passes.pipeline_check import prove
+from schedc.ir.spec import PipelineSpec, Spec, WrittenPrograms
+from schedc.lang.diagnostics import MAX_KEPT, Diagnostic, Diagnostics, Note
+from schedc.passes.pipeline_check import Finding, prove
 from schedc.passes.pipeline_gen import COSTS, Request, generate, request_errors
 from schedc.passes.pipeline_sim import Costs, simulate
 
@@ -57,10 +77,17 @@ class PipelinePlan:
         ]
 
 
+AROUND = 3  # rows shown around each marked item in a finding's side-by-side note
+
+
 def plan_pipeline(spec: Spec, diag: Diagnostics) -> PipelinePlan | None:
-    """Generate, prove and time the pipeline; None after reporting what it cannot run."""
+    """Generate (or take the written), prove and time the pipeline; None after reporting
+    what it cannot run."""
     ps = spec.pipeline
     assert ps is not None
+    if ps.written is not None:
+        return _plan_written(spec, ps, ps.written, diag)
+    assert not isinstance(ps.schedule, Written)
     req = Request(ps.schedule, ps.degree, spec.accum, len(ps.stages) // ps.degree)
     at = ps.where.get("microbatches") or spec.where.get("micro") or spec.where.get("accumulate")
     if errors := request_errors(req):
@@ -71,10 +98,85 @@ def plan_pipeline(spec: Spec, diag: Diagnostics) -> PipelinePlan | None:
     proof = prove(gen.pipeline, gen.programs)
     if proof.findings:  # proven for every size in tests/passes/test_pipeline.py; said if not
         where: Span = ps.where.get("schedule", ps.span)
-        for f in proof.findings:
-            shown = side_by_side(gen.programs, f.ranks, f.marks) if f.marks else ""
-            notes = (Note(f"the generated programs:\n{shown}"),) if shown else ()
-            diag.extend([replace(f.diagnostic, span=where, notes=notes)])
+        title = "the generated programs"
+        diag.extend(
+            [_located(f, gen.programs, title, lambda _: (where, ())) for f in proof.findings]
+        )
         return None
     timing = simulate(proof.graph, COSTS)
     return PipelinePlan(gen.pipeline, gen.programs, COSTS, timing.step, timing.bubble)
+
+
+def _plan_written(
+    spec: Spec, ps: PipelineSpec, w: WrittenPrograms, diag: Diagnostics
+) -> PipelinePlan | None:
+    """The programs as written, proven (as written, then as run on one communicator)."""
+    pipe = ps.pipeline(spec.accum)
+    if _too_few(pipe, w, ps, diag):
+        return None
+    proof = prove(pipe, w.programs)
+    title = "the ranks' programs, side by side"
+    if not proof.findings and _communicators(w.programs) > 1:
+        run_as = {r: [tuple(a._replace(comm=DEFAULT_COMM) for a in i) for i in p]
+                  for r, p in w.programs.items()}  # fmt: skip
+        proof = prove(pipe, run_as)
+        title = (
+            "as run: schedc's executor issues every transfer on the pipeline's one group "
+            "(P2P on 'pp'), one FIFO queue where the programs name more; the programs"
+        )
+    if proof.findings:
+        for f in proof.findings[:MAX_KEPT]:
+            diag.extend([_located(f, w.programs, title, lambda f: _spans(f, w, ps.span))])
+        return None
+    timing = simulate(proof.graph, COSTS)
+    return PipelinePlan(pipe, w.programs, COSTS, timing.step, timing.bubble)
+
+
+def _communicators(programs: Programs) -> int:
+    return len({a.comm for p in programs.values() for a in actions(p) if a.kind.is_p2p})
+
+
+def _too_few(pipe: Pipeline, w: WrittenPrograms, ps: PipelineSpec, diag: Diagnostics) -> bool:
+    """Programs far short of every stage's F and B for every micro-batch, said in one
+    diagnostic rather than one a missing action (`microbatches 1000000` and a page of
+    programs would otherwise be millions of findings)."""
+    computes = sum(1 for p in w.programs.values() for a in actions(p) if not a.kind.is_p2p)
+    need = 2 * pipe.stages * pipe.microbatches
+    if need - computes <= MAX_KEPT:
+        return False
+    diag.error(
+        "pp-once",
+        f"the programs run {computes:,} computes; {pipe.stages} stages x "
+        f"{pipe.microbatches:,} micro-batches need at least {need:,} (an F and a B, or an F, "
+        "I and W, of each stage for each micro-batch)",
+        ps.where.get("microbatches", ps.span),
+        hint="write the programs for the pipeline's micro-batches, or lower microbatches",
+    )
+    return True
+
+
+Place = Callable[[Finding], tuple[Span, tuple[Note, ...]]]
+
+
+def _located(f: Finding, programs: Programs, title: str, place: Place) -> Diagnostic:
+    """A finding at its place in the file, with the marked ranks' programs side by side."""
+    span, notes = place(f)
+    if f.marks:
+        shown = side_by_side(programs, f.ranks, f.marks, AROUND)
+        notes = (*notes, Note(f"{title}:\n{indent(shown, '    ')}"))
+    return replace(f.diagnostic, span=span, notes=notes)
+
+
+def _spans(f: Finding, w: WrittenPrograms, head: Span) -> tuple[Span, tuple[Note, ...]]:
+    """The first item a finding marks, and a note at each other (a finding that marks none
+    is at the `program` of the rank it is about, else at the pipeline)."""
+    if not f.marks:
+        return (w.heads.get(f.rank, head) if f.rank is not None else head), ()
+    (first, *rest) = f.marks
+    notes = tuple(
+        Note(
+            f"rank {r}, item {i}: {format_item(w.programs[r][i])}{f.marks[(r, i)]}", w.items[(r, i)]
+        )
+        for r, i in rest
+    )
+    return w.items[first], notes

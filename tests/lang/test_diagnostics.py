@@ -33,6 +33,17 @@ PP = (
     "pipeline {\n  stage s0 = embed, h.0\n  stage s1 = h.1, head\n  schedule 1f1b\n}\n"
 )
 
+# the same pipeline at 2 micro-batches with its ranks' programs written out (1F1B's, as
+# `schedc check --dump pipeline` prints them for `schedule 1f1b`)
+PP_WRITTEN = (
+    "model nano world 2 batch 4 x 32 micro 2\n"
+    "pipeline {\n  stage s0 = embed, h.0\n  stage s1 = h.1, head\n"
+    "  program on rank 0 { F[s0]@mb0 SEND_F[s0]@mb0 F[s0]@mb1 SEND_F[s0]@mb1+RECV_B[s0]@mb0 "
+    "B[s0]@mb0 RECV_B[s0]@mb1 B[s0]@mb1 }\n"
+    "  program on rank 1 { RECV_F[s1]@mb0 F[s1]@mb0 RECV_F[s1]@mb1 B[s1]@mb0 SEND_B[s1]@mb0 "
+    "F[s1]@mb1 B[s1]@mb1 SEND_B[s1]@mb1 }\n}\n"
+)
+
 # DDP's compute stream, written out (what `--dump program` prints for DDP)
 DDP_COMPUTE = """\
 program compute {
@@ -73,6 +84,7 @@ def test_the_written_programs_are_legal():
     """The cases below break these programs one rule at a time; unbroken, they compile."""
     compile_text(DDP + DDP_COMPUTE + DDP_COMM, "t.sched")
     compile_text(FSDP + FSDP_COMPUTE, "t.sched")
+    compile_text(PP_WRITTEN, "t.sched")
 
 
 # -- the fail list -------------------------------------------------------------------------------
@@ -1123,6 +1135,181 @@ FAIL = [
         "give each stage its own name",
         id="duplicate-stage",
     ),
+    # written pipeline programs: what the text means (lang/resolve/pipeline_programs.py)
+    pytest.param(
+        PP_WRITTEN.replace("B[s0]@mb0 RECV_B", "BWD[s0]@mb0 RECV_B"),
+        "syntax",
+        "unknown pipeline action 'BWD' in BWD[s0]@mb0",
+        "BWD[s0]@mb0",
+        "F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B",
+        id="syntax-pp-action",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace(" F[s1]@mb1 B[s1]@mb1", " fwd[h.1]@mb1 B[s1]@mb1"),
+        "syntax",
+        "unknown pipeline action 'fwd'",
+        "fwd[h.1]@mb1",
+        "a pipeline program runs stages, not layers",
+        id="syntax-pp-layer-op",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("{ F[s0]@mb0", "{ F[s0]@mb0:c1"),
+        "syntax",
+        "F[s0]@mb0 is compute and runs on no communicator",
+        "F[s0]@mb0:c1",
+        "drop ':c1'",
+        id="syntax-pp-compute-comm",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("SEND_F[s0]@mb1+RECV_B[s0]@mb0 B[s0]@mb0", "SEND_F[s0]@mb1+B[s0]@mb0"),
+        "syntax",
+        "B[s0]@mb0 is compute, in a group joined by '+'",
+        "B[s0]@mb0",
+        "as an item of its own",
+        id="syntax-pp-group",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("{ F[s0]@mb0", "{ F[s0]"),
+        "syntax",
+        "F[s0] names no micro-batch as @mbN",
+        "F[s0]",
+        "write F[s0]@mb0",
+        id="syntax-pp-no-mb",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("{ F[s0]@mb0", "{ F[s0]@mb" + "9" * 30),
+        "value-range",
+        "micro-batch 999999999999... in F[s0]@mb... is beyond any pipeline's",
+        "F[s0]@mb" + "9" * 30,
+        None,
+        id="value-range-pp-mb",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("{ F[s0]@mb0", "{ F[S0]@mb0"),
+        "unknown-name",
+        "unknown stage 'S0' in F[S0]@mb0",
+        "F[S0]@mb0",
+        "did you mean 's0'?",
+        id="unknown-name-pp-stage",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("program on rank 1", "program on rank 2"),
+        "value-range",
+        "a pipeline rank must be <= 1, got 2",
+        "2",
+        None,
+        id="value-range-pp-rank",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("program on rank 1", "program on rank 0"),
+        "duplicate",
+        "the program of pipeline rank 0 is given twice",
+        "program",
+        "keep one of them",
+        id="duplicate-pp-program",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("  program on rank 1 {", "  # program on rank 1 {"),
+        "missing-setting",
+        "pipeline rank 1 has no program: the pipeline runs on 2 ranks",
+        "pipeline",
+        "write `program on rank 1 { ... }`",
+        id="missing-setting-pp-program",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("  program on rank 0", "  schedule 1f1b\n  program on rank 0"),
+        "conflict",
+        "the pipeline runs the named schedule '1f1b' and written programs",
+        "program",
+        "keep one",
+        id="conflict-pp-schedule-and-programs",
+    ),
+    pytest.param(
+        PP.replace("schedule 1f1b", "schedule written"),
+        "missing-setting",
+        "`schedule written`, but the pipeline block writes no program",
+        "schedule written",
+        "write every rank's program",
+        id="missing-setting-pp-written",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("stage s1 = h.1, head", "stage s1 = h.1\n  stage s2 = head"),
+        "stage-count",
+        "3 stages do not divide over the pipeline's 2 ranks",
+        "pipeline",
+        "declare 2 or 4 stages",
+        id="stage-count-pp-written",
+    ),
+    pytest.param(
+        PP + "program compute on rank 0 { fwd[h.0]@mb0 }\n",
+        "conflict",
+        "a pipeline schedule cannot take a stream's program yet",
+        "program",
+        "written inside the pipeline block",
+        id="conflict-pipeline-stream-program",
+    ),
+    # written pipeline programs: the proofs (passes/pipeline_check.py), at the item
+    pytest.param(
+        PP_WRITTEN.replace("F[s0]@mb1 SEND_F", "F[s0]@mb2 SEND_F"),
+        "pp-placement",
+        "rank 0 runs F[s0]@mb2: micro-batch 2 does not exist (2 micro-batches)",
+        "F[s0]@mb2",
+        "the micro-batches are mb0 .. mb1",
+        id="pp-placement",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("RECV_B[s0]@mb1 B[s0]@mb1", "RECV_B[s0]@mb1 B[s0]@mb1 B[s0]@mb1"),
+        "pp-once",
+        "B[s0]@mb1 is issued 2 times",
+        "B[s0]@mb1",
+        None,
+        id="pp-once",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("F[s1]@mb1 B[s1]@mb1 SEND", "F[s1]@mb1 SEND"),
+        "pp-once",
+        "rank 1 never runs B[s1]@mb1",
+        "program",
+        None,
+        id="pp-once-never",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("RECV_B[s0]@mb1 B[s0]@mb1", "B[s0]@mb1 RECV_B[s0]@mb1"),
+        "pp-order",
+        "rank 0 runs B[s0]@mb1 (item 5) before RECV_B[s0]@mb1 (item 6), which it needs",
+        "B[s0]@mb1",
+        "move RECV_B[s0]@mb1 before B[s0]@mb1",
+        id="pp-order",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace("SEND_B[s1]@mb1 }", "SEND_B[s1]@mb1:c1 }"),
+        "pp-unmatched",
+        "rank 0 issues RECV_B[s0]@mb1, and rank 1 never sends it",
+        "RECV_B[s0]@mb1",
+        "on the same communicator",
+        id="pp-unmatched",
+    ),
+    pytest.param(
+        PP_WRITTEN.replace(
+            "RECV_F[s1]@mb0 F[s1]@mb0 RECV_F[s1]@mb1", "RECV_F[s1]@mb1 RECV_F[s1]@mb0 F[s1]@mb0"
+        ),
+        "pp-fifo",
+        "FIFO inversion: rank 1's 1st receive from rank 0 on 'pp', RECV_F[s1]@mb1, pairs with "
+        "rank 0's 1st send to it, SEND_F[s0]@mb0",
+        "SEND_F[s0]@mb0",
+        "post rank 1's receives from rank 0 in the order rank 0 sends",
+        id="pp-fifo",
+    ),
+    pytest.param(  # the deferred receive of pytorch#172668
+        PP_WRITTEN.replace("+RECV_B[s0]@mb0", " RECV_B[s0]@mb0").replace(
+            "RECV_F[s1]@mb1 B[s1]@mb0 SEND_B[s1]@mb0", "B[s1]@mb0 SEND_B[s1]@mb0 RECV_F[s1]@mb1"
+        ),
+        "pp-deadlock",
+        "deadlock: rank 1 blocks in SEND_B[s1]@mb0 until rank 0 posts RECV_B[s0]@mb0",
+        "SEND_B[s1]@mb0",
+        "post the receive before the send that waits on it",
+        id="pp-deadlock",
+    ),
 ]
 
 WARN = [
@@ -1270,10 +1457,6 @@ def test_disagree():
 
 # the tests just above; `proof`: only a wrong lowering makes one (tests/passes/test_proof.py)
 OUTSIDE_SNIPPETS = {"io", "file-too-large", "encoding", "disagree", "proof"}
-# what only written pipeline programs can break: a named schedule's programs prove for every
-# size (tests/passes/test_pipeline.py), and .sched has no written pipeline programs yet
-OUTSIDE_SNIPPETS |= {"pp-placement", "pp-once", "pp-order", "pp-unmatched", "pp-fifo"}
-OUTSIDE_SNIPPETS |= {"pp-deadlock"}
 
 
 def test_every_code_has_a_case():

@@ -28,6 +28,7 @@ def test_the_pipeline_bundle():
         "tiny_pp2_dp2.sched",
         "tiny_pp2_dp2_fsdp.sched",
         "tiny_pp2_interleaved.sched",
+        "tiny_pp2_written.sched",
         "tiny_pp4_1f1b.sched",
         "tiny_pp_zb.sched",
     ]
@@ -173,6 +174,11 @@ MUTATIONS = {
         ("microbatches 4", "microbatches 3", "batch-arithmetic"),
         ("placement loop", "placement v", "conflict"),
         ("stage s1 = h.1\n  stage s2 = h.2", "stage s1 = h.2\n  stage s2 = h.1", "stage-order"),
+    ],
+    "tiny_pp2_written.sched": [
+        ("microbatches 4", "schedule 1f1b\n  microbatches 4", "conflict"),
+        ("B[s1]@mb3  SEND_B[s1]@mb3", "SEND_B[s1]@mb3  B[s1]@mb3", "pp-order"),
+        ("SEND_B[s1]@mb3\n", "SEND_B[s1]@mb3:c1\n", "pp-unmatched"),
     ],
     "tiny_pp_zb.sched": [
         ("batch 16 x 64", "batch 4 x 64", "pp-microbatches"),

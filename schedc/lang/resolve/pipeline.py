@@ -1,5 +1,6 @@
 """`pipeline { ... }`: stages as named contiguous layer ranges covering the model once, the
-pipeline degree, a named schedule, its placement and micro-batches.
+pipeline degree, a named schedule or every rank's program written out
+(pipeline_programs.py), its placement and micro-batches.
 
 The degree is the pipeline dimension of the mesh, outermost (ir/spec.py PipelineSpec), so
 dp = world / degree replicas of the pipeline share the global batch (a degree that does not
@@ -15,14 +16,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from schedc.ir.pipeline import Placement, Schedule
+from schedc.ir.pipeline import Placement, Schedule, Written
 from schedc.ir.source import Span
 from schedc.ir.spec import PipelineSpec, StageSpec
 from schedc.lang.diagnostics import Note, did_you_mean
-from schedc.lang.nodes import Pipeline, PipeSetting, StageDecl
+from schedc.lang.nodes import Pipeline, PipeProgram, PipeSetting, StageDecl
 from schedc.lang.resolve.batch import Terms
 from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.cover import prove_cover
+from schedc.lang.resolve.pipeline_programs import resolve_written
 from schedc.lang.resolve.refs import resolve_refs
 from schedc.lang.resolve.settings import Run
 from schedc.lang.resolve.stage_units import resolve_stage_units
@@ -40,13 +42,14 @@ from schedc.lang.syntax import (
 )
 from schedc.model.arch import GPTConfig
 
-KEYS = ("stage", "degree", "schedule", "placement", "microbatches")
-SCHEDULES = {
+KEYS = ("stage", "degree", "schedule", "placement", "microbatches", "program")
+SCHEDULES: dict[str, Schedule | Written] = {
     "gpipe": Schedule.GPIPE,
     "1f1b": Schedule.ONE_F_ONE_B,
     "interleaved": Schedule.INTERLEAVED,
     "interleaved-1f1b": Schedule.INTERLEAVED,
     "zb-h1": Schedule.ZB_H1,
+    "written": Written.PROGRAMS,  # the programs are written in the block
 }
 # what a pipeline schedule cannot take yet, and why (the graph, lowering and executor of
 # DP schedules run every layer on every rank)
@@ -59,9 +62,9 @@ NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what
     MeshDecl: ("mesh", "a mesh", "a pipeline's mesh is degree x dp, dp = world / degree"),
     Program: (
         "program",
-        "a written program",
-        "per-rank pipeline programs are not written "
-        "in .sched yet: the named schedules generate them",
+        "a stream's program",
+        "a pipeline rank's program is written inside the pipeline block, "
+        "`program on rank 0 { F[s0]@mb0 SEND_F[s0]@mb0 ... }`",
     ),
     StreamDecl: ("stream", "a stream", "a pipeline rank runs its program in order"),
     Recompute: ("recompute", "recompute", "recompute in a pipeline stage is not built yet"),
@@ -103,7 +106,8 @@ def resolve_pipeline(
     head = cx.src.span(block.span.start, block.span.start + len("pipeline"))
     _refuse_not_yet(cx, head)
     settings = _settings(cx, block)
-    schedule = _schedule(cx, settings.get("schedule"), head)
+    programs = [s for s in block.stmts if isinstance(s, PipeProgram)]
+    schedule = _schedule(cx, settings.get("schedule"), head, programs)
     placement = _placement(cx, settings.get("placement"))
     degree = _degree(cx, settings.get("degree"), world)
     m = None
@@ -115,9 +119,15 @@ def resolve_pipeline(
     assert schedule is not None and placement is not None and degree is not None and stages
     if not _fits(cx, schedule, placement, degree, len(stages), settings, head):
         return None, None
+    written = None
+    if schedule is Written.PROGRAMS:
+        written = resolve_written(cx, programs, [s.name for s in stages], degree, head)
+        if written is None:
+            return None, None
     where = {k: s.span for k, s in settings.items()}
     units = resolve_stage_units(cx, model, stages) if model is not None else ()
-    return PipelineSpec(tuple(stages), degree, schedule, placement, head, where, units), m
+    spec = PipelineSpec(tuple(stages), degree, schedule, placement, head, where, units, written)
+    return spec, m
 
 
 def _refuse_not_yet(cx: Context, head: Span) -> None:
@@ -147,13 +157,20 @@ def _settings(cx: Context, block: Pipeline) -> dict[str, PipeSetting]:
     return out
 
 
-def _schedule(cx: Context, s: PipeSetting | None, head: Span) -> Schedule | None:
+def _schedule(
+    cx: Context, s: PipeSetting | None, head: Span, programs: list[PipeProgram]
+) -> Schedule | Written | None:
+    """The named schedule, or Written.PROGRAMS where the block writes the programs (with no
+    `schedule`, or `schedule written`)."""
     if s is None:
+        if programs:
+            return Written.PROGRAMS
         cx.err(
             "missing-setting",
             "the pipeline block names no schedule",
             head,
-            hint="add `schedule 1f1b` (or gpipe, interleaved, zb-h1)",
+            hint="add `schedule 1f1b` (or gpipe, interleaved, zb-h1), or write every rank's "
+            "program: `program on rank 0 { F[s0]@mb0 ... }`",
         )
         return None
     assert isinstance(s.value, Name)
@@ -161,7 +178,27 @@ def _schedule(cx: Context, s: PipeSetting | None, head: Span) -> Schedule | None
         hint = did_you_mean(s.value.text, SCHEDULES) or f"schedules: {', '.join(SCHEDULES)}"
         cx.err("unknown-name", f"unknown pipeline schedule '{s.value.text}'", s.value.span, hint)
         return None
-    return SCHEDULES[s.value.text]
+    schedule = SCHEDULES[s.value.text]
+    if schedule is Written.PROGRAMS and not programs:
+        cx.err(
+            "missing-setting",
+            "`schedule written`, but the pipeline block writes no program",
+            s.span,
+            hint="write every rank's program in the block: `program on rank 0 { F[s0]@mb0 ... }`",
+        )
+        return None
+    if schedule is not Written.PROGRAMS and programs:
+        p = programs[0]
+        cx.err(
+            "conflict",
+            f"the pipeline runs the named schedule '{s.value.text}' and written programs",
+            cx.src.span(p.span.start, p.span.start + len("program")),
+            hint=f"keep one: drop `schedule {s.value.text}` to run the programs as written, "
+            "or drop the programs",
+            notes=(Note("the schedule is named here", s.span),),
+        )
+        return None
+    return schedule
 
 
 def _placement(cx: Context, s: PipeSetting | None) -> Placement | None:
@@ -274,7 +311,7 @@ def _in_order(cx: Context, groups: list, model: GPTConfig) -> list[StageSpec] | 
 
 def _fits(
     cx: Context,
-    schedule: Schedule,
+    schedule: Schedule | Written,
     placement: Placement,
     degree: int,
     n: int,
@@ -282,7 +319,19 @@ def _fits(
     head: Span,
 ) -> bool:
     """The stage count the schedule places on `degree` ranks: one a rank, or v >= 2 a rank
-    (interleaved); placement v only where a rank holds more than one."""
+    (interleaved); placement v only where a rank holds more than one. Written programs
+    take any whole number of stages a rank, in either placement."""
+    if schedule is Written.PROGRAMS:
+        if n % degree == 0:
+            return True
+        cx.err(
+            "stage-count",
+            f"{n} stages do not divide over the pipeline's {degree} ranks",
+            settings["degree"].span if "degree" in settings else head,
+            hint=f"declare {degree} or {2 * degree} stages: every rank holds as many",
+            notes=(Note("the stages are in this block", head),),
+        )
+        return False
     at = settings["schedule"].span
     if schedule is Schedule.INTERLEAVED and (n % degree or n < 2 * degree):
         cx.err(
