@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from schedc.errors import UserError
@@ -29,6 +29,7 @@ from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
+from schedc.passes.pipeline_memory import check_budget, predict_pipeline
 from schedc.passes.pipeline_plan import PipelinePlan, plan_pipeline
 from schedc.passes.prove import Proof
 
@@ -115,6 +116,10 @@ def _compile_pipeline(source: Source, ast: Schedule, spec: Spec, warnings: list)
     diag = Diagnostics(source)
     diag.extend(warnings)
     pipeline = plan_pipeline(spec, diag)
+    if pipeline is not None:  # each rank's memory along its program, and the budget
+        memory = predict_pipeline(spec, pipeline.pipeline, pipeline.programs)
+        check_budget(spec, memory, diag)
+        pipeline = replace(pipeline, memory=memory)
     diag.raise_if_any()
     return Compiled(source, ast, spec, {}, {}, {}, tuple(diag.warnings), None, pipeline)
 

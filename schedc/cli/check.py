@@ -17,6 +17,7 @@ from schedc.lang.params import describe_params
 from schedc.lang.resolve import flag_place, range_error
 from schedc.lang.resources import bundled_schedules, pipeline_schedules
 from schedc.passes.memory import fmt_bytes, traffic
+from schedc.passes.pipeline_memory import in_flight
 
 HELP = "prove schedules legal; print a summary or a stage's text"
 
@@ -155,11 +156,25 @@ def pipeline_summary(c: Compiled) -> str:
             for i, st in enumerate(ps.stages)
         ),
         f"  numerics  {s.numerics.describe(s.sync)}",
+        *_memory_lines(c),
         f"  proof     every rank's program proven: each send paired with one receive in FIFO "
         f"order, no deadlock under blocking rendezvous ({count(len(pp.programs), 'program')}, "
         "--dump pipeline prints them)",
     ]
     return "\n".join(lines)
+
+
+def _memory_lines(c: Compiled) -> list[str]:
+    """Each pipeline rank's predicted peak, and the micro-batches it holds at once."""
+    pp = c.pipeline
+    assert pp is not None
+    cells = [
+        f"{fmt_bytes(m.peak)} ({in_flight(pp.programs[r])} in flight)"
+        for r, m in sorted(pp.memory.items())
+    ]
+    budget = f" of {fmt_bytes(c.spec.memory)}" if c.spec.memory else ""
+    return [f"  memory    peak per rank{budget}: {', '.join(cells)} (states, activations of "
+            "the micro-batches in flight, transfers; passes/pipeline_memory.py)"]  # fmt: skip
 
 
 def _replicas(dp: int, units) -> str:

@@ -114,7 +114,7 @@ def stream_bytes(spec: Spec) -> int:
     layers compute with: FSDP's gather dtype (its units' parameters are gathered in it, so
     embed's output is in it too), else fp32 (autocast casts on the fly; its outputs add
     into the fp32 stream)."""
-    return spec.numerics.gather.nbytes if spec.kind is Strategy.FSDP else FP32
+    return spec.numerics.gather.nbytes if spec.sync is Strategy.FSDP else FP32
 
 
 def _weight_casts(spec: Spec, numel: int) -> int:

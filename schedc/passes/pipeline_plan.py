@@ -25,7 +25,7 @@ on one queue.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from textwrap import indent
 
 from schedc.ir.pipeline import (
@@ -41,6 +41,7 @@ from schedc.ir.pipeline import (
 from schedc.ir.source import Span
 from schedc.ir.spec import PipelineSpec, Spec, WrittenPrograms
 from schedc.lang.diagnostics import MAX_KEPT, Diagnostic, Diagnostics, Note
+from schedc.passes.memory import MemoryReport
 from schedc.passes.pipeline_check import Finding, prove
 from schedc.passes.pipeline_gen import COSTS, Request, generate, request_errors
 from schedc.passes.pipeline_sim import Costs, simulate
@@ -55,6 +56,8 @@ class PipelinePlan:
     costs: Costs
     step: float  # the simulated step, in units of one stage's forward
     bubble: dict[int, float]  # pipeline rank -> idle share of the step
+    # pipeline rank -> its predicted memory (passes/pipeline_memory.py), set by the compiler
+    memory: dict[int, MemoryReport] = field(default_factory=dict, compare=False)
 
     @property
     def cost_words(self) -> str:

@@ -31,7 +31,6 @@ from schedc.lang.resolve.stage_units import resolve_stage_units
 from schedc.lang.resolve.values import LIMITS, int_of
 from schedc.lang.syntax import (
     DDP,
-    Memory,
     MeshDecl,
     Name,
     Num,
@@ -68,7 +67,6 @@ NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what
     ),
     StreamDecl: ("stream", "a stream", "a pipeline rank runs its program in order"),
     Recompute: ("recompute", "recompute", "recompute in a pipeline stage is not built yet"),
-    Memory: ("memory", "a memory budget", "the per-stage memory ledger is not built yet"),
 }
 
 

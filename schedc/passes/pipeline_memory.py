@@ -1,0 +1,288 @@
+"""The memory ledger of a pipeline: per pipeline rank, along its proven program.
+
+    predict_pipeline(spec, pipe, programs) -> {pipeline rank: MemoryReport}
+
+A pipeline rank holds the model states of its stages only, and the activations of the
+micro-batches it has run forward and not yet backward: how many are in flight at once is
+the schedule's (GPipe: all m on every rank; 1F1B: p - r on rank r; interleaved and zero
+bubble in between), and is what makes one schedule fit where another does not. The ledger
+walks the rank's items in the order the executor runs them (exec/pipeline.py), with the
+executor's own buffers, each in its dtype (`N` = micro x seq_len tokens, `C` = n_embd, `x`
+the residual stream's bytes: fp32, or FSDP's gather dtype, ir/sizes.py `stream_bytes`):
+
+* states, fp32: 16 bytes a parameter of the rank's stages (parameter, gradient, Adam m and
+  v; the tied wte once a rank: one parameter where one rank holds embed and head, a copy
+  on each end otherwise). FSDP per stage keeps each unit's shard (the unit padded to a
+  multiple of dp, / dp) and its fp32 gradient shard from the unit's reduce-scatter to the
+  update; its full unit in the gather dtype lives from the rank's first item (the gathers
+  are launched together) until the stage's last B or W, and the stage's unsharded gradient
+  in the gather dtype from the stage's first B or W until the reduce-scatter that takes it
+  is retired, before the update (what the collective sends lives as long).
+* DP with replicas (no fsdp block): the stage's flat bucket, a copy of its gradients in the
+  reduce dtype, from its last B or W until the update waits for it.
+* activations of (stage s, micro-batch j), from F[s]@j to B[s]@j (or W[s]@j in a split
+  schedule: I keeps the graph for W): what autograd saves for the stage's layers
+  (ir/sizes.py `layer_acts`, the DP ledger's rule), and, but on the last stage, the
+  stage's output N C x (kept for the backward; the next stage saves it as its input when
+  it is on the same rank, so it is not counted twice).
+* transfers: a received activation (N C x) from its RECV_F until its F saves it; a received
+  output gradient (N C x) from its RECV_B until the B or I that reads it ends; an input
+  gradient (N C x), from the B or I that makes it until its SEND_B is done (or the local
+  stage before reads it).
+
+The peak is over the program's item boundaries (no op's own transients: `settled_peak`
+equals `peak`), and is what a pipeline file's `memory` budget is checked against, per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedc.ir.pipeline import Action, Item, Kind, Pipeline, Programs
+from schedc.ir.sizes import layer_acts, padded, stream_bytes
+from schedc.ir.spec import TIED, Spec
+from schedc.lang.diagnostics import Diagnostics
+from schedc.model.arch import FP32
+from schedc.passes.memory import MemoryReport, fmt_bytes
+
+STATES, GATHERED, GRADS, COMM, ACTS = (
+    "model states",
+    "gathered units",
+    "unsharded gradients",
+    "communication buffers",
+    "activations",
+)
+
+
+@dataclass
+class _Walk:
+    """What lives on one pipeline rank, by buffer name, and the peak of the sum."""
+
+    live: dict[str, tuple[str, int]] = field(default_factory=dict)
+    peak: tuple[int, str, dict[str, int]] = (0, "", {})
+    peaks: dict[str, int] = field(default_factory=dict)  # each part's own peak
+    buffers_peak: int = 0  # the peak without activations
+
+    def alloc(self, name: str, part: str, nbytes: int) -> None:
+        if nbytes:
+            self.live[name] = (part, nbytes)
+
+    def free(self, name: str) -> None:
+        self.live.pop(name, None)
+
+    def measure(self, at: str) -> None:
+        parts: dict[str, int] = {}
+        for part, n in self.live.values():
+            parts[part] = parts.get(part, 0) + n
+        total = sum(parts.values())
+        for part, n in parts.items():
+            self.peaks[part] = max(self.peaks.get(part, 0), n)
+        self.buffers_peak = max(self.buffers_peak, total - parts.get(ACTS, 0))
+        if total > self.peak[0]:
+            self.peak = (total, at, parts)
+
+    def report(self, units: dict, dp: int, g: int) -> MemoryReport:
+        return _report(self, units, dp, g)
+
+
+def _report(w: _Walk, units: dict, dp: int, g: int) -> MemoryReport:
+    total, at, parts = w.peak
+    named = tuple(sorted(((k, v) for k, v in parts.items() if v), key=lambda p: -p[1]))
+    return MemoryReport(
+        states=sum(n for part, n in w.live.values() if part == STATES),
+        gathered_peak=sum(padded(n, dp) * g for n in units.values()),
+        grads_peak=w.peaks.get(GRADS, 0),
+        comm_peak=w.peaks.get(COMM, 0),
+        peak=total,
+        peak_at=at,
+        activations=w.peaks.get(ACTS, 0),
+        buffers_peak=w.buffers_peak,
+        parts=named,
+        settled_peak=total,
+    )
+
+
+def stage_params(spec: Spec, stage: int) -> list[str]:
+    """The parameters a stage's layers compute with (head's tied wte included)."""
+    assert spec.pipeline is not None
+    cfg = spec.model
+    out = [p.name for layer in spec.pipeline.stages[stage].layers for p in cfg.layer_params(layer)]
+    if "head" in spec.pipeline.stages[stage].layers and TIED not in out:
+        out.append(TIED)
+    return out
+
+
+def predict_pipeline(spec: Spec, pipe: Pipeline, programs: Programs) -> dict[int, MemoryReport]:
+    """Each pipeline rank's predicted memory along its program."""
+    return {r: _RankLedger(spec, pipe, r).run(programs[r]) for r in sorted(programs)}
+
+
+class _RankLedger:
+    """One pipeline rank's walk: the executor's buffers, allocated and freed per action."""
+
+    def __init__(self, spec: Spec, pipe: Pipeline, rank: int):
+        assert spec.pipeline is not None
+        self.spec, self.pipe, self.w = spec, pipe, _Walk()
+        cfg, self.dp = spec.model, spec.dp
+        self.ncx = spec.micro * spec.seq_len * cfg.n_embd * stream_bytes(spec)
+        self.g, self.r = spec.numerics.gather.nbytes, spec.numerics.reduce.nbytes
+        stages = pipe.stages_of(rank)
+        self.numel = {p.name: p.numel for p in cfg.params}
+        self.units = _units(spec, stages, self.numel)
+        self.written: set[int] = set()  # stages whose gradients exist
+        dp = self.dp
+        if self.units:
+            shard = sum(padded(n, dp) // dp for n in self.units.values())
+            self.w.alloc("states", STATES, shard * 3 * FP32)  # parameter, m, v
+            for name, n in self._named(None):
+                self.w.alloc(f"gathered[{name}]", GATHERED, padded(n, dp) * self.g)
+        else:
+            held = {p for s in stages for p in stage_params(spec, s)}
+            self.w.alloc("states", STATES, sum(self.numel[p] for p in held) * 4 * FP32)
+
+    def _named(self, stage: int | None) -> list[tuple[str, int]]:
+        return [(name, n) for (s, name), n in self.units.items() if stage in (None, s)]
+
+    def run(self, program: list[Item]) -> MemoryReport:
+        last = _last_grad_writers(program)
+        self.w.measure("step start")
+        for item in program:
+            for act in item:
+                ACTIONS[act.kind](self, act)
+            self.w.measure(" + ".join(str(a) for a in item))
+            for act in (a for a in item if last.get(a.stage) == a):
+                self.synced(act.stage)
+                self.w.measure(f"{act} (its gradients' collective issued)")
+        return self.w.report(self.units, self.dp, self.g)
+
+    # -- per action (see the module docstring) -------------------------------------------
+
+    def recv(self, act: Action) -> None:
+        kind = "recv_f" if act.kind is Kind.RECV_F else "recv_b"
+        self.w.alloc(f"{kind}[s{act.stage}@mb{act.mb}]", ACTS, self.ncx)
+
+    def send(self, act: Action) -> None:
+        if act.kind is Kind.SEND_B:
+            self.w.free(f"grad_in[s{act.stage}@mb{act.mb}]")
+
+    def forward(self, act: Action) -> None:
+        assert self.spec.pipeline is not None
+        s, key = act.stage, f"s{act.stage}@mb{act.mb}"
+        self.w.free(f"recv_f[{key}]")
+        layers = self.spec.pipeline.stages[s].layers
+        saved = sum(layer_acts(self.spec, layer).saved for layer in layers)
+        if s > 0 and self.pipe.local(s - 1, s):
+            saved -= self.ncx  # its input is the local stage before's output, counted there
+        self.w.alloc(f"act[{key}]", ACTS, saved)
+        if s < self.pipe.stages - 1:
+            self.w.alloc(f"out[{key}]", ACTS, self.ncx)
+
+    def backward(self, act: Action) -> None:
+        """B, or I (which keeps the graph for W): the input's gradient comes into being."""
+        s, j = act.stage, act.mb
+        if s + 1 < self.pipe.stages and self.pipe.local(s + 1, s):
+            self.w.free(f"grad_in[s{s + 1}@mb{j}]")  # the local stage after's input gradient
+        if act.kind is Kind.B:
+            self.weights(act)
+        if s > 0:
+            self.w.alloc(f"grad_in[s{s}@mb{j}]", ACTS, self.ncx)
+
+    def weights(self, act: Action) -> None:
+        """B or W: the stage's saved tensors go; its gradients exist from its first one."""
+        key = f"s{act.stage}@mb{act.mb}"
+        for name in (f"act[{key}]", f"out[{key}]", f"recv_b[{key}]"):
+            self.w.free(name)
+        if act.stage not in self.written:
+            self.written.add(act.stage)
+            for name, n in self._named(act.stage):
+                self.w.alloc(f"grad[{name}]", GRADS, padded(n, self.dp) * self.g)
+
+    def synced(self, stage: int) -> None:
+        """After the stage's last B or W: FSDP frees its gathered units and reduce-scatters
+        (the fp32 gradient shard comes into being; the unsharded gradient is held by the
+        collective until the update); DDP copies its gradients into one flat bucket."""
+        if self.units:
+            for name, n in self._named(stage):
+                self.w.free(f"gathered[{name}]")
+                self.w.alloc(f"shard_grad[{name}]", STATES, padded(n, self.dp) // self.dp * FP32)
+        elif self.dp > 1:
+            n = sum(self.numel[p] for p in stage_params(self.spec, stage))
+            self.w.alloc(f"bucket[s{stage}]", COMM, n * self.r)
+
+
+ACTIONS = {
+    Kind.RECV_F: _RankLedger.recv,
+    Kind.RECV_B: _RankLedger.recv,
+    Kind.SEND_F: _RankLedger.send,
+    Kind.SEND_B: _RankLedger.send,
+    Kind.F: _RankLedger.forward,
+    Kind.B: _RankLedger.backward,
+    Kind.I: _RankLedger.backward,
+    Kind.W: _RankLedger.weights,
+}
+
+
+def in_flight(program: list[Item]) -> int:
+    """The most micro-batches a rank holds activations for at once: forwards run whose
+    backward (B, or W after a split one) has not."""
+    live, most = 0, 0
+    for item in program:
+        for act in item:
+            live += act.kind is Kind.F
+            live -= act.kind in (Kind.B, Kind.W)
+            most = max(most, live)
+    return most
+
+
+def _units(spec: Spec, stages: list[int], numel: dict[str, int]) -> dict[tuple[int, str], int]:
+    """FSDP per stage: the rank's units by (stage, name), their parameters' count; the head's
+    stage keeps a copy of the tied unit, sharded in the same layout (exec/pipeline.py)."""
+    assert spec.pipeline is not None
+    units = [u for u in spec.pipeline.units if u.stage in stages]
+    out = {(u.stage, u.name): sum(numel[p] for p in u.params) for u in units}
+    for s in stages:
+        holds_tied = any(TIED in u.params and u.stage == s for u in units)
+        if units and TIED in stage_params(spec, s) and not holds_tied:
+            out[(s, "tied-copy")] = numel[TIED]
+    return out
+
+
+def _last_grad_writers(program: list[Item]) -> dict[int, Action]:
+    """Each stage's last B or W on this rank: its gradients are final after it."""
+    last: dict[int, Action] = {}
+    for item in program:
+        for act in item:
+            if act.kind in (Kind.B, Kind.W):
+                last[act.stage] = act
+    return last
+
+
+def check_budget(spec: Spec, memory: dict[int, MemoryReport], diag: Diagnostics) -> None:
+    """[memory-budget]: each pipeline rank's predicted peak against the declared budget,
+    the worst rank said (its global ranks: every replica holds the same)."""
+    if spec.memory is None:
+        return
+    over = {r: m for r, m in memory.items() if m.peak > spec.memory}
+    if not over:
+        return
+    r, m = max(over.items(), key=lambda kv: kv[1].peak)
+    dp = spec.dp
+    ranks = f"rank {r}" if dp == 1 else f"ranks {r * dp} .. {r * dp + dp - 1}"
+    parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.parts)
+    others = f" ({len(over) - 1} more pipeline ranks over)" if len(over) > 1 else ""
+    hint = "raise `memory`"
+    if m.largest == ACTS:
+        hint = (
+            "fewer micro-batches in flight: 1f1b keeps at most p - r on rank r where gpipe "
+            "keeps all of them; or more stages, a smaller `micro`, or raise `memory`"
+        )
+    elif spec.dp > 1 and spec.pipeline is not None and not spec.pipeline.units:
+        hint = "shard each stage over its replicas (an `fsdp { }` block), or raise `memory`"
+    diag.error(
+        "memory-budget",
+        f"predicted peak {fmt_bytes(m.peak)} on pipeline {ranks} (at {m.peak_at}) exceeds "
+        f"the budget of {fmt_bytes(spec.memory)}{others}; the largest part is {m.largest} "
+        f"({parts})",
+        spec.where.get("memory"),
+        hint=hint,
+    )

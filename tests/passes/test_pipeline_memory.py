@@ -1,0 +1,109 @@
+"""The pipeline's memory ledger (passes/pipeline_memory.py, #31): per rank, along its program.
+
+What a schedule keeps in flight is the schedule's: GPipe holds all m micro-batches on every
+rank, 1F1B min(p - r, m) on rank r; the bytes are the DP ledger's per-layer rule (ir/sizes.py
+`layer_acts`) plus the stage's output and the transfers; FSDP per stage shards the states;
+a pipeline file's `memory` budget is checked per rank, located. torch-free; the executor's
+measured heap is held to it in tests/exec/test_pipeline_memory_measured.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schedc.compiler import compile_file, compile_text
+from schedc.ir.sizes import layer_acts, padded
+from schedc.lang.diagnostics import CompileError
+from schedc.model.arch import FP32
+from schedc.passes.pipeline_memory import in_flight, stage_params
+from tests.goldens import REPO
+
+FOUR = """model tiny
+world 4
+batch 16 x 64
+micro 2
+steps 40
+{memory}
+pipeline {{
+  stage s0 = embed, h.0
+  stage s1 = h.1
+  stage s2 = h.2
+  stage s3 = h.3, head
+  schedule {schedule}
+}}
+"""
+
+
+def four(schedule: str, memory: str = ""):
+    return compile_text(FOUR.format(schedule=schedule, memory=memory))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_micro_batches_in_flight_are_the_schedules(schedule):
+    c = four(schedule)
+    assert c.pipeline is not None
+    m, p = c.spec.accum, 4
+    got = {r: in_flight(prog) for r, prog in c.pipeline.programs.items()}
+    want = {r: m if schedule == "gpipe" else min(p - r, m) for r in range(p)}
+    assert got == want
+
+
+def test_rank_0_holds_what_its_schedule_keeps_in_flight():
+    """Rank 0 (embed, h.0): per micro-batch in flight, what its two layers save and the
+    stage's output (N C fp32), plus one received output gradient; GPipe keeps m = 8, 1F1B
+    p = 4, so GPipe holds exactly 4 micro-batches more."""
+    gpipe, ofob = four("gpipe"), four("1f1b")
+    spec = gpipe.spec
+    ncx = spec.micro * spec.seq_len * spec.model.n_embd * FP32
+    per_mb = sum(layer_acts(spec, layer).saved for layer in ("embed", "h.0")) + ncx
+    acts = {n: c.pipeline.memory[0].activations for n, c in (("g", gpipe), ("1", ofob))}
+    assert acts["g"] - acts["1"] == 4 * per_mb
+    assert acts["1"] == 4 * per_mb + ncx  # the received gradient of micro-batch 0's output
+
+
+def test_states_are_the_ranks_stages_and_the_tied_copy():
+    c = four("1f1b")
+    spec, mem = c.spec, c.pipeline.memory
+    numel = {p.name: p.numel for p in spec.model.params}
+    for r in range(4):
+        want = sum(numel[name] for name in stage_params(spec, r)) * 4 * FP32
+        assert mem[r].states == want
+    assert "wte.weight" in stage_params(spec, 0) and "wte.weight" in stage_params(spec, 3)
+
+
+def test_fsdp_per_stage_keeps_shards_and_gathers_its_units():
+    """2 x 2 DP x PP, FSDP per stage: after the step a rank holds its units' shards with
+    their gradient shards (16 bytes a parameter / dp, padded), and gathered every unit of
+    its stage in the gather dtype."""
+    c = compile_file(REPO / "schedules/pipeline/tiny_pp2_dp2_fsdp.sched")
+    spec, ps = c.spec, c.spec.pipeline
+    numel = {p.name: p.numel for p in spec.model.params}
+    for r, m in c.pipeline.memory.items():
+        units = [sum(numel[p] for p in u.params) for u in ps.units if u.stage == r]
+        if r == 1:  # the head's stage keeps a copy of the tied unit
+            units.append(numel["wte.weight"])
+        assert m.states == sum(padded(n, 2) // 2 for n in units) * 4 * FP32
+        assert m.gathered_peak == sum(padded(n, 2) for n in units) * spec.numerics.gather.nbytes
+
+
+def test_every_bundled_pipeline_has_a_ledger_and_check_says_it(capsys):
+    from schedc.cli.main import main
+
+    files = sorted((REPO / "schedules/pipeline").glob("*.sched"))
+    for f in files:
+        c = compile_file(f)
+        assert c.pipeline is not None and set(c.pipeline.memory) == set(c.pipeline.programs)
+        assert all(m.peak > m.states > 0 for m in c.pipeline.memory.values())
+    assert main(["check", str(REPO / "schedules/pipeline/tiny_pp4_1f1b.sched")]) == 0
+    out = capsys.readouterr().out
+    assert "memory    peak per rank:" in out and "(4 in flight)" in out
+
+
+def test_a_budget_gpipe_exceeds_and_1f1b_fits():
+    with pytest.raises(CompileError) as e:
+        four("gpipe", "memory 16 MiB")
+    (d,) = e.value.diagnostics
+    assert d.code == "memory-budget" and d.span.line == 6
+    assert "pipeline rank 3" in d.message and "1f1b keeps at most p - r" in (d.hint or "")
+    four("1f1b", "memory 16 MiB")  # compiles
+
