@@ -106,4 +106,3 @@ def test_a_budget_gpipe_exceeds_and_1f1b_fits():
     assert d.code == "memory-budget" and d.span.line == 6
     assert "pipeline rank 3" in d.message and "1f1b keeps at most p - r" in (d.hint or "")
     four("1f1b", "memory 16 MiB")  # compiles
-
