@@ -12,7 +12,9 @@ Each schedule is first a compute order per rank, from its paper's definition:
   min(2*(pp-1-r) + (v-1)*pp, m*v) forwards.
 - ZB-H1 (Qi et al., zero bubble): 1F1B's order with each backward's input half I in B's
   place; a rank runs a pending weight half W (oldest first) whenever, at unit costs
-  (F = I = W = 1), its next F or I would have to wait for its input, and the rest at the end.
+  (F = I = W = 1), its next F or I would have to wait for its input, or its next F would
+  hold more micro-batches (F run, W not) than 1F1B's first rank does, min(pp, m), and the
+  rest at the end: ZB-H1's peak memory is 1F1B's (Qi et al. section 3.1).
 
 `add_transfers` then places the communication (torch's `_add_send_recv` does this step for
 its IR). It times the compute order at COSTS with sends that never block, and gives every
@@ -145,31 +147,43 @@ def interleaved(pipe: Pipeline) -> dict[int, list[Action]]:
 
 
 def zb_h1(pipe: Pipeline) -> dict[int, list[Action]]:
-    """1F1B with I for B; W where the rank would wait (unit costs), the rest at the end."""
+    """1F1B with I for B; W where the rank would wait (unit costs), or before a forward
+    that would hold more micro-batches than 1F1B's peak, the rest at the end."""
     lists = {r: _one_f_one_b(pipe, r, Kind.I) for r in range(pipe.pp)}
     out: dict[int, list[Action]] = {r: [] for r in lists}
     done: dict[Action, int] = {}  # end time of each action run so far
     pending: dict[int, list[Action]] = {r: [] for r in lists}
     free = dict.fromkeys(lists, 0)
+    held = dict.fromkeys(lists, 0)  # micro-batches whose F ran and W has not
     t = 0
     while any(lists.values()) or any(pending.values()):
         for r in lists:
             if free[r] > t:
                 continue
-            act = _next_zb(pipe, lists[r], pending[r], done, t)
+            full = held[r] >= min(pipe.pp, pipe.microbatches)
+            act = _next_zb(pipe, lists[r], pending[r], done, t, full)
             if act is not None:
                 out[r].append(act)
                 done[act], free[r] = t + 1, t + 1
+                held[r] += (act.kind is Kind.F) - (act.kind is Kind.W)
         t += 1
         assert t < 10 * (len(done) + 10), "zb-h1: the order does not progress"
     return out
 
 
 def _next_zb(
-    pipe: Pipeline, todo: list[Action], pending: list[Action], done: dict[Action, int], t: int
+    pipe: Pipeline,
+    todo: list[Action],
+    pending: list[Action],
+    done: dict[Action, int],
+    t: int,
+    full: bool,
 ) -> Action | None:
-    """The action a ZB-H1 rank starts at time t, taken off its lists (None: it idles)."""
-    if todo and all(done.get(n, t + 1) <= t for n in _inputs(pipe, todo[0], Kind.I)):
+    """The action a ZB-H1 rank starts at time t, taken off its lists (None: it idles).
+    While the rank holds as many micro-batches as 1F1B's first rank does (`full`), a forward
+    waits for a pending W: a W frees what its I kept, so ZB-H1's peak is 1F1B's."""
+    ready = todo and all(done.get(n, t + 1) <= t for n in _inputs(pipe, todo[0], Kind.I))
+    if ready and not (full and pending and todo[0].kind is Kind.F):
         act = todo.pop(0)
         if act.kind is Kind.I:
             pending.append(Action(Kind.W, act.stage, act.mb))

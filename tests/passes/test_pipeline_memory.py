@@ -106,3 +106,22 @@ def test_a_budget_gpipe_exceeds_and_1f1b_fits():
     assert d.code == "memory-budget" and d.span.line == 6
     assert "pipeline rank 3" in d.message and "1f1b keeps at most p - r" in (d.hint or "")
     four("1f1b", "memory 16 MiB")  # compiles
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zb_h1_holds_1f1b_peak_at_its_bubble(p):
+    """ZB-H1's W's run before a forward that would hold more than 1F1B's first rank does:
+    no rank holds more than min(p, m) micro-batches, and the step is still 3m + p - 1 at
+    F = I = W = 1 (its bubble (p-1)/(3m+p-1))."""
+    from schedc.passes.pipeline_check import prove
+    from schedc.passes.pipeline_gen import Request, Schedule, generate, request_errors
+    from schedc.passes.pipeline_sim import Costs, simulate
+
+    for m in range(1, 3 * p + 2):
+        req = Request(Schedule.ZB_H1, p, m)
+        if request_errors(req):
+            continue
+        g = generate(req)
+        assert max(in_flight(prog) for prog in g.programs.values()) <= min(p, m)
+        timing = simulate(prove(g.pipeline, g.programs).graph, Costs(f=1, i=1, w=1))
+        assert timing.step == 3 * m + p - 1
