@@ -246,6 +246,12 @@ def replicas(per_rank: list[list], case: Case) -> list[list]:
 def run_file(rank: int, groups, path: str, precision: str | None, steps: int) -> list:
     """This rank's steps of a bundled pipeline schedule (under `precision`, a named policy,
     if given), as `schedc run` builds its job (exec/pipeline_train.py), on the pool's ranks."""
+    ex = file_executor(rank, groups, path, precision, steps)
+    return [ex.step() for _ in range(steps)]
+
+
+def file_executor(rank: int, groups, path: str, precision: str | None, steps: int, record=True):
+    """The executor `schedc run` would build for this rank of a bundled pipeline file."""
     from schedc.compiler import compile_file
     from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
     from schedc.exec.pipeline_train import precision as job_precision
@@ -268,8 +274,44 @@ def run_file(rank: int, groups, path: str, precision: str | None, steps: int) ->
         comm = PipeComm(rank, groups[pipe.pp], ends)
     else:
         comm = dp_comm(rank, spec.world, pipe)
-    ex = PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=True)
-    return [ex.step() for _ in range(steps)]
+    return PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=record)
+
+
+def measure_file(rank: int, groups, path: str, steps: int = 3) -> int:
+    """This rank's measured peak memory in a step of a bundled pipeline file, as the DP
+    executor measures its own (tests/exec/test_memory_measured.py): the live heap's growth
+    in each step after the first (which creates AdamW's moments), over what lives between
+    steps (the parameters, their gradients and the moments: the states the ledger counts),
+    read every millisecond and between the program's items by schedc/exec/heap.py."""
+    import torch
+
+    from schedc.exec.heap import HeapPeak, keep_freed_memory
+
+    keep_freed_memory()
+    ex = file_executor(rank, groups, path, None, steps, record=False)
+    ex.step()
+    peak = 0
+    for _ in range(steps - 1):
+        held = sum(t.untyped_storage().nbytes() for t in _state_tensors(ex, torch))
+        with HeapPeak() as heap:
+            ex.step()
+        peak = max(peak, held + heap.grew)
+    return peak
+
+
+def _state_tensors(ex, torch) -> list:
+    """The distinct tensors the rank holds between steps: parameters (or FSDP shards and the
+    copies they are gathered into), gradients, and AdamW's state."""
+    seen, out = set(), []
+    tensors = [p for _, p in ex.named] + [p.grad for _, p in ex.named if p.grad is not None]
+    for state in ex.optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
 
 
 def batches_of(spec):

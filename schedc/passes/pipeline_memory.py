@@ -30,15 +30,16 @@ the residual stream's bytes: fp32, or FSDP's gather dtype, ir/sizes.py `stream_b
   gradient (N C x), from the B or I that makes it until its SEND_B is done (or the local
   stage before reads it).
 
-The peak is over the program's item boundaries (no op's own transients: `settled_peak`
-equals `peak`), and is what a pipeline file's `memory` budget is checked against, per rank.
+The peak is over the program with each compute action's own scratch on top while it runs
+(its layers' largest transient, the DP ledger's), `settled_peak` the same at item boundaries
+without it; the peak is what a pipeline file's `memory` budget is checked against, per rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schedc.ir.pipeline import Action, Item, Kind, Pipeline, Programs
+from schedc.ir.pipeline import COMPUTE, Action, Item, Kind, Pipeline, Programs
 from schedc.ir.sizes import layer_acts, padded, stream_bytes
 from schedc.ir.spec import TIED, Spec
 from schedc.lang.diagnostics import Diagnostics
@@ -62,6 +63,7 @@ class _Walk:
     peak: tuple[int, str, dict[str, int]] = (0, "", {})
     peaks: dict[str, int] = field(default_factory=dict)  # each part's own peak
     buffers_peak: int = 0  # the peak without activations
+    settled: int = 0  # the peak at item boundaries, without an op's transients
 
     def alloc(self, name: str, part: str, nbytes: int) -> None:
         if nbytes:
@@ -70,10 +72,15 @@ class _Walk:
     def free(self, name: str) -> None:
         self.live.pop(name, None)
 
-    def measure(self, at: str) -> None:
+    def measure(self, at: str, transient: int = 0) -> None:
+        """What lives now, and `transient` on top of it: an op's own scratch while it runs
+        (its layers' largest, ir/sizes.py `layer_acts`), counted in the peak only."""
         parts: dict[str, int] = {}
         for part, n in self.live.values():
             parts[part] = parts.get(part, 0) + n
+        self.settled = max(self.settled, sum(parts.values()))
+        if transient:
+            parts[ACTS] = parts.get(ACTS, 0) + transient
         total = sum(parts.values())
         for part, n in parts.items():
             self.peaks[part] = max(self.peaks.get(part, 0), n)
@@ -98,7 +105,7 @@ def _report(w: _Walk, units: dict, dp: int, g: int) -> MemoryReport:
         activations=w.peaks.get(ACTS, 0),
         buffers_peak=w.buffers_peak,
         parts=named,
-        settled_peak=total,
+        settled_peak=w.settled,
     )
 
 
@@ -148,12 +155,22 @@ class _RankLedger:
         self.w.measure("step start")
         for item in program:
             for act in item:
+                if act.kind in COMPUTE:  # while it runs: what it reads, and its scratch
+                    self.w.measure(str(act), self.transient(act))
                 ACTIONS[act.kind](self, act)
             self.w.measure(" + ".join(str(a) for a in item))
             for act in (a for a in item if last.get(a.stage) == a):
                 self.synced(act.stage)
                 self.w.measure(f"{act} (its gradients' collective issued)")
         return self.w.report(self.units, self.dp, self.g)
+
+    def transient(self, act: Action) -> int:
+        """The largest scratch of the stage's layers in this action (a forward's, or a
+        backward's: I and W each run half of one, counted as a whole)."""
+        assert self.spec.pipeline is not None
+        layers = self.spec.pipeline.stages[act.stage].layers
+        acts = [layer_acts(self.spec, layer) for layer in layers]
+        return max(a.fwd if act.kind is Kind.F else a.bwd for a in acts)
 
     # -- per action (see the module docstring) -------------------------------------------
 
