@@ -42,8 +42,10 @@ whose sum over m x dp micro-batches is the global mean.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,7 @@ import torch.distributed as dist
 from schedc.errors import RunError
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
-from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item
+from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item, reader
 from schedc.lang.diagnostics import CompileError
 from schedc.model.arch import GPTConfig
 from schedc.model.config import OptimConfig
@@ -131,7 +133,14 @@ class Flight:
 class PipelineExecutor:
     """Runs one rank's program of a proven pipeline schedule, step after step."""
 
-    def __init__(self, job: PipeJob, generated: Generated, comm: PipeComm, record: bool = False):
+    def __init__(
+        self,
+        job: PipeJob,
+        generated: Generated,
+        comm: PipeComm,
+        record: bool = False,
+        timed: bool = False,
+    ):
         pipe, programs = generated.pipeline, generated.programs
         check_split(job.model, job.split)
         if len(job.split) != pipe.stages:
@@ -155,6 +164,10 @@ class PipelineExecutor:
         self.peers = [_global_rank(comm.group, r) for r in range(pipe.pp)]
         self.buckets = self._buckets() if comm.replicas > 1 else {}
         self.step_index = 0
+        self.reads = awaited(self.program)
+        self.posted = Posted()
+        self.spans: list[Span] | None = [] if timed else None
+        """With `timed`: each item's start and end (perf_counter s), every step (a trace)."""
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -162,15 +175,22 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)
         flight = Flight()
-        for i, item in enumerate(self.program):
-            try:
-                with torch.profiler.record_function(format_item(item)):
+        spans, i = self.spans, 0
+        try:  # one handler for the program: the failing item is `i`
+            for i, item in enumerate(self.program):
+                for recv in self.reads[i]:  # what this compute reads, received: waited now
+                    self.posted.wait_recv(recv)
+                start = time.perf_counter() if spans is not None else 0.0
+                with _range(item):
                     self.run_item(item, flight)
-            except Exception as e:
-                raise RunError(
-                    f"pipeline rank {self.comm.rank}, step {self.step_index}: "
-                    f"{type(e).__name__}: {e}\n{self.render(i)}"
-                ) from e
+                if spans is not None:
+                    spans.append(Span(self.step_index, i, start, time.perf_counter()))
+            self.posted.drain()
+        except Exception as e:
+            raise RunError(
+                f"pipeline rank {self.comm.rank}, step {self.step_index}: "
+                f"{type(e).__name__}: {e}\n{self.render(i)}"
+            ) from e
         left = flight.inputs or flight.received or flight.grads_in or flight.weights
         assert not left, "tensors left over after the program"
         self._wait_reductions(flight)
@@ -306,8 +326,11 @@ class PipelineExecutor:
     # -- communication -----------------------------------------------------------------------
 
     def transfer(self, item: Item, flight: Flight) -> None:
-        """A send, a receive or a group of them, issued together and waited for."""
-        ops = []
+        """A send, a receive or a group of them, posted together (`batch_isend_irecv`, in
+        the program's order) and not waited for here: a receive is waited for by the
+        compute that reads it (`self.reads`), a send once done or at the step's end
+        (`Posted`; the module docstring says why the proof still holds)."""
+        ops, kinds = [], []
         for act in item:
             peer = self.peers[self.pipe.peer(act)]
             if act.kind.is_send:
@@ -317,8 +340,8 @@ class PipelineExecutor:
                 tensor = torch.empty(self._shape(), dtype=self.job.dtype)
                 flight.received[act] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.comm.group))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            kinds.append((act, tensor))
+        self.posted.add(kinds, dist.batch_isend_irecv(ops))
 
     def _payload(self, send: Action, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)
@@ -377,3 +400,69 @@ RUN = {
 
 def _global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
+
+
+# -- posted transfers and item timings ---------------------------------------------------------
+
+
+class Span(NamedTuple):
+    """One item of one step as it ran on this rank (a compute's start is after the receives
+    it reads arrived: its duration is compute alone)."""
+
+    step: int
+    item: int
+    start: float  # time.perf_counter(), s (CLOCK_MONOTONIC: one clock for a host's ranks)
+    end: float
+
+
+def awaited(program: list[Item]) -> list[tuple[Action, ...]]:
+    """Per item, the receives of the program it reads (ir/pipeline.py `reader`): what the
+    executor waits for before running it, and passes/pipeline_sim.py's lazy model too."""
+    split = any(a.kind is Kind.I for item in program for a in item)
+    by_reader = {
+        reader(a, Kind.I if split else Kind.B): a
+        for item in program
+        for a in item
+        if a.kind.is_p2p and not a.kind.is_send
+    }
+    return [
+        (by_reader[item[0]],) if not item[0].kind.is_p2p and item[0] in by_reader else ()
+        for item in program
+    ]
+
+
+class Posted:
+    """The transfers posted and not yet waited for. A receive is waited for when its reader
+    runs; a send, with the tensor it reads kept alive, is dropped once complete (checked
+    whenever more are posted) and waited for at the step's end at the latest."""
+
+    def __init__(self) -> None:
+        self.recvs: dict[Action, object] = {}
+        self.sends: list[tuple[object, torch.Tensor]] = []
+
+    def add(self, posted: list[tuple[Action, torch.Tensor]], works: list) -> None:
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        if len(works) != len(posted):  # one work for the group (a coalescing backend)
+            works = works * len(posted)
+        for (act, tensor), work in zip(posted, works):
+            if act.kind.is_send:
+                self.sends.append((work, tensor))
+            else:
+                self.recvs[act] = work
+
+    def wait_recv(self, recv: Action) -> None:
+        self.recvs.pop(recv).wait()
+
+    def drain(self) -> None:
+        assert not self.recvs, f"receives never read: {sorted(map(str, self.recvs))}"
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+
+
+def _range(item: Item):
+    """A profiler range named by the item's IR text, when a profiler is listening (else
+    nothing: a record_function costs a few microseconds an item)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(format_item(item))
