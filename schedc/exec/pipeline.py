@@ -45,11 +45,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.pipeline_trace import ItemSpan
 from schedc.errors import RunError
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
@@ -166,8 +166,10 @@ class PipelineExecutor:
         self.step_index = 0
         self.reads = awaited(self.program)
         self.posted = Posted()
-        self.spans: list[Span] | None = [] if timed else None
-        """With `timed`: each item's start and end (perf_counter s), every step (a trace)."""
+        self.rank = comm.rank * comm.replicas + comm.replica  # global
+        self.spans: list[ItemSpan] | None = [] if timed else None
+        """With `timed`: each item's start and end, every step (perf_counter: the host's
+        monotonic clock, one for its ranks), for a trace (analysis/pipeline_trace.py)."""
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -183,8 +185,9 @@ class PipelineExecutor:
                 start = time.perf_counter() if spans is not None else 0.0
                 with _range(item):
                     self.run_item(item, flight)
-                if spans is not None:
-                    spans.append(Span(self.step_index, i, start, time.perf_counter()))
+                if spans is not None:  # a compute's start is after its receive arrived
+                    end = time.perf_counter()
+                    spans.append(ItemSpan(self.rank, self.step_index, i, start, end))
             self.posted.drain()
         except Exception as e:
             raise RunError(
@@ -403,16 +406,6 @@ def _global_rank(group, r: int) -> int:
 
 
 # -- posted transfers and item timings ---------------------------------------------------------
-
-
-class Span(NamedTuple):
-    """One item of one step as it ran on this rank (a compute's start is after the receives
-    it reads arrived: its duration is compute alone)."""
-
-    step: int
-    item: int
-    start: float  # time.perf_counter(), s (CLOCK_MONOTONIC: one clock for a host's ranks)
-    end: float
 
 
 def awaited(program: list[Item]) -> list[tuple[Action, ...]]:

@@ -5,8 +5,9 @@
     simulate(graph, Costs.measured({(Kind.F, 0): 1.3, ...}))     # per-stage costs of a trace
 
 It reads the happens-before graph the proof built (passes/pipeline_check.py), so what is
-timed is what was proven. A compute item ends its duration after it is posted; a transfer
-ends `latency` after both its ends are posted (its rendezvous); the next item on a rank is
+timed is what was proven. A compute item ends its duration after it is posted, a transfer
+item `post` after (its posting); a transfer ends `latency` after both its ends are posted
+(its rendezvous); the next item on a rank is
 posted when the previous one ends. Two ways of waiting for a transfer:
 
 - `Waits.LAZY` (the default: what exec/pipeline.py does): a transfer item is posted and the
@@ -46,6 +47,7 @@ class Costs:
     i: float = 1.0
     w: float = 1.0
     latency: float = 0.0
+    post: float = 0.0  # the time a rank spends posting a transfer item (not computing)
     stage: tuple[tuple[tuple[Kind, int], float], ...] = field(default=())
 
     def of(self, kind: Kind, stage: int | None = None) -> float:
@@ -56,10 +58,12 @@ class Costs:
         return {Kind.F: self.f, Kind.B: self.b, Kind.I: self.i, Kind.W: self.w}.get(kind, 0.0)
 
     @classmethod
-    def measured(cls, means: dict[tuple[Kind, int], float], latency: float = 0.0) -> Costs:
+    def measured(
+        cls, means: dict[tuple[Kind, int], float], latency: float = 0.0, post: float = 0.0
+    ) -> Costs:
         """Per-stage costs from measured means by (kind, stage); a kind never measured keeps
         the unit default (it does not run in that schedule)."""
-        return cls(latency=latency, stage=tuple(sorted(means.items())))
+        return cls(latency=latency, post=post, stage=tuple(sorted(means.items())))
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ def simulate(graph: nx.DiGraph, costs: Costs, waits: Waits = Waits.LAZY) -> Timi
                 t[node] = max(ready, t[("post", node[1], node[2])] + cost)
                 busy[node[1]] = busy.get(node[1], 0.0) + cost
             else:
+                t[node] = max(ready, t[("post", node[1], node[2])] + costs.post)
                 busy.setdefault(node[1], 0.0)
             ends[node[1]] = max(ends.get(node[1], 0.0), t[node])
     starts = {(n[1], n[2]): v for n, v in t.items() if n[0] == "post"}
