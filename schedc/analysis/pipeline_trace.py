@@ -118,7 +118,7 @@ def validate(data, path: str, programs: Programs, dp: int) -> PipeTrace:
 
 
 def _span(e: dict, where: str, programs: Programs, dp: int) -> ItemSpan:
-    args = e.get("args") if isinstance(e.get("args"), dict) else {}
+    args = e["args"] if isinstance(e.get("args"), dict) else {}
     rank, ts, dur = e.get("pid"), e.get("ts"), e.get("dur")
     step, item = args.get("step"), args.get("item")
     for name, v in (("pid", rank), ("args.step", step), ("args.item", item)):

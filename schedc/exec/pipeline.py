@@ -430,8 +430,8 @@ class Posted:
     whenever more are posted) and waited for at the step's end at the latest."""
 
     def __init__(self) -> None:
-        self.recvs: dict[Action, object] = {}
-        self.sends: list[tuple[object, torch.Tensor]] = []
+        self.recvs: dict[Action, dist.Work] = {}
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def add(self, posted: list[tuple[Action, torch.Tensor]], works: list) -> None:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
