@@ -17,12 +17,15 @@ batches after one untimed warm-up step, the side going first alternating by roun
 - torch: `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` over one
   `PipelineStage` per stage, each a RankModel of the stage's layers (the last stage emits
   logits, cross-entropy is the schedule's loss_fn; torch scales the gradients by 1/m,
-  schedc the loss). With DP 2 each stage module is wrapped in DistributedDataParallel over
-  its dp group, which pipelining's stage drives itself (no_sync until the stage's last
-  backward, then DDP's bucketed all-reduce, overlapped with that backward): the way a user
-  composes the two. Then the same update as schedc's: the tied wte's two copies
-  all-reduced between the first and last pipeline rank, the global norm, clipping, AdamW
-  (model/reference.py make_adamw).
+  schedc the loss). With DP 2 each stage's gradients are averaged over its dp group after
+  the schedule's step, one flat all-reduce a stage (schedc launches each stage's right
+  after its last backward, overlapped with the rest of the program). Wrapping each stage
+  module in DistributedDataParallel, which pipelining's stage drives itself (no_sync until
+  the last backward), is how users compose the two, but on torch 2.13 + gloo it fails in
+  the second step (`reducer.cpp` "rebuilt parameter indices size is not same as original
+  model parameters size": 38 vs 76), so the bench does the reduction by hand. Then the
+  same update as schedc's: the tied wte's two copies all-reduced between the first and
+  last pipeline rank, the global norm, clipping, AdamW (model/reference.py make_adamw).
 
 The step time of a round is the slowest rank's mean; the figure is the median over rounds,
 and the ratio schedc / torch per schedule. The bubble: per timed schedc step, replica 0's
@@ -120,7 +123,6 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
     )
-    from torch.nn.parallel import DistributedDataParallel
 
     from schedc.exec.pipeline_model import RankModel
     from schedc.model.reference import make_adamw
@@ -132,8 +134,6 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
     for s in mine:
         model = RankModel(job.model, job.split[s], job.seed)
         module = TorchStage(model, job.split[s])
-        if dp > 1:
-            module = DistributedDataParallel(module, process_group=comm.dp)
         models.append(model)
         stages.append(PipelineStage(module, s, n, torch.device("cpu"), group=comm.group))
 
@@ -160,6 +160,14 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
             sched.step(target=y, losses=[])
         else:
             sched.step()
+        if dp > 1:  # each stage's gradients averaged over dp, one flat bucket a stage
+            for m in models:
+                grads = [p.grad for p in m.parameters()]
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=comm.dp)
+                flat.div_(dp)
+                for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(mean)
         lr = job.optim.lr_at(s, args.steps + 1)
         _torch_update(models, optimizer, job.optim, lr, comm.tied, comm.group)
 
@@ -229,7 +237,7 @@ def _bubbles(args, cfg, spans) -> list[str]:
                 these = [s for n, r, sch, s in spans
                          if (n, sch, r, s.step) == (name, schedule, rnd, step)]  # fmt: skip
                 m = measure(these, gen.programs, step, dp)
-                pred = simulate(graph, Costs.measured(m.costs(), m.latency(), m.post())).bubble
+                pred = simulate(graph, m.calibrated()).bubble
                 for r in range(pp):
                     got[r].append((m.bubble[r], pred[r]))
             assert mine

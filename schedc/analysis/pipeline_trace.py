@@ -26,6 +26,7 @@ from statistics import fmean, median
 
 from schedc.errors import UserError
 from schedc.ir.pipeline import Kind, Programs, format_item, reader
+from schedc.passes.pipeline_sim import Costs
 
 FORMAT = "schedc-pipeline"
 
@@ -176,6 +177,32 @@ class Measured:
             b - a for (r, i), (a, b) in self.times.items() if self.programs[r][i][0].kind.is_p2p
         ]
         return fmean(spent) if spent else 0.0
+
+    def gap(self) -> float:
+        """Median host time (ms) from an item's end to the next one's start, over the items
+        that wait for no receive: the executor's own time between items."""
+        reads = {
+            reader(a, Kind.I if self._split else Kind.B)
+            for p in self.programs.values()
+            for it in p
+            for a in it
+            if a.kind.is_p2p and not a.kind.is_send
+        }
+        gaps = [
+            self.times[(r, i)][0] - self.times[(r, i - 1)][1]
+            for r, p in self.programs.items()
+            for i in range(1, len(p))
+            if p[i][0] not in reads
+        ]
+        return median(gaps) if gaps else 0.0
+
+    @property
+    def _split(self) -> bool:
+        return any(a.kind is Kind.I for p in self.programs.values() for it in p for a in it)
+
+    def calibrated(self) -> Costs:
+        """The simulator's costs as measured here: each kind per stage, latency, posting, gap."""
+        return Costs.measured(self.costs(), self.latency(), self.post(), self.gap())
 
     def latency(self) -> float:
         """Median time (ms) from a transfer's later end being posted until its reader ran,

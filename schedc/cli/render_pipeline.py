@@ -27,7 +27,6 @@ from schedc.lang.nodes import Pipeline
 from schedc.lang.parse import parse
 from schedc.lang.read import read_source
 from schedc.lang.syntax import to_ast
-from schedc.passes.pipeline_sim import Costs
 from schedc.viz.dot import write
 from schedc.viz.pipeline import Grid, grid_of, measured_grid, pipeline_dot, who
 
@@ -119,10 +118,11 @@ def _traced(c: Compiled, args: argparse.Namespace) -> list[Grid]:
         )
     ]
     if args.compare:
-        costs = Costs.measured(m.costs(), m.latency(), m.post())
+        costs = m.calibrated()
         said = (
             f"predicted at step {step}'s measured costs (mean F, B, I, W a stage; transfer "
-            f"latency {costs.latency:.2f} ms, posting {costs.post:.2f} ms)"
+            f"latency {costs.latency:.2f} ms, posting {costs.post:.2f} ms, between items "
+            f"{costs.gap:.2f} ms)"
         )
         pred = grid_of(c, costs, "")
         words = ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(pred.bubble.items()))

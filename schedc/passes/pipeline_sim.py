@@ -7,8 +7,8 @@
 It reads the happens-before graph the proof built (passes/pipeline_check.py), so what is
 timed is what was proven. A compute item ends its duration after it is posted, a transfer
 item `post` after (its posting); a transfer ends `latency` after both its ends are posted
-(its rendezvous); the next item on a rank is
-posted when the previous one ends. Two ways of waiting for a transfer:
+(its rendezvous); the next item on a rank is posted `gap` after the previous one ends.
+Two ways of waiting for a transfer:
 
 - `Waits.LAZY` (the default: what exec/pipeline.py does): a transfer item is posted and the
   rank goes on; a receive is waited for by the compute that reads it (F[s]@j reads
@@ -48,6 +48,7 @@ class Costs:
     w: float = 1.0
     latency: float = 0.0
     post: float = 0.0  # the time a rank spends posting a transfer item (not computing)
+    gap: float = 0.0  # host time between one item's end and the next one's start on a rank
     stage: tuple[tuple[tuple[Kind, int], float], ...] = field(default=())
 
     def of(self, kind: Kind, stage: int | None = None) -> float:
@@ -59,11 +60,15 @@ class Costs:
 
     @classmethod
     def measured(
-        cls, means: dict[tuple[Kind, int], float], latency: float = 0.0, post: float = 0.0
+        cls,
+        means: dict[tuple[Kind, int], float],
+        latency: float = 0.0,
+        post: float = 0.0,
+        gap: float = 0.0,
     ) -> Costs:
         """Per-stage costs from measured means by (kind, stage); a kind never measured keeps
         the unit default (it does not run in that schedule)."""
-        return cls(latency=latency, post=post, stage=tuple(sorted(means.items())))
+        return cls(latency=latency, post=post, gap=gap, stage=tuple(sorted(means.items())))
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def simulate(graph: nx.DiGraph, costs: Costs, waits: Waits = Waits.LAZY) -> Timi
     busy: dict[int, float] = {}
     ends: dict[int, float] = {}  # rank -> when its last item or transfer ends
     for node in nx.topological_sort(graph):
-        ready = max((t[p] for p in graph.predecessors(node)), default=0.0)
+        ready = _ready(t, graph, node, costs)
         if node[0] == "xfer":
             t[node] = ready + costs.latency
             for end in (graph.nodes[node]["send"], graph.nodes[node]["recv"]):
@@ -125,3 +130,11 @@ def simulate(graph: nx.DiGraph, costs: Costs, waits: Waits = Waits.LAZY) -> Timi
     starts = {(n[1], n[2]): v for n, v in t.items() if n[0] == "post"}
     done = {(n[1], n[2]): v for n, v in t.items() if n[0] == "done"}
     return Timing(max(ends.values(), default=0.0), busy, starts, done)
+
+
+def _ready(t: dict[tuple, float], graph: nx.DiGraph, node: tuple, costs: Costs) -> float:
+    """When `node` may happen: after its predecessors, an item `gap` after the one before."""
+    gap = costs.gap if node[0] == "post" else 0.0
+    return max(
+        (t[p] + (gap if p[0] == "done" else 0.0) for p in graph.predecessors(node)), default=0.0
+    )

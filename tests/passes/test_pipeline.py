@@ -112,6 +112,7 @@ def test_latency_adds_to_the_step():
     g = generate(Request(S.ONE_F_ONE_B, 4, 8))
     graph = prove(g.pipeline, g.programs).graph
     assert simulate(graph, Costs(latency=0.5)).step > simulate(graph, Costs()).step
+    assert simulate(graph, Costs(gap=0.1)).step > simulate(graph, Costs(post=0.1)).step
 
 
 # -- the hang classes and other mistakes -----------------------------------------------------

@@ -64,6 +64,7 @@ def test_a_simulated_trace_measures_back_to_its_simulation(path):
     for (kind, stage), ms in m.costs().items():
         assert ms == pytest.approx(costs.of(kind, stage))
     assert m.latency() == pytest.approx(0.0, abs=1e-6)
+    assert m.gap() == pytest.approx(0.0, abs=1e-6) and m.post() == pytest.approx(0.0, abs=1e-6)
     again = simulate(prove(plan.pipeline, plan.programs).graph, Costs.measured(m.costs()))
     assert again.bubble == pytest.approx(m.bubble)
 
