@@ -223,6 +223,7 @@ def _bubbles(args, cfg, spans) -> list[str]:
         "difference | predicted at unit costs |",
         "|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for name in args.config:
         pp, dp = LAYOUTS[name]
         for schedule in args.schedules:
@@ -233,21 +234,29 @@ def _bubbles(args, cfg, spans) -> list[str]:
             mine = [s for n, _, sch, s in spans if n == name and sch == schedule]
             keys = sorted({(r, s.step) for n, r, sch, s in spans if n == name and sch == schedule})
             got: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
+            seen: list = []
             for rnd, step in keys:
                 these = [s for n, r, sch, s in spans
                          if (n, sch, r, s.step) == (name, schedule, rnd, step)]  # fmt: skip
                 m = measure(these, gen.programs, step, dp)
                 pred = simulate(graph, m.calibrated()).bubble
+                seen.append(m.calibrated())
                 for r in range(pp):
                     got[r].append((m.bubble[r], pred[r]))
             assert mine
+            notes.append(
+                f"{name} {schedule}: median over steps of the calibration: latency "
+                f"{statistics.median(c.latency for c in seen):.2f} ms, posting "
+                f"{statistics.median(c.post for c in seen):.3f} ms, between items "
+                f"{statistics.median(c.gap for c in seen):.3f} ms"
+            )
             for r in range(pp):
                 meas = statistics.median(a for a, _ in got[r])
                 pred = statistics.median(b for _, b in got[r])
                 diff = f"{100 * (meas - pred):+.1f} pts ({(meas - pred) / pred:+.0%})"
                 lines.append(f"| {name} | {schedule} | {r} | {100 * meas:.1f}% | "
                              f"{100 * pred:.1f}% | {diff} | {100 * unit[r]:.1f}% |")  # fmt: skip
-    return lines
+    return lines + [""] + notes
 
 
 def main(argv: list[str] | None = None) -> None:
