@@ -1,16 +1,20 @@
 """The pipeline grid: a pipeline schedule's step as the classic picture, predicted from the
-simulation at the plan's costs, as DOT for `neato -n2` (fixed positions).
+simulation at the plan's costs (or at measured ones), or measured from a trace, as DOT for
+`neato -n2` (fixed positions).
 
-    grid_of(compiled)  -> Grid      every compute action's start and end, every transfer
-    pipeline_dot(grids) -> DOT text  stacked on one time scale
+    grid_of(compiled)                 -> Grid   simulated at the plan's unit costs
+    grid_of(compiled, costs, said)    -> Grid   simulated at measured costs (ms)
+    measured_grid(compiled, m, said)  -> Grid   a traced step (analysis/pipeline_trace.py)
+    pipeline_dot(grids)               -> DOT text  stacked on one time scale
 
 One row per pipeline rank, time left to right in units of one stage's forward; one box per
 compute action (F, B, or I and W), as wide as its cost, labelled by micro-batch (and stage
 when a rank holds several); where a rank computes nothing (waiting on a transfer, the fill
 and the drain) its lane shows through: the bubble. Each transfer is an arrow from the box
 that produced what it carries (sender's rank) to the box that reads it (receiver's rank).
-The times are passes/pipeline_sim.py's over the proof's happens-before graph, the same that
-gave the plan its bubble, so the drawn idle share of each row is the plan's bubble.
+Predicted times are passes/pipeline_sim.py's over the proof's happens-before graph, the same
+that gave the plan its bubble, so the drawn idle share of each row is the plan's bubble; a
+measured grid draws each item from its traced start to its end.
 """
 
 from __future__ import annotations
