@@ -14,10 +14,23 @@ Each item of the rank's program runs in order (`Runner`, one small function a ki
   graph; W the backward to the stage's parameters through that graph (torch's
   stage_backward_input / stage_backward_weight do the same with less recomputation).
 - a P2P item, one transfer or a group: `batch_isend_irecv` of its sends and receives,
-  waited for before the next item. That is the model `pipeline_check.prove` proves free of
-  deadlock (a rank runs items one after another; a group completes when all its transfers
-  have), so what is proven is what runs; the executor proves the programs before it starts.
+  posted in the program's order and not waited for there (`transfer`, `Posted`): a receive
+  is waited for just before the compute that reads it (`awaited`), a send is dropped once
+  complete and waited for at the step's end at the latest, its tensor held until then.
   Untagged, as proven: the transport pairs the k-th send a -> b with the k-th receive.
+
+Why a proven program still runs to its end: `pipeline_check.prove` proves the programs free
+of deadlock under a stricter model (a rank runs items one after another; a transfer
+completes when both ends are posted, blocking rendezvous; a transfer item ends when its
+transfers have), and the executor proves them before it starts. It posts in the proven
+order and waits for less: a receive before its reader, which comes after the receive's
+item on the rank (a wait the proven graph already implies), a send not before the step's
+end. Removing waits, or replacing them by implied ones, keeps the happens-before graph
+acyclic, so every item is reached and every transfer has both ends posted; gloo moves the
+data on its own threads, so each then completes, the deferred sends included. Where a
+transport runs a rank's transfers in issue order on one stream (NCCL), a send still holds
+the stream until its receive is posted, whatever the host waits for: that is the blocking
+model itself, also proven. passes/pipeline_sim.py times this executor (`Waits.LAZY`).
 
 After the program, the update (`update`): the tied embedding's two copies (first stage's
 embed, last stage's head) get the sum of their gradients by an all-reduce on the 2-rank
