@@ -1,23 +1,37 @@
 """schedc's pipeline executor against torch.distributed.pipelining, same split, same machine.
 
-    PYTHONPATH=$PWD python bench/pipeline_bench.py                     # tiny, PP 4, m 8
-    PYTHONPATH=$PWD python bench/pipeline_bench.py --model mini --m 8 --steps 4 --rounds 3
+    PYTHONPATH=$PWD python bench/pipeline_bench.py                     # PP 4 and PP 2 x DP 2
+    PYTHONPATH=$PWD python bench/pipeline_bench.py --config pp4 --steps 6 --rounds 5
 
 Four CPU ranks (gloo, one thread each, started here with torch.multiprocessing and a
 FileStore) hold the same stages (exec/pipeline_model.py split_layers: embed .. head cut
-evenly, each rank building only its own layers, initialised as the whole model). Per
-schedule (gpipe, 1f1b) and round, each side runs `--steps` timed optimizer steps on the
-same global batches after one untimed warm-up step:
+evenly, each rank building only its own layers, initialised as the whole model). The model
+is `--model` (tiny) with `--layers` blocks (6: 8 layers, so PP 4 x v 2 has a layer a stage).
+Two layouts of the 4 ranks: PP 4, and PP 2 x DP 2 (pp-outermost, exec/pipeline.py
+make_comm). Per layout, schedule (gpipe, 1f1b, interleaved-1f1b with v = 2 stages a rank,
+loop placement) and round, each side runs `--steps` timed optimizer steps on the same global
+batches after one untimed warm-up step, the side going first alternating by round:
 
-- schedc: `PipelineExecutor.step()` on the programs of `pipeline_gen.generate`;
-- torch: `ScheduleGPipe` / `Schedule1F1B` over a `PipelineStage` of the same RankModel
-  (its last stage emits logits, cross-entropy is the schedule's loss_fn; torch scales the
-  gradients by 1/m, schedc the loss), then the same update as schedc's: the tied wte's two
-  copies all-reduced between the first and last rank, the global norm all-reduced, clipping,
-  AdamW (model/reference.py make_adamw).
+- schedc: `PipelineExecutor.step()` on the programs of `pipeline_gen.generate`, timed
+  (`timed=True`: each item's start and end, analysis/pipeline_trace.py);
+- torch: `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` over one
+  `PipelineStage` per stage, each a RankModel of the stage's layers (the last stage emits
+  logits, cross-entropy is the schedule's loss_fn; torch scales the gradients by 1/m,
+  schedc the loss). With DP 2 each stage's gradients are averaged over its dp group after
+  the schedule's step, one flat all-reduce a stage (schedc launches each stage's right
+  after its last backward, overlapped with the rest of the program). Wrapping each stage
+  module in DistributedDataParallel, which pipelining's stage drives itself (no_sync until
+  the last backward), is how users compose the two, but on torch 2.13 + gloo it fails in
+  the second step (`reducer.cpp` "rebuilt parameter indices size is not same as original
+  model parameters size": 38 vs 76), so the bench does the reduction by hand. Then the
+  same update as schedc's: the tied wte's two copies all-reduced between the first and
+  last pipeline rank, the global norm, clipping, AdamW (model/reference.py make_adamw).
 
 The step time of a round is the slowest rank's mean; the figure is the median over rounds,
-and the ratio schedc / torch per schedule. Not part of the test suite.
+and the ratio schedc / torch per schedule. The bubble: per timed schedc step, replica 0's
+measured bubble per pipeline rank (idle share of the program's span, as the simulator
+defines it), and passes/pipeline_sim.py's prediction at unit costs and at that step's
+measured mean cost of each kind per stage; medians over steps. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -27,24 +41,32 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn import functional as F
 
-PP = 4
+WORLD = 4
+LAYOUTS = {"pp4": (4, 1), "pp2xdp2": (2, 2)}  # name -> (pp, dp)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def _torch_update(model, optimizer, opt, lr, ends, group) -> None:
+def _v(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def _torch_update(models, optimizer, opt, lr, ends, group) -> None:
     """schedc's update on torch's gradients: tied sum, global norm, clip, AdamW."""
     from schedc.model.reference import clip_coef
 
-    named = list(model.named_parameters())
-    wte = dict(named).get("wte.weight")
-    if wte is not None and ends is not None:
-        dist.all_reduce(wte.grad, group=ends)
-    counted = [p.grad for n, p in named if not (n == "wte.weight" and model.holds_tied_copy)]
+    named = [(n, p) for m in models for n, p in m.named_parameters()]
+    tied = any(m.holds_tied_copy for m in models)
+    wte = [p for n, p in named if n == "wte.weight"]
+    if wte and ends is not None:
+        dist.all_reduce(wte[0].grad, group=ends)
+    counted = [p.grad for n, p in named if not (n == "wte.weight" and tied)]
     sq = torch.stack(torch._foreach_norm(counted)).square().sum().double().reshape(1)
     dist.all_reduce(sq, group=group)
     grads = [p.grad for _, p in named]
@@ -52,11 +74,12 @@ def _torch_update(model, optimizer, opt, lr, ends, group) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
     optimizer.step()
-    model.zero_grad(set_to_none=True)
+    for m in models:
+        m.zero_grad(set_to_none=True)
 
 
 class TorchStage(torch.nn.Module):
-    """A RankModel's one stage as torch's PipelineStage wants it: one tensor in, one out
+    """A RankModel of one stage as torch's PipelineStage wants it: one tensor in, one out
     (the last stage's output is the logits; the schedule's loss_fn makes the loss)."""
 
     def __init__(self, model, layers) -> None:
@@ -71,91 +94,177 @@ class TorchStage(torch.nn.Module):
         return x
 
 
-def _time(fn, steps: int, group) -> float:
+def _time(fn, steps: int) -> float:
     fn(0)  # warm-up
-    dist.barrier(group=group)
+    dist.barrier()
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
         fn(s)
     mine = torch.tensor([(time.perf_counter() - t0) / steps])
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return float(mine[0]) * 1e3
 
 
-def _schedc(args, job_of, schedule, comm) -> float:
+def _schedc(args, ctx, schedule) -> tuple[float, list]:
     from schedc.exec.pipeline import PipelineExecutor
-    from schedc.passes.pipeline_gen import Request, generate
+    from schedc.passes.pipeline_gen import Request, Schedule, generate
 
-    gen = generate(Request(schedule, PP, args.m))
-    job = job_of(args.steps + 1)
-    ex = PipelineExecutor(job, gen, comm)
-    return _time(lambda s: ex.step(), args.steps, comm.group)
+    gen = generate(Request(Schedule(schedule), ctx["pp"], args.m, _v(schedule)))
+    ex = PipelineExecutor(ctx["job"](schedule), gen, ctx["comm"], timed=True)
+    ms = _time(lambda s: ex.step(), args.steps)
+    assert ex.spans is not None
+    return ms, [s for s in ex.spans if s.step > 0]
 
 
-def _torch(args, job_of, schedule, comm) -> float:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _torch(args, ctx, schedule) -> tuple[float, list]:
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     from schedc.exec.pipeline_model import RankModel
     from schedc.model.reference import make_adamw
-    from schedc.passes.pipeline_gen import Schedule
 
-    job, rank = job_of(args.steps + 1), comm.rank
-    model = RankModel(job.model, job.split[rank], job.seed)
-    stage = PipelineStage(TorchStage(model, job.split[rank]), rank, PP, torch.device("cpu"))
-    kind = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
+    job, comm, pp, dp = ctx["job"](schedule), ctx["comm"], ctx["pp"], ctx["dp"]
+    n = pp * _v(schedule)
+    mine = [s for s in range(n) if s % pp == comm.rank]  # loop placement
+    models, stages = [], []
+    for s in mine:
+        model = RankModel(job.model, job.split[s], job.seed)
+        module = TorchStage(model, job.split[s])
+        models.append(model)
+        stages.append(PipelineStage(module, s, n, torch.device("cpu"), group=comm.group))
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
-    sched = kind(stage, args.m, loss_fn=loss_fn)
-    optimizer = make_adamw(list(model.named_parameters()), job.optim)
+    if schedule == "interleaved-1f1b":
+        sched = ScheduleInterleaved1F1B(stages, args.m, loss_fn=loss_fn)
+    else:
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        sched = kind(stages[0], args.m, loss_fn=loss_fn)
+    named = [(nm, p) for m in models for nm, p in m.named_parameters()]
+    optimizer = make_adamw(named, job.optim)
+    micro = job.batches.global_seqs // (args.m * dp)
 
     def step(s: int) -> None:
-        x, y = job.batches.global_batch(s)
-        if rank == 0:
+        parts = [
+            job.batches.micro_batch(s, comm.replica, j, micro, dp) for j in range(args.m)
+        ]  # this replica's micro-batches, as schedc's replica reads them
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        if comm.rank == 0:
             sched.step(x)
-        elif rank == PP - 1:
+        elif comm.rank == pp - 1:
             sched.step(target=y, losses=[])
         else:
             sched.step()
-        _torch_update(model, optimizer, job.optim, job.optim.lr_at(s, args.steps + 1),
-                      comm.tied, comm.group)  # fmt: skip
+        if dp > 1:  # each stage's gradients averaged over dp, one flat bucket a stage
+            for m in models:
+                grads = [p.grad for p in m.parameters()]
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=comm.dp)
+                flat.div_(dp)
+                for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(mean)
+        lr = job.optim.lr_at(s, args.steps + 1)
+        _torch_update(models, optimizer, job.optim, lr, comm.tied, comm.group)
 
-    return _time(step, args.steps, comm.group)
+    return _time(step, args.steps), []
 
 
 def _rank(rank: int, args, store_dir: str, out) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(store_dir, "store"), PP)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=PP)
-    from schedc.exec.pipeline import PipeComm, PipeJob
+    store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    from schedc.exec.pipeline import PipeJob, make_comm
     from schedc.exec.pipeline_model import split_layers
+    from schedc.ir.pipeline import Pipeline
     from schedc.model.arch import SIZES
     from schedc.model.config import DataConfig, OptimConfig
     from schedc.model.data import load_batches
-    from schedc.passes.pipeline_gen import Schedule
 
-    cfg = SIZES[args.model]
-    batches = load_batches(DataConfig(), args.seq, args.m * args.micro, cfg.vocab_size)
-    split = split_layers(cfg, PP)
+    cfg = replace(SIZES[args.model], n_layer=args.layers)
+    rows, spans = [], []
+    for name in args.config:
+        pp, dp = LAYOUTS[name]
+        batches = load_batches(DataConfig(), args.seq, args.m * args.micro * dp, cfg.vocab_size)
 
-    def job_of(steps: int) -> PipeJob:
-        return PipeJob(cfg, split, batches, OptimConfig(lr=1e-3, warmup=1), steps, seed=7)
+        def job_of(schedule: str, pp=pp, batches=batches) -> PipeJob:
+            split = split_layers(cfg, pp * _v(schedule))
+            return PipeJob(cfg, split, batches, OptimConfig(lr=1e-3, warmup=1), args.steps + 1, 7)
 
-    comm = PipeComm(rank, None, dist.new_group([0, PP - 1]))
-    rows = []
-    for r in range(args.rounds):
-        for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
-            for side, fn in (("schedc", _schedc), ("torch", _torch)):
-                rows.append((r, schedule.value, side, fn(args, job_of, schedule, comm)))
+        comm = make_comm(rank, WORLD, Pipeline(pp, pp, args.m))
+        ctx = {"pp": pp, "dp": dp, "comm": comm, "job": job_of}
+        for r in range(args.rounds):
+            for schedule in args.schedules:
+                sides = [("schedc", _schedc), ("torch", _torch)]
+                for side, fn in sides if r % 2 == 0 else sides[::-1]:
+                    ms, mine = fn(args, ctx, schedule)
+                    rows.append((name, r, schedule, side, ms))
+                    spans += [(name, r, schedule, s) for s in mine]
+    everything: list = [None] * WORLD
+    dist.all_gather_object(everything, spans)
     if rank == 0:
-        out.put((split, rows))
+        out.put((cfg, rows, [s for part in everything for s in part]))
     dist.destroy_process_group()
+
+
+def _bubbles(args, cfg, spans) -> list[str]:
+    """Per layout and schedule: measured, calibrated and unit-cost bubble per pipeline rank."""
+    from schedc.analysis.pipeline_trace import measure
+    from schedc.passes.pipeline_check import prove
+    from schedc.passes.pipeline_gen import Request, Schedule, generate
+    from schedc.passes.pipeline_sim import Costs, simulate
+
+    lines = [
+        "| layout | schedule | rank | measured bubble | predicted at measured costs | "
+        "difference | predicted at unit costs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for name in args.config:
+        pp, dp = LAYOUTS[name]
+        for schedule in args.schedules:
+            v = _v(schedule)
+            gen = generate(Request(Schedule(schedule), pp, args.m, v))
+            graph = prove(gen.pipeline, gen.programs).graph
+            unit = simulate(graph, Costs(f=1 / v, b=2 / v)).bubble
+            mine = [s for n, _, sch, s in spans if n == name and sch == schedule]
+            keys = sorted({(r, s.step) for n, r, sch, s in spans if n == name and sch == schedule})
+            got: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
+            seen: list = []
+            for rnd, step in keys:
+                these = [s for n, r, sch, s in spans
+                         if (n, sch, r, s.step) == (name, schedule, rnd, step)]  # fmt: skip
+                m = measure(these, gen.programs, step, dp)
+                pred = simulate(graph, m.calibrated()).bubble
+                seen.append(m.calibrated())
+                for r in range(pp):
+                    got[r].append((m.bubble[r], pred[r]))
+            assert mine
+            notes.append(
+                f"{name} {schedule}: median over steps of the calibration: latency "
+                f"{statistics.median(c.latency for c in seen):.2f} ms, posting "
+                f"{statistics.median(c.post for c in seen):.3f} ms, between items "
+                f"{statistics.median(c.gap for c in seen):.3f} ms"
+            )
+            for r in range(pp):
+                meas = statistics.median(a for a, _ in got[r])
+                pred = statistics.median(b for _, b in got[r])
+                diff = f"{100 * (meas - pred):+.1f} pts ({(meas - pred) / pred:+.0%})"
+                lines.append(f"| {name} | {schedule} | {r} | {100 * meas:.1f}% | "
+                             f"{100 * pred:.1f}% | {diff} | {100 * unit[r]:.1f}% |")  # fmt: skip
+    return lines + [""] + notes
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    ap.add_argument("--config", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--m", type=int, default=8, help="micro-batches")
     ap.add_argument("--micro", type=int, default=2, help="sequences a micro-batch")
     ap.add_argument("--seq", type=int, default=128, help="tokens a sequence")
@@ -165,26 +274,36 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank, args=(r, args, d, out)) for r in range(PP)]
+        procs = [ctx.Process(target=_rank, args=(r, args, d, out)) for r in range(WORLD)]
         for p in procs:
             p.start()
-        split, rows = out.get(timeout=1800)
+        cfg, rows, spans = out.get(timeout=3600)
         for p in procs:
             p.join()
-    stages = [list(s) for s in split]
-    print(f"{args.model}, PP {PP}, m {args.m} x {args.micro} seqs x {args.seq} tokens, "
-          f"{args.rounds} rounds x {args.steps} timed steps; stages {stages}")  # fmt: skip
-    print("| schedule | schedc step ms (median) | torch step ms (median) | schedc / torch |")
-    print("|---|---|---|---|")
-    for schedule in ("gpipe", "1f1b"):
-        med = {
-            side: statistics.median(t for _, s, sd, t in rows if s == schedule and sd == side)
-            for side in ("schedc", "torch")
-        }
-        ratio = med["schedc"] / med["torch"]
-        print(f"| {schedule} | {med['schedc']:.1f} | {med['torch']:.1f} | {ratio:.3f}x |")
-    print("per round (ms):", [(r, s, sd, round(t, 1)) for r, s, sd, t in rows])
+    print(f"{args.model} with {cfg.n_layer} blocks, m {args.m} x {args.micro} seqs x {args.seq} "
+          f"tokens a replica, {args.rounds} rounds x {args.steps} timed steps; load average "
+          f"{load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
+    print(
+        "| layout | schedule | schedc step ms (median) | torch step ms (median) | schedc / torch |"
+    )
+    print("|---|---|---|---|---|")
+    for name in args.config:
+        for schedule in args.schedules:
+            med = {
+                side: statistics.median(
+                    t for n, _, s, sd, t in rows if n == name and s == schedule and sd == side
+                )
+                for side in ("schedc", "torch")
+            }
+            ratio = med["schedc"] / med["torch"]
+            print(f"| {name} | {schedule} | {med['schedc']:.1f} | {med['torch']:.1f} | "
+                  f"{ratio:.3f}x |")  # fmt: skip
+    print()
+    print("\n".join(_bubbles(args, cfg, spans)))
+    print()
+    print("per round (ms):", [(n, r, s, sd, round(t, 1)) for n, r, s, sd, t in rows])
 
 
 if __name__ == "__main__":

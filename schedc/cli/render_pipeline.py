@@ -2,32 +2,36 @@
 
     schedc render schedules/pipeline/tiny_pp4_1f1b.sched -o pp.svg          # the grid
     schedc render a.sched b.sched -o pair.svg       # several, stacked on one time scale
+    schedc render pp.sched --trace t.json -o m.svg             # a step of `schedc run --trace`
+    schedc render pp.sched --trace t.json --compare -o m.svg   # predicted above measured
 
-A pipeline schedule draws only its predicted timeline, at the plan's unit costs: the flags
-of the data-parallel views (a measured trace, the graph, a window, the cost model in
-seconds) are each refused in one line rather than ignored.
+Without a trace, the grid is predicted at the plan's unit costs. With `--trace` (one
+schedule) it is the traced step (`--step`, default the last) of replica 0, in ms; with
+`--compare` the prediction at that step's measured costs (each kind's mean per stage, the
+measured transfer latency and posting time) is drawn above it on the same scale. The flags
+of the data-parallel views (the graph, a window, the cost model in seconds) are each refused
+in one line rather than ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
+from schedc.analysis.pipeline_trace import load, measure
 from schedc.cli.common import given, overrides
-from schedc.compiler import compile_file
+from schedc.compiler import Compiled, compile_file
 from schedc.errors import UserError
 from schedc.lang.nodes import Pipeline
 from schedc.lang.parse import parse
 from schedc.lang.read import read_source
 from schedc.lang.syntax import to_ast
 from schedc.viz.dot import write
-from schedc.viz.pipeline import grid_of, pipeline_dot, who
+from schedc.viz.pipeline import Grid, grid_of, measured_grid, pipeline_dot, who
 
 # flags a pipeline grid has no use for, and why (the first given is said)
 REFUSED = (
-    ("--trace", "the pipeline executor writes no trace yet: the grid is predicted only"),
-    ("--compare", "the pipeline executor writes no trace yet: the grid is predicted only"),
-    ("--step", "the pipeline executor writes no trace yet: the grid is predicted only"),
     ("--window", "the grid draws the whole step"),
     ("--unfold", "the grid draws every compute action already"),
     ("--rank", "the grid draws every rank, one row each"),
@@ -63,9 +67,15 @@ def refuse(args: argparse.Namespace, file: str) -> None:
 
 
 def render_pipeline(args: argparse.Namespace, out: Path) -> int:
-    """Every file a pipeline schedule, each drawn as its grid, stacked on one time scale."""
+    """Every file a pipeline schedule, each drawn as its grid, stacked on one time scale;
+    or one, with a trace: its measured step (and with --compare the calibrated prediction)."""
     first = next(f for f in args.files if is_pipeline(f))
     refuse(args, first)
+    if args.trace and len(args.files) != 1:
+        raise UserError("--trace belongs to one schedule; give one FILE.sched")
+    for flag in ("--step", "--compare"):
+        if given(args, flag) and not args.trace:
+            raise UserError(f"{flag} draws a traced step; add --trace RUN.json")
     compiled = [compile_file(f, overrides(args)) for f in args.files]
     for c in compiled:
         if c.pipeline is None:
@@ -73,13 +83,50 @@ def render_pipeline(args: argparse.Namespace, out: Path) -> int:
                 f"{c.source.path} is a data-parallel schedule and {first} a pipeline one: "
                 "they share no picture; render them apart"
             )
-    grids = [grid_of(c) for c in compiled]
+    grids = _traced(compiled[0], args) if args.trace else [grid_of(c) for c in compiled]
     try:
         write(pipeline_dot(grids), out, "neato")
     except OSError as e:
         raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} (pipeline timeline)")
     for g in grids:
-        bubble = ", ".join(f"{who(g, r)} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
-        print(f"  {g.name}: step {g.plan.step:g} (F = 1 a stage), bubble {bubble}")
+        bubble = ", ".join(
+            f"{who(g.compiled, r)} {100 * b:.1f}%" for r, b in sorted(g.bubble.items())
+        )
+        unit = "ms" if g.unit else "(F = 1 a stage)"
+        print(f"  {g.name}: step {g.step:.4g} {unit}, bubble {bubble}")
     return 0
+
+
+def _traced(c: Compiled, args: argparse.Namespace) -> list[Grid]:
+    """The trace's step as a grid, and with --compare the prediction at its costs above."""
+    plan = c.pipeline
+    assert plan is not None
+    trace = load(args.trace, plan.programs, c.spec.dp)
+    step = trace.steps[-1] if args.step is None else args.step
+    if step not in trace.steps:
+        raise UserError(
+            f"--step {step}: {args.trace} holds steps {', '.join(map(str, trace.steps))}"
+        )
+    m = measure(trace.spans, plan.programs, step, c.spec.dp)
+    name = Path(args.trace).name
+    bubble = ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(m.bubble.items()))
+    rep = " of replica 0" if c.spec.dp > 1 else ""
+    grids = [
+        measured_grid(
+            c, m, f"measured: step {step}{rep} of {name}, {m.step:.1f} ms; bubble {bubble}"
+        )
+    ]
+    if args.compare:
+        costs = m.calibrated()
+        said = (
+            f"predicted at step {step}'s measured costs (mean F, B, I, W a stage; transfer "
+            f"latency {costs.latency:.2f} ms, posting {costs.post:.2f} ms, between items "
+            f"{costs.gap:.2f} ms)"
+        )
+        pred = grid_of(c, costs, "")
+        words = ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(pred.bubble.items()))
+        unit = ", ".join(f"{100 * b:.1f}%" for _, b in sorted(plan.bubble.items()))
+        said += f": {pred.step:.1f} ms; bubble {words} (at unit costs {unit})"
+        grids.insert(0, replace(pred, said=said))
+    return grids

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 PIPELINE_NOT_YET = (
     ("--save", lambda a: a.save),
     ("--resume", lambda a: a.resume),
-    ("--trace", lambda a: a.trace),
+    ("--probe", lambda a: a.probe),
     ("--init", lambda a: a.init),
     ("--tensorboard", lambda a: a.tensorboard),
     ("--nonfinite skip", lambda a: a.nonfinite == "skip"),
@@ -269,7 +269,7 @@ PIPELINE_NOT_YET = (
 
 def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     """A pipeline schedule runs on CPU ranks, eager (in fp32 or its precision policy), without
-    checkpoints, traces or evaluations yet (exec/pipeline_train.py): anything else asked is
+    checkpoints, probes or evaluations yet (exec/pipeline_train.py): anything else asked is
     a user error, not silently dropped."""
     path, spec = compiled.source.path, compiled.spec
     asked = [flag for flag, given in PIPELINE_NOT_YET if given(args)]

@@ -14,10 +14,23 @@ Each item of the rank's program runs in order (`Runner`, one small function a ki
   graph; W the backward to the stage's parameters through that graph (torch's
   stage_backward_input / stage_backward_weight do the same with less recomputation).
 - a P2P item, one transfer or a group: `batch_isend_irecv` of its sends and receives,
-  waited for before the next item. That is the model `pipeline_check.prove` proves free of
-  deadlock (a rank runs items one after another; a group completes when all its transfers
-  have), so what is proven is what runs; the executor proves the programs before it starts.
+  posted in the program's order and not waited for there (`transfer`, `Posted`): a receive
+  is waited for just before the compute that reads it (`awaited`), a send is dropped once
+  complete and waited for at the step's end at the latest, its tensor held until then.
   Untagged, as proven: the transport pairs the k-th send a -> b with the k-th receive.
+
+Why a proven program still runs to its end: `pipeline_check.prove` proves the programs free
+of deadlock under a stricter model (a rank runs items one after another; a transfer
+completes when both ends are posted, blocking rendezvous; a transfer item ends when its
+transfers have), and the executor proves them before it starts. It posts in the proven
+order and waits for less: a receive before its reader, which comes after the receive's
+item on the rank (a wait the proven graph already implies), a send not before the step's
+end. Removing waits, or replacing them by implied ones, keeps the happens-before graph
+acyclic, so every item is reached and every transfer has both ends posted; gloo moves the
+data on its own threads, so each then completes, the deferred sends included. Where a
+transport runs a rank's transfers in issue order on one stream (NCCL), a send still holds
+the stream until its receive is posted, whatever the host waits for: that is the blocking
+model itself, also proven. passes/pipeline_sim.py times this executor (`Waits.LAZY`).
 
 After the program, the update (`update`): the tied embedding's two copies (first stage's
 embed, last stage's head) get the sum of their gradients by an all-reduce on the 2-rank
@@ -64,13 +77,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.pipeline_trace import ItemSpan
 from schedc.errors import RunError
 from schedc.exec.backends import DONE, copy_alone
 from schedc.exec.cpu_backend import CPUBackend
 from schedc.exec.flat import FlatUnit
 from schedc.exec.options import StepStats
 from schedc.exec.pipeline_model import RankModel, check_split
-from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item
+from schedc.ir.pipeline import Action, Item, Kind, Pipeline, format_item, reader
 from schedc.ir.source import Span
 from schedc.ir.spec import UnitSpec
 from schedc.lang.diagnostics import CompileError
@@ -160,7 +174,14 @@ class Flight:
 class PipelineExecutor:
     """Runs one rank's program of a proven pipeline schedule, step after step."""
 
-    def __init__(self, job: PipeJob, generated: Generated, comm: PipeComm, record: bool = False):
+    def __init__(
+        self,
+        job: PipeJob,
+        generated: Generated,
+        comm: PipeComm,
+        record: bool = False,
+        timed: bool = False,
+    ):
         pipe, programs = generated.pipeline, generated.programs
         check_split(job.model, job.split)
         if len(job.split) != pipe.stages:
@@ -194,6 +215,12 @@ class PipelineExecutor:
         # compute with (autocast's bf16 branches are added to it in its own dtype)
         self.wire = (job.gather or job.dtype) if self.units else job.dtype
         self.step_index = 0
+        self.reads = awaited(self.program)
+        self.posted = Posted()
+        self.rank = comm.rank * comm.replicas + comm.replica  # global
+        self.spans: list[ItemSpan] | None = [] if timed else None
+        """With `timed`: each item's start and end, every step (perf_counter: the host's
+        monotonic clock, one for its ranks), for a trace (analysis/pipeline_trace.py)."""
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -201,15 +228,23 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)
         flight = Flight()
-        for i, item in enumerate(self.program):
-            try:
-                with torch.profiler.record_function(format_item(item)):
+        spans, i = self.spans, 0
+        try:  # one handler for the program: the failing item is `i`
+            for i, item in enumerate(self.program):
+                for recv in self.reads[i]:  # what this compute reads, received: waited now
+                    self.posted.wait_recv(recv)
+                start = time.perf_counter() if spans is not None else 0.0
+                with _range(item):
                     self.run_item(item, flight)
-            except Exception as e:
-                raise RunError(
-                    f"pipeline rank {self.comm.rank}, step {self.step_index}: "
-                    f"{type(e).__name__}: {e}\n{self.render(i)}"
-                ) from e
+                if spans is not None:  # a compute's start is after its receive arrived
+                    end = time.perf_counter()
+                    spans.append(ItemSpan(self.rank, self.step_index, i, start, end))
+            self.posted.drain()
+        except Exception as e:
+            raise RunError(
+                f"pipeline rank {self.comm.rank}, step {self.step_index}: "
+                f"{type(e).__name__}: {e}\n{self.render(i)}"
+            ) from e
         left = flight.inputs or flight.received or flight.grads_in or flight.weights
         assert not left, "tensors left over after the program"
         self._wait_reductions(flight)
@@ -460,8 +495,11 @@ class PipelineExecutor:
     # -- communication -----------------------------------------------------------------------
 
     def transfer(self, item: Item, flight: Flight) -> None:
-        """A send, a receive or a group of them, issued together and waited for."""
-        ops = []
+        """A send, a receive or a group of them, posted together (`batch_isend_irecv`, in
+        the program's order) and not waited for here: a receive is waited for by the
+        compute that reads it (`self.reads`), a send once done or at the step's end
+        (`Posted`; the module docstring says why the proof still holds)."""
+        ops, kinds = [], []
         for act in item:
             peer = self.peers[self.pipe.peer(act)]
             if act.kind.is_send:
@@ -471,8 +509,8 @@ class PipelineExecutor:
                 tensor = torch.empty(self._shape(), dtype=self.wire)
                 flight.received[act] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.comm.group))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            kinds.append((act, tensor))
+        self.posted.add(kinds, dist.batch_isend_irecv(ops))
 
     def _payload(self, send: Action, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)
@@ -605,3 +643,59 @@ def _shard_groups(units: list[FlatUnit]) -> tuple[list, list]:
 
 def _global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
+
+
+# -- posted transfers and item timings ---------------------------------------------------------
+
+
+def awaited(program: list[Item]) -> list[tuple[Action, ...]]:
+    """Per item, the receives of the program it reads (ir/pipeline.py `reader`): what the
+    executor waits for before running it, and passes/pipeline_sim.py's lazy model too."""
+    split = any(a.kind is Kind.I for item in program for a in item)
+    by_reader = {
+        reader(a, Kind.I if split else Kind.B): a
+        for item in program
+        for a in item
+        if a.kind.is_p2p and not a.kind.is_send
+    }
+    return [
+        (by_reader[item[0]],) if not item[0].kind.is_p2p and item[0] in by_reader else ()
+        for item in program
+    ]
+
+
+class Posted:
+    """The transfers posted and not yet waited for. A receive is waited for when its reader
+    runs; a send, with the tensor it reads kept alive, is dropped once complete (checked
+    whenever more are posted) and waited for at the step's end at the latest."""
+
+    def __init__(self) -> None:
+        self.recvs: dict[Action, dist.Work] = {}
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def add(self, posted: list[tuple[Action, torch.Tensor]], works: list) -> None:
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        if len(works) != len(posted):  # one work for the group (a coalescing backend)
+            works = works * len(posted)
+        for (act, tensor), work in zip(posted, works):
+            if act.kind.is_send:
+                self.sends.append((work, tensor))
+            else:
+                self.recvs[act] = work
+
+    def wait_recv(self, recv: Action) -> None:
+        self.recvs.pop(recv).wait()
+
+    def drain(self) -> None:
+        assert not self.recvs, f"receives never read: {sorted(map(str, self.recvs))}"
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+
+
+def _range(item: Item):
+    """A profiler range named by the item's IR text, when a profiler is listening (else
+    nothing: a record_function costs a few microseconds an item)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(format_item(item))

@@ -12,7 +12,8 @@ precision policy (bf16 autocast, gather and reduce dtypes), logging each step as
 does. Before step 1 the ranks agree as a DP run's do: the
 schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
 pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
-`PIPELINE_NOT_YET`): checkpoints, traces, evaluations, --init, CUDA.
+`PIPELINE_NOT_YET`): checkpoints, probes, evaluations, --init, CUDA. With --trace each rank
+times its items (exec/pipeline.py `timed`) and rank 0 writes them (analysis/pipeline_trace.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
@@ -61,9 +63,11 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     watch_sigterm(comm)
     beats = start_heartbeat(comm, opts.timeout_s)
     try:
-        ex = _start(compiled, plan, comm)
+        ex = _start(compiled, plan, comm, timed=bool(job.trace))
         log(comm, start_line(compiled, device, threads))
         _steps(compiled, ex, comm, job, device)
+        if job.trace:
+            _write_trace(job.trace, compiled, ex, comm)
     except RunError as e:
         if compiled.spec.world > 1:
             fail(comm, str(e), phase.where)
@@ -75,7 +79,7 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     return 0
 
 
-def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecutor:
+def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> PipelineExecutor:
     """The data read, the ranks agreed, this rank's stages built."""
     spec = compiled.spec
     try:
@@ -96,7 +100,21 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm) -> PipelineExecut
         **precision(spec),
     )
     generated = Generated(pipe, plan.programs)
-    return PipelineExecutor(job, generated, pipe_comm)
+    return PipelineExecutor(job, generated, pipe_comm, timed=timed)
+
+
+def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:
+    """Every rank's item spans, gathered by rank 0 into one trace (analysis/pipeline_trace.py;
+    `schedc render --trace` draws it beside the prediction)."""
+    phase.where = "writing the trace"
+    spans = [s for part in comm.gather(ex.spans or []) for s in part]
+    if comm.rank == 0:
+        plan = compiled.pipeline
+        assert plan is not None
+        data = trace_file(spans, compiled.source.path, plan.programs, compiled.spec.dp)
+        with open(path, "w") as f:
+            json.dump(data, f)
+        print(f"schedc: trace written to {path} ({len(spans)} item spans)", flush=True)
 
 
 def precision(spec) -> dict:

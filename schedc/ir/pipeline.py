@@ -250,3 +250,9 @@ def producer(recv: Action, backward: Kind = Kind.B) -> Action:
     if recv.kind is Kind.RECV_F:
         return Action(Kind.F, recv.stage - 1, recv.mb)
     return Action(backward, recv.stage + 1, recv.mb)
+
+
+def reader(recv: Action, backward: Kind = Kind.B) -> Action:
+    """The compute on the receiving rank that reads what a receive brings (and so waits for
+    it): the forward of its stage, or its stage's backward (B, or I in a split schedule)."""
+    return Action(Kind.F if recv.kind is Kind.RECV_F else backward, recv.stage, recv.mb)

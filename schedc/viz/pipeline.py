@@ -1,16 +1,20 @@
 """The pipeline grid: a pipeline schedule's step as the classic picture, predicted from the
-simulation at the plan's costs, as DOT for `neato -n2` (fixed positions).
+simulation at the plan's costs (or at measured ones), or measured from a trace, as DOT for
+`neato -n2` (fixed positions).
 
-    grid_of(compiled)  -> Grid      every compute action's start and end, every transfer
-    pipeline_dot(grids) -> DOT text  stacked on one time scale
+    grid_of(compiled)                 -> Grid   simulated at the plan's unit costs
+    grid_of(compiled, costs, said)    -> Grid   simulated at measured costs (ms)
+    measured_grid(compiled, m, said)  -> Grid   a traced step (analysis/pipeline_trace.py)
+    pipeline_dot(grids)               -> DOT text  stacked on one time scale
 
 One row per pipeline rank, time left to right in units of one stage's forward; one box per
 compute action (F, B, or I and W), as wide as its cost, labelled by micro-batch (and stage
 when a rank holds several); where a rank computes nothing (waiting on a transfer, the fill
 and the drain) its lane shows through: the bubble. Each transfer is an arrow from the box
 that produced what it carries (sender's rank) to the box that reads it (receiver's rank).
-The times are passes/pipeline_sim.py's over the proof's happens-before graph, the same that
-gave the plan its bubble, so the drawn idle share of each row is the plan's bubble.
+Predicted times are passes/pipeline_sim.py's over the proof's happens-before graph, the same
+that gave the plan its bubble, so the drawn idle share of each row is the plan's bubble; a
+measured grid draws each item from its traced start to its end.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from schedc.analysis.pipeline_trace import Measured
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind as OpKind
 from schedc.ir.pipeline import Action, Kind, producer
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_plan import PipelinePlan
-from schedc.passes.pipeline_sim import simulate
+from schedc.passes.pipeline_sim import Costs, simulate
 from schedc.viz.dot import COLORS, attrs, q
 from schedc.viz.timeline.canvas import GREY, INK, LEFT, WIDTH, Canvas, fits
 
@@ -69,29 +74,62 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Grid:
-    """One pipeline schedule's simulated step: what is drawn of it."""
+    """One pipeline schedule's step, simulated or measured: what is drawn of it."""
 
     name: str
     compiled: Compiled
     plan: PipelinePlan
     slots: dict[int, list[Slot]]  # rank -> compute actions in program order
     transfers: list[Transfer]
+    step: float  # the step's length, in `unit`
+    bubble: dict[int, float]  # rank -> idle share, as the grid's source says it
+    said: str  # the subtitle: what the times are
+    unit: str = ""  # "" (one stage's F = 1) or "ms"
 
     def idle(self, rank: int) -> float:
         """The share of the step `rank` computes nothing, from its slots."""
         busy = sum(s.end - s.start for s in self.slots[rank])
-        return (self.plan.step - busy) / self.plan.step if self.plan.step else 0.0
+        return (self.step - busy) / self.step if self.step else 0.0
 
 
-def grid_of(compiled: Compiled) -> Grid:
-    """The plan's programs timed as passes/pipeline_plan.py timed them (proof, simulation)."""
+def grid_of(compiled: Compiled, costs: Costs | None = None, said: str = "") -> Grid:
+    """The plan's programs timed as passes/pipeline_plan.py timed them (proof, simulation),
+    at the plan's unit costs or at `costs` (measured ones, in ms: then `said` says so)."""
     plan = compiled.pipeline
     assert plan is not None
-    timing = simulate(prove(plan.pipeline, plan.programs).graph, plan.costs)
+    timing = simulate(prove(plan.pipeline, plan.programs).graph, costs or plan.costs)
+    times = {k: (timing.starts[k], timing.ends[k]) for k in timing.starts}
+    if costs is None:
+        bubble = ", ".join(
+            f"{who(compiled, r)} {100 * b:.1f}%" for r, b in sorted(plan.bubble.items())
+        )
+        said = (
+            f"predicted at {plan.cost_words}: step {plan.step:g} (one stage's F = 1); "
+            f"bubble {bubble}"
+        )
+    unit = "" if costs is None else "ms"
+    return _grid(compiled, times, timing.step, timing.bubble, said, unit)
+
+
+def measured_grid(compiled: Compiled, measured: Measured, said: str) -> Grid:
+    """A traced step (analysis/pipeline_trace.py `measure`), in ms from its start."""
+    return _grid(compiled, measured.times, measured.step, measured.bubble, said, "ms")
+
+
+def _grid(
+    compiled: Compiled,
+    times: dict[tuple[int, int], tuple[float, float]],
+    step: float,
+    bubble: dict[int, float],
+    said: str,
+    unit: str,
+) -> Grid:
+    plan = compiled.pipeline
+    assert plan is not None
     slots: dict[int, list[Slot]] = {}
     for r, program in sorted(plan.programs.items()):
         slots[r] = [
-            Slot(r, i, item[0], timing.starts[(r, i)], timing.ends[(r, i)])
+            Slot(r, i, item[0], *times[(r, i)])
             for i, item in enumerate(program)
             if not item[0].kind.is_p2p
         ]
@@ -107,7 +145,8 @@ def grid_of(compiled: Compiled) -> Grid:
                 reader = Action(Kind.F if a.kind.forward else back, peer, a.mb)
                 recv = Action(Kind.RECV_F if a.kind.forward else Kind.RECV_B, peer, a.mb)
                 transfers.append(Transfer(a, at[producer(recv, back)], at[reader]))
-    return Grid(Path(compiled.source.path).name, compiled, plan, slots, transfers)
+    name = Path(compiled.source.path).name
+    return Grid(name, compiled, plan, slots, transfers, step, bubble, said, unit)
 
 
 # -- drawing --------------------------------------------------------------------------------
@@ -147,11 +186,11 @@ class Scale:
 def pipeline_dot(grids: list[Grid], width: float = WIDTH) -> str:
     """Every grid on one time scale, stacked, then the legend."""
     cv = GridCanvas()
-    longest = max((g.plan.step for g in grids), default=0.0) or 1.0
+    longest = max((g.step for g in grids), default=0.0) or 1.0
     sc = Scale(width / longest)
     y = 0.0
     for g in grids:
-        y = _grid(cv, g, sc, y) + 24
+        y = _draw(cv, g, sc, y) + 24
     _legend(cv, grids, y)
     return cv.dot()
 
@@ -170,41 +209,33 @@ def title(g: Grid) -> str:
     )
 
 
-def who(g: Grid, r: int) -> str:
+def who(c: Compiled, r: int) -> str:
     """A row's name: `rank r`, or with data parallelism the ranks that run pipeline rank r
     (pp-outermost: r x dp + d for each replica d)."""
-    dp = g.compiled.spec.dp
+    dp = c.spec.dp
     if dp == 1:
         return f"rank {r}"
     return "ranks " + ", ".join(str(r * dp + d) for d in range(dp))
 
 
-def subtitle(g: Grid) -> str:
-    bubble = ", ".join(f"{who(g, r)} {100 * b:.1f}%" for r, b in sorted(g.plan.bubble.items()))
-    return (
-        f"predicted at {g.plan.cost_words}: step {g.plan.step:g} (one stage's F = 1); "
-        f"bubble {bubble}"
-    )
-
-
-def _grid(cv: GridCanvas, g: Grid, sc: Scale, y: float) -> float:
+def _draw(cv: GridCanvas, g: Grid, sc: Scale, y: float) -> float:
     """A grid: its title, one lane per rank with its boxes, the transfers, the axis."""
     cv.text(0, y, title(g), size=14, bold=True)
-    cv.text(0, y + 20, subtitle(g), size=10, color="#495057")
+    cv.text(0, y + 20, g.said, size=10, color="#495057")
     y += 44
-    pipe, right = g.plan.pipeline, sc.x(g.plan.step)
+    pipe, right = g.plan.pipeline, sc.x(g.step)
     top = {r: y + k * (ROW + GAP) for k, r in enumerate(sorted(g.slots))}
     for r, row_y in top.items():
         cv.box(LEFT, row_y, right - LEFT, ROW, fill=LANE_FILL, stroke=LANE_STROKE)
         held = ", ".join(f"s{s}" for s in pipe.stages_of(r))
-        cv.text(LEFT - 8, row_y + ROW / 2 - 13, f"{who(g, r)}\n{held}", size=10, align="r")
+        cv.text(LEFT - 8, row_y + ROW / 2 - 13, f"{who(g.compiled, r)}\n{held}", size=10, align="r")
         for s in g.slots[r]:
             _box(cv, s, sc, row_y, pipe.per_rank > 1)
         cv.text(right + 8, row_y + ROW / 2 - 7, f"bubble {100 * g.idle(r):.1f}%", size=10)
     for t in g.transfers:
         _transfer(cv, t, sc, top)
     y = top[max(top)] + ROW + 6
-    return _axis(cv, sc, g.plan.step, y)
+    return _axis(cv, sc, g.step, y, g.unit)
 
 
 def _box(cv: GridCanvas, s: Slot, sc: Scale, y: float, stages: bool) -> None:
@@ -238,13 +269,13 @@ def _transfer(cv: GridCanvas, t: Transfer, sc: Scale, top: dict[int, float]) -> 
     cv.arrow(a, b, color, f"{t.send}: rank {t.src.rank} -> rank {t.dst.rank}")
 
 
-def _axis(cv: GridCanvas, sc: Scale, step: float, y: float) -> float:
+def _axis(cv: GridCanvas, sc: Scale, step: float, y: float, unit: str) -> float:
     cv.box(LEFT, y, step * sc.points, 1.0, fill=INK)
     every = next(k for k in (1, 2, 5, 10, 20, 50, 100, 1000) if step / k <= 24)
     t = 0.0
     while t <= step + 1e-9:
         cv.box(sc.x(t) - 0.5, y, 1.0, 4.0, fill=INK)
-        cv.text(sc.x(t), y + 5, f"{t:g}", size=9, align="c")
+        cv.text(sc.x(t), y + 5, f"{t:g} {unit}" if t == 0 and unit else f"{t:g}", size=9, align="c")
         t += every
     return y + 20
 

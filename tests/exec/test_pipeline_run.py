@@ -18,6 +18,7 @@ import json
 import pytest
 
 from schedc.cli.main import main
+from schedc.ir.pipeline import Kind
 from tests.goldens import REPO
 from tests.oracle import TOL
 from tests.pipeline_ranks import ONE_PROCESS
@@ -76,3 +77,31 @@ def test_a_pipeline_run_logs_what_one_process_computes(
         assert g["lr"] == w["lr"]
         assert g["loss"] == pytest.approx(w["loss"], rel=TOL["float32"].loss_rtol)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=TOL["float32"].norm_rtol)
+
+
+def test_a_traced_pipeline_run_draws_its_measured_grid(tmp_path, capsys):
+    """--trace on 2 ranks, 2 steps: every item of both steps traced, measured back (bubble
+    in [0, 1), a mean cost for every kind and stage), and drawn beside its prediction."""
+    from schedc.analysis.pipeline_trace import load, measure
+    from schedc.compiler import compile_file
+
+    pipe, trace = PIPELINE / "tiny_pp2_interleaved.sched", tmp_path / "t.json"
+    r = torchrun(2, str(pipe), "--steps", "2", "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    c = compile_file(str(pipe))
+    programs = c.pipeline.programs
+    assert f"trace written to {trace} ({2 * sum(map(len, programs.values()))} item spans)" in (
+        r.stdout
+    )
+    t = load(str(trace), programs, 1)
+    assert t.steps == [0, 1]
+    m = measure(t.spans, programs, 1)
+    assert all(0 <= b < 1 for b in m.bubble.values())
+    assert sorted(m.costs()) == sorted((k, s) for k in (Kind.F, Kind.B) for s in range(4))
+    out = tmp_path / "m.dot"
+    argv = ["render", str(pipe), "--trace", str(trace), "--compare", "-o", str(out)]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert said.count("tiny_pp2_interleaved.sched: step ") == 2
+    dot = out.read_text()
+    assert "measured: step 1 of t.json" in dot and "predicted at step 1's measured" in dot

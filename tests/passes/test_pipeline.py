@@ -20,7 +20,7 @@ from schedc.ir.pipeline import (
 from schedc.lang.diagnostics import CompileError
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_gen import Request, Schedule, generate, request_errors
-from schedc.passes.pipeline_sim import Costs, simulate
+from schedc.passes.pipeline_sim import Costs, Waits, simulate
 from tests.pipeline_torch_text import programs_from_torch
 
 S = Schedule
@@ -77,19 +77,42 @@ def test_zb_h1_bubble(p, m):
 
 @pytest.mark.parametrize("p,m,v", [(3, 3, 2), (3, 9, 2), (4, 4, 2), (4, 12, 2), (2, 4, 2)])
 def test_interleaved_bubble(p, m, v):
-    """F = 1/v, B = 2/v per chunk: (p-1)/(vm+p-1) for these p >= 3; on 2 ranks blocking
-    rendezvous costs more than the compute order alone (recorded in docs/pipeline.md)."""
+    """F = 1/v, B = 2/v per chunk: (p-1)/(vm+p-1), as the executor waits (lazily); on 2
+    ranks the proof's blocking rendezvous costs more than the compute order alone."""
     g = generate(Request(S.INTERLEAVED, p, m, v))
-    timing = simulate(prove(g.pipeline, g.programs).graph, Costs(f=1 / v, b=2 / v))
+    graph = prove(g.pipeline, g.programs).graph
     textbook = (p - 1) / (v * m + p - 1)
-    for b in timing.bubble.values():
-        assert b == pytest.approx(textbook) if p >= 3 else b > textbook
+    for b in simulate(graph, Costs(f=1 / v, b=2 / v)).bubble.values():
+        assert b == pytest.approx(textbook)
+    blocking = simulate(graph, Costs(f=1 / v, b=2 / v), Waits.BLOCKING).bubble.values()
+    assert all(b == pytest.approx(textbook) if p >= 3 else b > textbook for b in blocking)
+
+
+@pytest.mark.parametrize("sched,p,m,v", CASES)
+def test_lazy_waits_never_slower_than_blocking(sched, p, m, v):
+    """The executor's waits are the proven graph's minus some: never a later step."""
+    g = generate(Request(sched, p, m, v))
+    graph = prove(g.pipeline, g.programs).graph
+    costs = Costs(f=1.3, b=2.9, i=1.1, w=1.7, latency=0.2)
+    assert simulate(graph, costs).step <= simulate(graph, costs, Waits.BLOCKING).step + 1e-9
+
+
+def test_measured_costs_per_stage():
+    """Per-stage costs: a slow last stage (the head) sets 1F1B's pace."""
+    g = generate(Request(S.ONE_F_ONE_B, 2, 4))
+    graph = prove(g.pipeline, g.programs).graph
+    costs = Costs.measured({(Kind.F, 0): 1.0, (Kind.B, 0): 2.0, (Kind.F, 1): 2.0, (Kind.B, 1): 4.0})
+    assert costs.of(Kind.F, 1) == 2.0 and costs.of(Kind.W, 1) == 1.0  # W: the default
+    t = simulate(graph, costs)
+    assert t.step == 1 + 4 * 6 + 2  # F0 of stage 0, then stage 1 busy, then B of stage 0
+    assert t.bubble[1] == pytest.approx(3 / 27)
 
 
 def test_latency_adds_to_the_step():
     g = generate(Request(S.ONE_F_ONE_B, 4, 8))
     graph = prove(g.pipeline, g.programs).graph
     assert simulate(graph, Costs(latency=0.5)).step > simulate(graph, Costs()).step
+    assert simulate(graph, Costs(gap=0.1)).step > simulate(graph, Costs(post=0.1)).step
 
 
 # -- the hang classes and other mistakes -----------------------------------------------------

@@ -156,7 +156,6 @@ def test_cli_view_timeline_and_several_files(tmp_path):
     "flags, said",
     [
         (["--view", "graph"], "--view graph: "),
-        (["--trace", "t.json"], "--trace: "),
         (["--window", "mb1:"], "--window: "),
         (["--unfold"], "--unfold: "),
         (["--rank", "0"], "--rank: "),

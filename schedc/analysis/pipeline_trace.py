@@ -1,0 +1,238 @@
+"""A pipeline run's trace: each rank's items as they ran, written, read back and measured.
+
+    trace_file(spans, schedule, pp, dp)      -> dict      the JSON `schedc run --trace` writes
+    load(path, programs, dp)                 -> PipeTrace  read and checked against the programs
+    measure(trace, programs, step)           -> Measured   one step: per item start/end, bubble
+    measured.costs()                         -> {(kind, stage): mean ms}   to simulate with
+
+The file is a Chrome/Perfetto trace (docs/pipeline.md "Trace"): one "X" event per item of
+each rank's program and step, named by its IR text (`F[s1]@mb0`, `SEND_F[s0]@mb1+RECV_B[s0]@mb0`),
+`pid` the global rank, `ts`/`dur` in microseconds of the host's monotonic clock (one clock
+for the ranks of one host), `args` {step, item, pp_rank, replica}; `otherData` {format:
+"schedc-pipeline", schedule, pp, dp}. A compute item's span starts once the receive it reads
+has arrived, so its duration is compute alone; a transfer item's is its posting.
+
+The measured bubble is the simulator's (passes/pipeline_sim.py): a step runs from the
+earliest first item to the latest last item over the pipeline ranks of one replica, and a
+rank's bubble is the share of that it was not computing. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from statistics import fmean, median
+
+from schedc.errors import UserError
+from schedc.ir.pipeline import Kind, Programs, format_item, reader
+from schedc.passes.pipeline_sim import Costs
+
+FORMAT = "schedc-pipeline"
+
+
+class PipeTraceError(UserError):
+    """The trace cannot be read, or is not of the pipeline it is drawn with."""
+
+
+@dataclass(frozen=True)
+class ItemSpan:
+    """One item of a rank's program in one step, seconds on the host's monotonic clock."""
+
+    rank: int  # global rank
+    step: int
+    item: int
+    start: float
+    end: float
+
+
+def trace_file(spans: list[ItemSpan], schedule: str, programs: Programs, dp: int) -> dict:
+    """Every rank's spans as a Chrome trace (global rank r runs pipeline rank r // dp)."""
+    events: list[dict] = []
+    for r in sorted({s.rank for s in spans}):
+        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+    for s in spans:
+        pp_rank, replica = divmod(s.rank, dp)
+        events.append(
+            {
+                "ph": "X",
+                "name": format_item(programs[pp_rank][s.item]),
+                "cat": "pipeline",
+                "pid": s.rank,
+                "tid": 0,
+                "ts": round(s.start * 1e6, 3),
+                "dur": round((s.end - s.start) * 1e6, 3),
+                "args": {"step": s.step, "item": s.item, "pp_rank": pp_rank, "replica": replica},
+            }
+        )
+    pp = len(programs)
+    other = {"format": FORMAT, "schedule": schedule, "pp": pp, "dp": dp}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+@dataclass(frozen=True)
+class PipeTrace:
+    schedule: str
+    pp: int
+    dp: int
+    spans: list[ItemSpan]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({s.step for s in self.spans})
+
+
+def load(path: str, programs: Programs, dp: int) -> PipeTrace:
+    """The trace at `path`, every span checked against `programs` (the item at its index
+    must be the one named), or PipeTraceError naming the first thing that is not."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise PipeTraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PipeTraceError(f"{path}: not JSON: {e}") from None
+    return validate(data, path, programs, dp)
+
+
+def validate(data, path: str, programs: Programs, dp: int) -> PipeTrace:
+    other = data.get("otherData") if isinstance(data, dict) else None
+    if not isinstance(other, dict) or other.get("format") != FORMAT:
+        raise PipeTraceError(
+            f"{path}: not a pipeline trace (otherData.format is not {FORMAT!r}); was it "
+            "written by `schedc run --trace` of a pipeline schedule?"
+        )
+    pp = len(programs)
+    if (other.get("pp"), other.get("dp")) != (pp, dp):
+        raise PipeTraceError(
+            f"{path}: a trace of {other.get('pp')} pipeline ranks x dp {other.get('dp')}, "
+            f"drawn with a schedule of {pp} x dp {dp}"
+        )
+    spans = []
+    for k, e in enumerate(data.get("traceEvents") or []):
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        spans.append(_span(e, f"{path}: traceEvents[{k}]", programs, dp))
+    if not spans:
+        raise PipeTraceError(f"{path}: no item spans")
+    return PipeTrace(str(other.get("schedule", "")), pp, dp, spans)
+
+
+def _span(e: dict, where: str, programs: Programs, dp: int) -> ItemSpan:
+    args = e["args"] if isinstance(e.get("args"), dict) else {}
+    rank, ts, dur = e.get("pid"), e.get("ts"), e.get("dur")
+    step, item = args.get("step"), args.get("item")
+    for name, v in (("pid", rank), ("args.step", step), ("args.item", item)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PipeTraceError(f"{where}.{name}: expected an integer >= 0, got {v!r}")
+    for name, v in (("ts", ts), ("dur", dur)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise PipeTraceError(f"{where}.{name}: expected a finite number >= 0, got {v!r}")
+    assert isinstance(rank, int) and isinstance(item, int) and isinstance(step, int)
+    program = programs.get(rank // dp)
+    if program is None or item >= len(program):
+        raise PipeTraceError(f"{where}: rank {rank} has no item {item} in the schedule")
+    if e.get("name") != format_item(program[item]):
+        raise PipeTraceError(
+            f"{where}.name: {e.get('name')!r}, but item {item} of pipeline rank {rank // dp} "
+            f"is {format_item(program[item])}; was the trace recorded from another schedule?"
+        )
+    start = float(ts) / 1e6  # type: ignore[arg-type]
+    return ItemSpan(rank, step, item, start, start + float(dur) / 1e6)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One step of one replica, in ms from its start: each item's (start, end) per
+    pipeline rank, compute time and bubble per rank."""
+
+    programs: Programs
+    times: dict[tuple[int, int], tuple[float, float]]  # (pipeline rank, item) -> ms
+    step: float
+
+    @property
+    def busy(self) -> dict[int, float]:
+        out = {r: 0.0 for r in self.programs}
+        for (r, i), (a, b) in self.times.items():
+            if not self.programs[r][i][0].kind.is_p2p:
+                out[r] += b - a
+        return out
+
+    @property
+    def bubble(self) -> dict[int, float]:
+        return {r: (self.step - b) / self.step if self.step else 0.0 for r, b in self.busy.items()}
+
+    def costs(self) -> dict[tuple[Kind, int], float]:
+        """Mean duration (ms) of each compute kind per stage: the simulator's `Costs.measured`."""
+        seen: dict[tuple[Kind, int], list[float]] = {}
+        for (r, i), (a, b) in self.times.items():
+            act = self.programs[r][i][0]
+            if not act.kind.is_p2p:
+                seen.setdefault((act.kind, act.stage), []).append(b - a)
+        return {k: fmean(v) for k, v in sorted(seen.items())}
+
+    def post(self) -> float:
+        """Mean time (ms) a rank spent posting a transfer item."""
+        spent = [
+            b - a for (r, i), (a, b) in self.times.items() if self.programs[r][i][0].kind.is_p2p
+        ]
+        return fmean(spent) if spent else 0.0
+
+    def gap(self) -> float:
+        """Median host time (ms) from an item's end to the next one's start, over the items
+        that wait for no receive: the executor's own time between items."""
+        reads = {
+            reader(a, Kind.I if self._split else Kind.B)
+            for p in self.programs.values()
+            for it in p
+            for a in it
+            if a.kind.is_p2p and not a.kind.is_send
+        }
+        gaps = [
+            self.times[(r, i)][0] - self.times[(r, i - 1)][1]
+            for r, p in self.programs.items()
+            for i in range(1, len(p))
+            if p[i][0] not in reads
+        ]
+        return median(gaps) if gaps else 0.0
+
+    @property
+    def _split(self) -> bool:
+        return any(a.kind is Kind.I for p in self.programs.values() for it in p for a in it)
+
+    def calibrated(self) -> Costs:
+        """The simulator's costs as measured here: each kind per stage, latency, posting, gap."""
+        return Costs.measured(self.costs(), self.latency(), self.post(), self.gap())
+
+    def latency(self) -> float:
+        """Median time (ms) from a transfer's later end being posted until its reader ran,
+        over the readers that had to wait for it (their previous item ended before): the
+        transport's latency, and on a shared CPU the reader's wake-up."""
+        at = {a: (r, i) for r, p in self.programs.items() for i, it in enumerate(p) for a in it}
+        sends = {a.tag: at[a] for a in at if a.kind.is_send}
+        split = any(a.kind is Kind.I for a in at)
+        samples = []
+        for a, (r, i) in at.items():
+            if not a.kind.is_p2p or a.kind.is_send:
+                continue
+            k = at[reader(a, Kind.I if split else Kind.B)][1]
+            start, before = self.times[(r, k)][0], self.times[(r, k - 1)][1]
+            posted = max(self.times[sends[a.tag]][1], self.times[(r, i)][1])
+            if start > before and start > posted:
+                samples.append(start - posted)
+        return median(samples) if samples else 0.0
+
+
+def measure(
+    spans: list[ItemSpan], programs: Programs, step: int, dp: int = 1, replica: int = 0
+) -> Measured:
+    """Step `step` of `replica` (its pipeline ranks' spans), every item present."""
+    mine = [s for s in spans if s.step == step and s.rank % dp == replica]
+    want = sum(len(p) for p in programs.values())
+    if len({(s.rank, s.item) for s in mine}) != want:
+        raise PipeTraceError(
+            f"step {step} of replica {replica}: {len(mine)} item spans, the programs have {want}"
+        )
+    t0 = min(s.start for s in mine)
+    times = {(s.rank // dp, s.item): ((s.start - t0) * 1e3, (s.end - t0) * 1e3) for s in mine}
+    return Measured(programs, times, max(s.end - t0 for s in mine) * 1e3)
