@@ -178,8 +178,8 @@ def _rank(rank: int, args, store_dir: str, out) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    from schedc.exec.pipeline import PipeJob, make_comm
-    from schedc.exec.pipeline_model import split_layers
+    from schedc.exec.pipeline_comm import make_comm
+    from schedc.exec.pipeline_model import PipeJob, split_layers
     from schedc.ir.pipeline import Pipeline
     from schedc.model.arch import SIZES
     from schedc.model.config import DataConfig, OptimConfig

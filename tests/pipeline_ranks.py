@@ -121,7 +121,9 @@ def run_case(rank: int, groups, case: Case) -> list:
     """This rank's steps of the case (StepStats with its own gradients and parameters)."""
     import torch
 
-    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+    from schedc.exec.pipeline import PipelineExecutor
+    from schedc.exec.pipeline_comm import PipeComm
+    from schedc.exec.pipeline_model import PipeJob
     from schedc.passes.pipeline_gen import generate
 
     gen = generate(case.request)
@@ -161,7 +163,7 @@ def dp_comm(rank: int, world: int, pipe):
     pool's default group is its 4 ranks: a DP x PP case uses all of them)."""
     import torch.distributed as dist
 
-    from schedc.exec.pipeline import make_comm
+    from schedc.exec.pipeline_comm import make_comm
 
     assert world == dist.get_world_size(), "a DP x PP case takes the whole pool"
     key = (rank, world, pipe.pp, pipe.rank_of(0), pipe.rank_of(pipe.stages - 1))
@@ -253,7 +255,9 @@ def run_file(rank: int, groups, path: str, precision: str | None, steps: int) ->
 def file_executor(rank: int, groups, path: str, precision: str | None, steps: int, record=True):
     """The executor `schedc run` would build for this rank of a bundled pipeline file."""
     from schedc.compiler import compile_file
-    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+    from schedc.exec.pipeline import PipelineExecutor
+    from schedc.exec.pipeline_comm import PipeComm
+    from schedc.exec.pipeline_model import PipeJob
     from schedc.exec.pipeline_train import precision as job_precision
     from schedc.lang.resolve import Overrides
     from schedc.passes.pipeline_gen import Generated

@@ -1,4 +1,5 @@
-"""The part of GPT-2 one pipeline rank holds: its stages' layers and nothing else.
+"""The part of GPT-2 one pipeline rank holds: its stages' layers and nothing else; and the
+job every rank trains (`PipeJob`: the model, its split into stages, data and optimizer).
 
     split_layers(cfg, stages) -> (("embed", "h.0"), ("h.1", "head"))   contiguous ranges
     RankModel(cfg, layers, seed).run(stage_layers, x, targets)         one stage's forward
@@ -10,20 +11,47 @@ uses) and keeps only its own, so it allocates its stages' tensors plus one draw 
 
 The tied embedding: the head reads `wte.weight` as its output matrix. A rank that holds the
 head but not the embed holds its own copy of `wte.weight` (Megatron's "word embeddings in
-the last stage"), equal to the first stage's at the start; exec/pipeline.py sums the two
-copies' gradients after each step's backward, so the copies stay equal through every update.
+the last stage"), equal to the first stage's at the start; exec/pipeline_sync.py sums the
+two copies' gradients after each step's backward, so the copies stay equal through every
+update.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from schedc.model.arch import GPTConfig
+from schedc.model.config import OptimConfig
+from schedc.model.data import GlobalBatches
 from schedc.model.gpt2 import Block, init_value
+
+
+@dataclass(frozen=True)
+class PipeJob:
+    """What every pipeline rank trains: the model, its stages, the data and the optimizer."""
+
+    model: GPTConfig
+    split: tuple[tuple[str, ...], ...]
+    """Layers of each stage, contiguous, embed .. head (`split_layers`)."""
+    batches: GlobalBatches
+    """The global batch of each step; micro-batch j is its j-th of m equal slices."""
+    optim: OptimConfig
+    steps: int
+    """The run's steps (the learning-rate schedule's horizon)."""
+    seed: int
+    dtype: torch.dtype = torch.float32
+    units: tuple[tuple[str, ...], ...] | None = None
+    """FSDP per stage: each unit's parameters (every one of the model once, each unit inside
+    one stage, wte.weight alone in its unit: the head's copy is sharded like it); None: each
+    stage's gradients are all-reduced in one bucket (DDP)."""
+    compute: torch.dtype | None = None  # the autocast dtype of forward; None: `dtype`
+    gather: torch.dtype | None = None  # what FSDP units are gathered and computed in
+    reduce: torch.dtype | None = None  # what gradients are all-reduced or reduce-scattered in
 
 
 def split_layers(cfg: GPTConfig, stages: int) -> tuple[tuple[str, ...], ...]:
@@ -89,6 +117,14 @@ class RankModel(nn.Module):
     def holds_tied_copy(self) -> bool:
         """Whether this rank's wte.weight is the head's copy of the first stage's."""
         return "head" in self.layers and "embed" not in self.layers
+
+    def layer_params(self, layer: str) -> list[nn.Parameter]:
+        """The parameters layer `layer` computes with, in the model's order (the head's
+        include wte.weight, its output matrix)."""
+        own = dict(self.named_parameters())
+        return [own[spec.name] for spec in self.config.layer_params(layer)] + (
+            [own["wte.weight"]] if layer == "head" else []
+        )
 
     def run(
         self, layers: Sequence[str], x: torch.Tensor, targets: torch.Tensor | None = None

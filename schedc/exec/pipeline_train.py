@@ -31,7 +31,9 @@ from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
 from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
-from schedc.exec.pipeline import PipeJob, PipelineExecutor, make_comm
+from schedc.exec.pipeline import PipelineExecutor
+from schedc.exec.pipeline_comm import make_comm
+from schedc.exec.pipeline_model import PipeJob
 from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
 from schedc.exec.train import TrainOptions, agree_at_startup, check_job, cpu_threads, data_error
 from schedc.ir.spec import Dtype

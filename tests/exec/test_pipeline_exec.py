@@ -170,7 +170,9 @@ def _swapped(gen: Generated) -> Generated:
 
 
 def test_an_unproven_program_is_refused_before_it_runs():
-    from schedc.exec.pipeline import PipeComm, PipeJob, PipelineExecutor
+    from schedc.exec.pipeline import PipelineExecutor
+    from schedc.exec.pipeline_comm import PipeComm
+    from schedc.exec.pipeline_model import PipeJob
 
     case = Case(Schedule.GPIPE, 2, 2)
     gen = generate(Request(Schedule.GPIPE, 2, 2))

@@ -1,0 +1,386 @@
+"""Data parallelism per pipeline stage: how a rank's stages are kept in step with the same
+stages of the other replicas (DDP or FSDP under PP), as objects the executor owns.
+
+    ReplicatedStages   every replica holds the stage's parameters; a stage's gradients are
+                       all-reduced over its replicas in one flat bucket (DDP)
+    ShardedStages      FSDP per stage: each unit sharded over the replicas, gathered for the
+                       step, its gradient reduce-scattered into this rank's shard
+
+Both give the executor (exec/pipeline.py) the same surface (`StageSync`): the optimizer;
+`begin_step`; `before_forward` of a stage; `before_backward` / `after_backward` of a
+backward that writes a stage's weights; `after_compute` of each action, which launches the
+reductions of the gradients it is the last to write; `wait` for them before the update;
+for the update the gradients it clips and those the norm counts, whether this rank's
+squares count (`counts_norm`) and `after_update`; full tensors for tests.
+
+DP x PP (`replicas` > 1): the pipeline is replicated, ranks laid out pp-outermost
+(exec/pipeline_comm.py); replica d runs micro-batch j of the slice the DP executor gives
+rank d of dp at micro-step j (model/batching.py sequence_ids), so the replicas together
+read the global batch once. Each stage's gradients are all-reduced over the ranks holding
+it in every replica (`PipeComm.dp`) in one flat bucket, launched right after the program's
+last B or W of that stage (pipelining's REDUCE_GRAD: a DDP with one bucket a stage; DDP
+buckets per stage are not built) as each rank's x / dp, and waited for before the update.
+The tied embedding's two copies (first stage's embed, last stage's head) then get the sum
+of their gradients by an all-reduce on the 2-rank group of those ranks within each replica,
+as Megatron all-reduces its "embedding group"; the norm is replica 0's pipeline ranks' sum
+(the other replicas add zeros: after the reduction their gradients are bitwise replica
+0's), the tied weight counted once (on the embed's rank).
+
+FSDP per stage (`PipeJob.units`, torchtitan's FSDP2 under PP): each unit lies in one stage
+and is a FlatUnit (exec/flat.py) sharded over the dp group. Every unit's all-gather is
+launched at the rank's first F of the step and waited for before its stage's first F; the
+unit stays gathered through the step (reshard_after_forward=False), its micro-batches'
+gradients accumulate in one unsharded buffer (folded into the reduce dtype when that is
+wider than the gather's: FSDP2's upcast), and after the stage's last B or W it is
+reduce-scattered (async, waited for before the update) and freed. AdamW steps the shards;
+the norm sums every rank's shards. The tied wte is a unit of its own on both ends, one
+layout, so the tied all-reduce sums the same slice on each replica's pair.
+
+Numerics (`PipeJob.gather/reduce`): units gathered in the gather dtype, dp reductions in
+the reduce dtype, each rank's share x / dp divided in the wider of its dtype and that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from schedc.exec.backends import DONE, copy_alone
+from schedc.exec.cpu_backend import CPUBackend
+from schedc.exec.flat import FlatUnit
+from schedc.exec.pipeline_comm import PipeComm
+from schedc.exec.pipeline_model import PipeJob, RankModel
+from schedc.ir.pipeline import Action, Item, Kind
+from schedc.ir.source import Span
+from schedc.ir.spec import UnitSpec
+from schedc.model.reference import adamw_groups, make_adamw
+
+
+class StageSync:
+    """What both cases share: the job, this rank's place and model, the bucket each action
+    completes, and the step's reductions in flight; no-ops where the DDP case has nothing
+    to do."""
+
+    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel) -> None:
+        self.job, self.comm, self.model = job, comm, model
+        self.named = list(model.named_parameters())
+        self.reduce = job.reduce or job.dtype
+        self.buckets: dict[Action, list] = {}
+        self.reductions: list[tuple] = []  # (work, what to do once it is done)
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    @property
+    def wire(self) -> torch.dtype:
+        """The dtype of the weights the layers compute with: what P2P carries."""
+        return self.job.dtype
+
+    @property
+    def counts_norm(self) -> bool:
+        """Whether this rank's squared gradients count in the global norm."""
+        raise NotImplementedError
+
+    def begin_step(self) -> None:
+        self.reductions = []
+
+    def before_forward(self, stage: int) -> None:
+        pass
+
+    def before_backward(self, stage: int) -> None:
+        pass
+
+    def after_backward(self, stage: int) -> None:
+        pass
+
+    def after_compute(self, act: Action) -> None:
+        """The gradients `act` completes, summed over the replicas, launched now (nothing
+        after this action writes them: pipelining's REDUCE_GRAD), waited for in `wait`
+        before the update."""
+        if bucket := self.buckets.get(act):
+            self._reduce(bucket)
+
+    def _reduce(self, done: list) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        for work, land in self.reductions:
+            work.wait()
+            land()
+        self.reductions = []
+
+    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients the update clips and steps, and those the norm counts."""
+        raise NotImplementedError
+
+    def after_update(self) -> None:
+        pass
+
+    def full_tensors(self, grad: bool) -> dict[str, torch.Tensor]:
+        """Whole gradients (`grad`) or parameters by name, for tests."""
+        raise NotImplementedError
+
+    def _collective(self, launch, copy: tuple | None = None):
+        """`launch` on the dp group, async; one replica: nothing to send (a copy, if given)."""
+        if self.comm.replicas > 1:
+            return launch(self.comm.dp)
+        if copy is not None:
+            copy_alone(*copy)
+        return DONE
+
+    def _last_writers(self, program: list[Item]) -> dict[int, tuple[int, Action]]:
+        """Each parameter's last writer in the program, by id: (its index, the action); the
+        tied wte, in two stages where one rank holds both, goes with the later one."""
+        last: dict[int, Action] = {}
+        for item in program:
+            for act in item:
+                if act.kind in (Kind.B, Kind.W):
+                    last[act.stage] = act
+        index = {a: i for i, item in enumerate(program) for a in item}
+        owner: dict[int, tuple[int, Action]] = {}
+        for s, act in last.items():
+            for name in self.job.split[s]:
+                for p in self.model.layer_params(name):
+                    owner[id(p)] = max(owner.get(id(p), (-1, act)), (index[act], act))
+        return owner
+
+    def _tied(self) -> torch.nn.Parameter | None:
+        return dict(self.named).get("wte.weight")
+
+
+class ReplicatedStages(StageSync):
+    """DDP per stage: one flat bucket a stage, all-reduced over the replicas (none with one
+    replica); the tied copies summed over their pair of ranks before the update."""
+
+    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item]) -> None:
+        super().__init__(job, comm, model)
+        if comm.replicas > 1:
+            owner = self._last_writers(program)
+            for _, p in self.named:
+                self.buckets.setdefault(owner[id(p)][1], []).append(p)
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return make_adamw(self.named, self.job.optim)
+
+    @property
+    def counts_norm(self) -> bool:
+        return not self.comm.replica  # every replica's gradients are bitwise replica 0's
+
+    def _reduce(self, done: list) -> None:
+        """A flat bucket all-reduced, each rank's share x / dp before the sum, in the reduce
+        dtype (the DP executor's order: the division in the wider dtype)."""
+        grads = [p.grad for p in done]
+        assert all(g is not None for g in grads), "a bucket's gradient was never written"
+        flat = torch._utils._flatten_dense_tensors(grads)
+        send = _share(flat, self.comm.replicas, self.reduce)
+        work = self._collective(lambda pg: dist.all_reduce(send, group=pg, async_op=True))
+
+        def land(send=send, flat=flat, grads=grads):
+            flat.copy_(send)  # a no-op view copy when no cast
+            for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(mean)
+
+        self.reductions.append((work, land))
+
+    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every parameter's gradient, the tied copies' summed by an all-reduce on the pair
+        of ranks holding them (embed's part + head's part); and those the norm counts (the
+        tied weight once, on the embed's rank)."""
+        wte = self._tied()
+        if self.comm.tied is not None and wte is not None:
+            assert wte.grad is not None
+            dist.all_reduce(wte.grad, group=self.comm.tied)
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        assert len(grads) == len(self.named), "a parameter the loss does not reach"
+        counted = [g for (n, _), g in zip(self.named, grads) if not self._tied_copy(n)]
+        return grads, counted
+
+    def _tied_copy(self, name: str) -> bool:
+        return name == "wte.weight" and self.model.holds_tied_copy
+
+    def full_tensors(self, grad: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in self.named:
+            t = p.grad if grad else p
+            assert t is not None, f"{n} has no gradient"
+            out[n] = t.detach().clone()
+        return out
+
+
+class ShardedStages(StageSync):
+    """FSDP per stage: this rank's units, gathered at the step's first forward and kept,
+    their gradients reduce-scattered into the shards after the stage's last backward."""
+
+    def __init__(
+        self, job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item], stages: list[int]
+    ) -> None:
+        super().__init__(job, comm, model)
+        self.units = self._shard()
+        self.readers = {s: self._readers(s) for s in stages}
+        self.gathers: dict[int, tuple] | None = None  # unit index -> (work, shard sent)
+        owner = self._last_writers(program)
+        for u in self.units:  # a unit is done with its last parameter
+            _, act = max(owner[id(p)] for p, *_ in u.layout)
+            self.buckets.setdefault(act, []).append(u)
+
+    def _shard(self) -> list[FlatUnit]:
+        """This rank's units: each sharded over the replicas (replica d keeps shard d), the
+        fp32 shard its own, gathered in the gather dtype. Its own units are those whose
+        parameters it holds: a stage's, and the tied wte's on the embed's and head's ranks
+        (one layout, so shard d is the same slice of wte on both)."""
+        assert self.job.units is not None
+        own, cfg, out = dict(self.named), self.job.model, []
+        upcast = self.job.reduce if _wider(self.job.reduce, self.job.gather) else None
+        for i, names in enumerate(self.job.units):
+            held = [n in own for n in names]
+            if not any(held):
+                continue
+            assert all(held), f"unit {i} ({', '.join(names)}) lies across ranks"
+            spec = UnitSpec(f"u{i}", tuple(names), (), True, Span.point(1, 1), 0)
+            unit = FlatUnit(
+                spec, cfg, own, self.comm.replica, self.comm.replicas, self.job.gather, upcast
+            )
+            out.append(unit)
+        return out
+
+    def _readers(self, stage: int) -> list[FlatUnit]:
+        """The units stage `stage` computes with (on this rank)."""
+        mine = {id(p) for name in self.job.split[stage] for p in self.model.layer_params(name)}
+        return [u for u in self.units if any(id(p) in mine for p, *_ in u.layout)]
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        return adamw_groups(*_shard_groups(self.units), self.job.optim)
+
+    @property
+    def wire(self) -> torch.dtype:
+        return self.job.gather or self.job.dtype
+
+    @property
+    def counts_norm(self) -> bool:
+        return True  # every rank holds its own slice
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.gathers = None
+
+    def before_forward(self, stage: int) -> None:
+        """At the rank's first forward of the step every unit's all-gather is launched
+        (torchtitan under PP: reshard_after_forward=False, so each is gathered once a step),
+        and the stage's own are waited for."""
+        if self.gathers is None:
+            self.gathers = {}
+            for i, u in enumerate(self.units):
+                full = u.alloc_full()
+                shard = u.shard.to(full.dtype)
+                work = self._collective(
+                    CPUBackend.all_gather(full, shard),
+                    (full, shard),
+                )
+                self.gathers[i] = (work, shard)
+        for u in self.readers[stage]:
+            if (g := self.gathers.pop(self.units.index(u), None)) is not None:
+                g[0].wait()
+
+    def before_backward(self, stage: int) -> None:
+        """Before a backward that writes the stage's weights: their .grad are views of each
+        unit's unsharded gradient, where autograd accumulates the micro-batches."""
+        for u in self.readers[stage]:
+            u.grad_buffer(0)
+
+    def after_backward(self, stage: int) -> None:
+        """After it: with a reduce dtype wider than the gather's, the micro-batch's gradient
+        is added into the unit's accumulator in that dtype (FSDP2's upcast), as the
+        reference accumulates in fp32."""
+        for u in self.readers[stage]:
+            if u.accumulate is not None and 0 in u.grads:
+                u.fold(0)
+
+    def _reduce(self, done: list) -> None:
+        """Each unit's gradient reduce-scattered into this rank's shard (its share x / dp in
+        the reduce dtype) and its gathered weights freed."""
+        for unit in done:
+            grad = unit.take_grad(0)
+            send = _share(grad, self.comm.replicas, self.reduce)
+            out = torch.empty(unit.shard_len, dtype=self.reduce)
+            work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
+            unit.release()  # the stage is done with its weights this step
+
+            def land(unit=unit, out=out):
+                unit.new_shard_grad().copy_(out)  # cast back into the fp32 gradient shard
+
+            self.reductions.append((work, land))
+
+    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients of this rank's shards (the optimizer's parameters), the tied wte's
+        unit summed with its copy's on the other end of the pipeline: shard d of both copies
+        is the same slice, so the sum is wte's whole gradient there, both copies get the
+        same clipping, AdamW state and update, and stay bitwise equal. The norm counts the
+        head's copy's shard not at all."""
+        grads: list[torch.Tensor] = []
+        counted: list[torch.Tensor] = []
+        for u in self.units:
+            shard = u.live_shard_grad()
+            tied = u.layout[0][0] is self._tied()
+            if tied and self.comm.tied is not None:
+                dist.all_reduce(shard, group=self.comm.tied)
+            mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
+            grads += mine
+            if not (tied and self.model.holds_tied_copy):
+                counted += mine
+        return grads, counted
+
+    def after_update(self) -> None:
+        for u in self.units:
+            u.drop_shard_grad()
+
+    def full_tensors(self, grad: bool) -> dict[str, torch.Tensor]:
+        """Each unit's shards all-gathered over the replicas, by parameter name."""
+        of_unit: Callable[[FlatUnit], torch.Tensor] = (
+            (lambda u: u.live_shard_grad()) if grad else (lambda u: u.shard)
+        )
+        names = {id(p): n for n, p in self.named}
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=u.dtype)
+            shard = of_unit(u).detach()
+            self._collective(
+                CPUBackend.all_gather(full, shard),
+                (full, shard),
+            ).wait()
+            out.update({names[id(p)]: t for p, t in u.assemble(full).items()})
+        return out
+
+
+def stage_sync(
+    job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item], stages: list[int]
+) -> StageSync:
+    """The rank's StageSync: FSDP per stage when the job has units, else DDP."""
+    if job.units is not None:
+        return ShardedStages(job, comm, model, program, stages)
+    return ReplicatedStages(job, comm, model, program)
+
+
+def _share(grad: torch.Tensor, dp: int, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's share of a sum over `dp` replicas that is their mean: x / dp in `dtype`,
+    divided in the wider of the two dtypes (the DP executor's rule, exec/strategies.py)."""
+    if dp == 1:
+        return grad.to(dtype)
+    if grad.element_size() >= dtype.itemsize:
+        return grad.div_(dp).to(dtype)
+    return grad.to(dtype).div_(dp)
+
+
+def _wider(a: torch.dtype | None, b: torch.dtype | None) -> bool:
+    return a is not None and b is not None and a.itemsize > b.itemsize
+
+
+def _shard_groups(units: list[FlatUnit]) -> tuple[list, list]:
+    """AdamW's (decay, no decay) parameters over every unit's shard."""
+    decay, plain = [], []
+    for u in units:
+        d, p = u.optimizer_params()
+        decay += d
+        plain += p
+    return decay, plain
