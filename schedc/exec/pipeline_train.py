@@ -24,18 +24,24 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
-from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
+from schedc.exec.failures import phase
 from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipelineExecutor
 from schedc.exec.pipeline_comm import make_comm
 from schedc.exec.pipeline_model import PipeJob
 from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
-from schedc.exec.train import TrainOptions, agree_at_startup, check_job, cpu_threads, data_error
+from schedc.exec.train import (
+    TrainOptions,
+    agree_at_startup,
+    check_job,
+    cpu_threads,
+    data_error,
+    guarded,
+)
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.pipeline_gen import Generated
@@ -61,24 +67,15 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     check_job(compiled, job, device)
     threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     comm = Comm.from_env("gloo", opts.timeout_s)
-    phase.where, phase.ex = "start-up", None
-    watch_sigterm(comm)
-    beats = start_heartbeat(comm, opts.timeout_s)
-    try:
+
+    def run() -> None:
         ex = _start(compiled, plan, comm, timed=bool(job.trace))
         log(comm, start_line(compiled, device, threads))
         _steps(compiled, ex, comm, job, device)
         if job.trace:
             _write_trace(job.trace, compiled, ex, comm)
-    except RunError as e:
-        if compiled.spec.world > 1:
-            fail(comm, str(e), phase.where)
-        raise
-    except Exception as e:  # a transfer that timed out or lost its peer, mostly
-        fail(comm, f"{type(e).__name__}: {e}", phase.where)
-    beats.done()
-    dist.destroy_process_group()
-    return 0
+
+    return guarded(compiled, comm, opts.timeout_s, run)
 
 
 def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> PipelineExecutor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -201,16 +202,12 @@ def check_gpus(local_world: int, device_count: int) -> None:
 
 def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     """Train for the schedule's steps under torchrun (or alone, at world 1)."""
-    from schedc.exec.checkpoint.layout import CheckpointError
-
     device = pick_device(opts.device)
     check_job(compiled, job, device)
     threads = set_up_host(compiled, device)
     comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
-    phase.where, phase.ex = "start-up", None
-    watch_sigterm(comm)
-    beats = start_heartbeat(comm, opts.timeout_s)
-    try:
+
+    def run() -> None:
         batches, val, hellaswag = agree(compiled, comm, opts, job, device)
         ex = start_executor(compiled, comm, opts, job, batches)
         log(comm, start_line(compiled, device, threads))
@@ -218,6 +215,22 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
             log(comm, f"schedc: data: {note}")
         clock = run_steps(ex, comm, job, device, Evaluations(ex, val, hellaswag))
         finish(compiled, ex, opts, job, device, clock)
+
+    return guarded(compiled, comm, opts.timeout_s, run)
+
+
+def guarded(compiled: Compiled, comm: Comm, timeout_s: float, run: Callable[[], None]) -> int:
+    """`run` (start-up and steps) under the protocol every run of a rank shares: SIGTERM
+    watched, a heartbeat; a user error said in one line (and, in a larger job, to every
+    rank, so no rank waits on it), any other failure reported with the phase it happened in;
+    then the executor and the process groups let go while the interpreter is whole."""
+    from schedc.exec.checkpoint.layout import CheckpointError
+
+    phase.where, phase.ex = "start-up", None
+    watch_sigterm(comm)
+    beats = start_heartbeat(comm, timeout_s)
+    try:
+        run()
     except (CheckpointError, RunError) as e:
         world = compiled.spec.world  # the job's, as check_job found
         if isinstance(e, PlanError) or (world > 1 and not isinstance(e, CheckpointError)):
