@@ -50,6 +50,7 @@ class Case:
     dp: int = 1  # replicas of the pipeline: world pp x dp, pp-outermost
     fsdp: bool = False  # each stage's parameters sharded over dp (one unit a stage)
     precision: tuple[str, str, str] = ("fp32", "fp32", "fp32")  # compute, gather, reduce
+    buckets: int = 1  # DDP buckets a stage (a ddp block's, layers cut evenly); 1: the default
 
     @property
     def world(self) -> int:
@@ -61,6 +62,7 @@ class Case:
         dtype = "" if self.dtype == "float32" else f"-{self.dtype}"
         dp = f"-{'fsdp' if self.fsdp else 'dp'}{self.dp}" if self.dp > 1 or self.fsdp else ""
         low = "-" + "-".join(self.precision) if self.low else ""
+        dp += f"-b{self.buckets}" if self.buckets > 1 else ""
         return (
             f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}{low}"
         )
@@ -135,6 +137,7 @@ def run_case(rank: int, groups, case: Case) -> list:
         from schedc.ir.spec import stage_units
 
         units = tuple(params for _, params in stage_units(cfg, split))
+    buckets = stage_buckets(cfg, split, case.buckets) if case.buckets > 1 else None
     job = PipeJob(
         cfg,
         split,
@@ -144,6 +147,7 @@ def run_case(rank: int, groups, case: Case) -> list:
         case.seed,
         getattr(torch, case.dtype),
         units,
+        buckets,
         **case.torch_dtypes(),
     )
     if case.dp == 1:
@@ -152,6 +156,17 @@ def run_case(rank: int, groups, case: Case) -> list:
         comm = dp_comm(rank, case.world, gen.pipeline)
     ex = PipelineExecutor(job, gen, comm, record=True)
     return [ex.step() for _ in range(case.steps)]
+
+
+def stage_buckets(cfg: GPTConfig, split, n: int) -> tuple[tuple[str, ...], ...]:
+    """`n` DDP buckets a stage, its layers cut evenly, each stage's last layers first (as a
+    ddp block in a pipeline file lists them: PipelineSpec.buckets)."""
+    out = []
+    for layers in reversed(split):
+        cut = [layers[i * len(layers) // n : (i + 1) * len(layers) // n] for i in range(n)]
+        for part in reversed([c for c in cut if c]):
+            out.append(tuple(p.name for layer in part for p in cfg.layer_params(layer)))
+    return tuple(out)
 
 
 _COMMS: dict = {}

@@ -148,7 +148,7 @@ def pipeline_summary(c: Compiled) -> str:
         f"  split     dp {s.dp} x micro {s.micro} x {mbs} (the "
         f"{count(ps.degree, 'rank')} of a pipeline compute each micro-batch together)",
         f"  pipeline  {count(len(ps.stages), 'stage')}, {ps.schedule.value}, placement "
-        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp, ps.units)}; bubble per rank "
+        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp, ps.units, ps)}; bubble per rank "
         f"{bubble} "
         f"(simulated at {pp.cost_words})",
         *(
@@ -177,7 +177,7 @@ def _memory_lines(c: Compiled) -> list[str]:
             "the micro-batches in flight, transfers; passes/pipeline_memory.py)"]  # fmt: skip
 
 
-def _replicas(dp: int, units) -> str:
+def _replicas(dp: int, units, ps) -> str:
     if units:
         return (
             f" (rank = pp x {dp} + replica; FSDP per stage: {count(len(units), 'unit')} "
@@ -186,9 +186,15 @@ def _replicas(dp: int, units) -> str:
         )
     if dp == 1:
         return ""
+    said = "one bucket a stage"
+    if ps.buckets:
+        named = ", ".join(f"{b.name} in {ps.stages[b.stage].name}" for b in ps.buckets)
+        said = (
+            f"in {count(len(ps.buckets), 'bucket')}, each stage's in reverse layer order: {named}"
+        )
     return (
         f" (rank = pp x {dp} + replica; each stage's gradients all-reduced over its {dp} "
-        "replicas after its last backward, one bucket a stage)"
+        f"replicas after its last backward, {said})"
     )
 
 

@@ -17,9 +17,11 @@ DP x PP (`replicas` > 1): the pipeline is replicated, ranks laid out pp-outermos
 (exec/pipeline_comm.py); replica d runs micro-batch j of the slice the DP executor gives
 rank d of dp at micro-step j (model/batching.py sequence_ids), so the replicas together
 read the global batch once. Each stage's gradients are all-reduced over the ranks holding
-it in every replica (`PipeComm.dp`) in one flat bucket, launched right after the program's
-last B or W of that stage (pipelining's REDUCE_GRAD: a DDP with one bucket a stage; DDP
-buckets per stage are not built) as each rank's x / dp, and waited for before the update.
+it in every replica (`PipeComm.dp`) in one flat bucket (`PipeJob.buckets` None), or in the
+ddp block's buckets, each inside a stage (the head's copy of the tied wte with the bucket
+holding the head's own parameters), all launched right after the program's last B or W of
+that stage (pipelining's REDUCE_GRAD) in reverse layer order, as each rank's x / dp, and
+waited for before the update.
 The tied embedding's two copies (first stage's embed, last stage's head) then get the sum
 of their gradients by an all-reduce on the 2-rank group of those ranks within each replica,
 as Megatron all-reduces its "embedding group"; the norm is replica 0's pipeline ranks' sum
@@ -54,7 +56,7 @@ from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.pipeline import Action, Item, Kind
 from schedc.ir.source import Span
-from schedc.ir.spec import UnitSpec
+from schedc.ir.spec import TIED, UnitSpec
 from schedc.model.reference import adamw_groups, make_adamw
 
 
@@ -151,15 +153,36 @@ class StageSync:
 
 
 class ReplicatedStages(StageSync):
-    """DDP per stage: one flat bucket a stage, all-reduced over the replicas (none with one
-    replica); the tied copies summed over their pair of ranks before the update."""
+    """DDP per stage: each stage's flat buckets (one a stage, or the ddp block's), all-reduced
+    over the replicas (none with one replica); the tied copies summed over their pair of
+    ranks before the update."""
 
     def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item]) -> None:
         super().__init__(job, comm, model)
-        if comm.replicas > 1:
+        if comm.replicas > 1 and job.buckets is None:  # one bucket a stage
             owner = self._last_writers(program)
             for _, p in self.named:
-                self.buckets.setdefault(owner[id(p)][1], []).append(p)
+                self.buckets.setdefault(owner[id(p)][1], [[]])[0].append(p)
+        elif comm.replicas > 1:  # a bucket is done with its last parameter
+            owner, own = self._last_writers(program), dict(self.named)
+            for names in self._own_buckets():
+                _, act = max(owner[id(own[n])] for n in names)
+                self.buckets.setdefault(act, []).append([own[n] for n in names])
+
+    def _own_buckets(self) -> list[list[str]]:
+        """This rank's buckets, in reverse layer order (the order backward completes them):
+        those holding its stages' parameters; the head's copy of the tied wte (its bucket is
+        the embed's stage's) goes with the bucket holding the head's own parameters."""
+        assert self.job.buckets is not None
+        cfg, own = self.job.model, dict(self.named)
+        copy = TIED if self.model.holds_tied_copy else None
+        out = [[n for n in b if n in own and n != copy] for b in self.job.buckets]
+        out = [b for b in out if b]
+        if copy is not None:
+            head = {p.name for p in cfg.layer_params("head")}
+            home = next(b for b in out if head & set(b))  # the buckets cover the head
+            home.append(copy)
+        return sorted(out, key=lambda b: -max(cfg.layer_index(cfg.param(n).layer) for n in b))
 
     def optimizer(self) -> torch.optim.Optimizer:
         return make_adamw(self.named, self.job.optim)
@@ -169,9 +192,14 @@ class ReplicatedStages(StageSync):
         return not self.comm.replica  # every replica's gradients are bitwise replica 0's
 
     def _reduce(self, done: list) -> None:
-        """A flat bucket all-reduced, each rank's share x / dp before the sum, in the reduce
-        dtype (the DP executor's order: the division in the wider dtype)."""
-        grads = [p.grad for p in done]
+        """Each bucket `done` completes, in order, a flat all-reduce: each rank's share
+        x / dp before the sum, in the reduce dtype (the DP executor's order: the division in
+        the wider dtype)."""
+        for bucket in done:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, bucket: list) -> None:
+        grads = [p.grad for p in bucket]
         assert all(g is not None for g in grads), "a bucket's gradient was never written"
         flat = torch._utils._flatten_dense_tensors(grads)
         send = _share(flat, self.comm.replicas, self.reduce)

@@ -117,16 +117,19 @@ def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm
 
 
 def precision(spec) -> dict:
-    """PipeJob's FSDP units and dtypes from the schedule: compute (autocast), gather (the
-    units', under FSDP only) and reduce; None where it is the run's own fp32."""
+    """PipeJob's FSDP units or DDP buckets and dtypes from the schedule: compute
+    (autocast), gather (the units', under FSDP only) and reduce; None where it is the run's
+    own fp32."""
     pipe, n = spec.pipeline, spec.numerics
     units = tuple(u.params for u in pipe.units) if pipe and pipe.units else None
+    buckets = tuple(b.params for b in pipe.buckets) if pipe and pipe.buckets else None
 
     def low(d: Dtype) -> torch.dtype | None:
         return None if d is Dtype.FP32 else TORCH_DTYPES[d]
 
     return {
         "units": units,
+        "buckets": buckets,
         "compute": low(n.compute),
         "gather": low(n.gather) if units else None,
         "reduce": low(n.reduce),

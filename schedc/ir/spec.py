@@ -284,6 +284,17 @@ class StageUnit:
     span: Span  # the `unit` line, or the stage's (one unit a stage, by default)
 
 
+@dataclass(frozen=True)
+class StageBucket:
+    """A DDP bucket of a pipeline stage: parameters of one stage, their gradients
+    all-reduced over its dp replicas in one flat tensor after the stage's last backward."""
+
+    name: str
+    stage: int
+    params: tuple[str, ...]  # in the model's order
+    span: Span  # the `bucket` line, or the stage's (one bucket a stage, by default)
+
+
 def stage_units(
     cfg: GPTConfig, split: tuple[tuple[str, ...], ...]
 ) -> list[tuple[int, tuple[str, ...]]]:
@@ -333,6 +344,9 @@ class PipelineSpec:
     # empty: each stage's gradients are all-reduced over dp in one bucket (DDP)
     units: tuple[StageUnit, ...] = ()
     written: WrittenPrograms | None = None  # with Written.PROGRAMS: the programs
+    # DDP per stage (a ddp block): its buckets, every parameter once, each inside a stage;
+    # empty: one bucket a stage
+    buckets: tuple[StageBucket, ...] = ()
 
     def pipeline(self, microbatches: int) -> Pipeline:
         return Pipeline(self.degree, len(self.stages), microbatches, self.placement)

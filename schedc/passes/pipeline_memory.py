@@ -18,8 +18,9 @@ the residual stream's bytes: fp32, or FSDP's gather dtype, ir/sizes.py `stream_b
   are launched together) until the stage's last B or W, and the stage's unsharded gradient
   in the gather dtype from the stage's first B or W until the reduce-scatter that takes it
   is retired, before the update (what the collective sends lives as long).
-* DP with replicas (no fsdp block): the stage's flat bucket, a copy of its gradients in the
-  reduce dtype, from its last B or W until the update waits for it.
+* DP with replicas (no fsdp block): the stage's flat bucket, or each of its buckets in the
+  ddp block, a copy of its gradients in the reduce dtype, from its last B or W until the
+  update waits for it.
 * activations of (stage s, micro-batch j), from F[s]@j to B[s]@j (or W[s]@j in a split
   schedule: I keeps the graph for W): what autograd saves for the stage's layers
   (ir/sizes.py `layer_acts`, the DP ledger's rule), and, but on the last stage, the
@@ -217,14 +218,15 @@ class _RankLedger:
     def synced(self, stage: int) -> None:
         """After the stage's last B or W: FSDP frees its gathered units and reduce-scatters
         (the fp32 gradient shard comes into being; the unsharded gradient is held by the
-        collective until the update); DDP copies its gradients into one flat bucket."""
+        collective until the update); DDP copies its gradients into its flat buckets."""
         if self.units:
             for name, n in self._named(stage):
                 self.w.free(f"gathered[{name}]")
                 self.w.alloc(f"shard_grad[{name}]", STATES, padded(n, self.dp) // self.dp * FP32)
         elif self.dp > 1:
-            n = sum(self.numel[p] for p in stage_params(self.spec, stage))
-            self.w.alloc(f"bucket[s{stage}]", COMM, n * self.r)
+            for name, params in _buckets(self.spec, stage):
+                n = sum(self.numel[p] for p in params)
+                self.w.alloc(f"bucket[{name}]", COMM, n * self.r)
 
 
 ACTIONS = {
@@ -261,6 +263,21 @@ def _units(spec: Spec, stages: list[int], numel: dict[str, int]) -> dict[tuple[i
         holds_tied = any(TIED in u.params and u.stage == s for u in units)
         if units and TIED in stage_params(spec, s) and not holds_tied:
             out[(s, "tied-copy")] = numel[TIED]
+    return out
+
+
+def _buckets(spec: Spec, stage: int) -> list[tuple[str, list[str]]]:
+    """DDP per stage: the stage's buckets by name, each the parameters its flat copy holds;
+    one a stage (`s<i>`) without a ddp block's buckets. The head's stage's copy of the tied
+    wte goes with its bucket holding the head (exec/pipeline_sync.py)."""
+    assert spec.pipeline is not None
+    params = stage_params(spec, stage)
+    if not spec.pipeline.buckets:
+        return [(f"s{stage}", params)]
+    out = [(b.name, list(b.params)) for b in spec.pipeline.buckets if b.stage == stage]
+    if TIED in params and all(TIED not in ps for _, ps in out):
+        head = {p.name for p in spec.model.layer_params("head")}
+        next(ps for _, ps in out if head & set(ps)).append(TIED)
     return out
 
 

@@ -67,6 +67,24 @@ def test_dp_x_pp_equals_reference_and_replicas_agree_bitwise(pool, case):
     assert_matches(run(pool, case), reference(case))
 
 
+# DDP buckets per stage (a ddp block): two a stage, each its own flat all-reduce, launched
+# after the stage's last backward in reverse layer order; the tied copy on s1 with the head's
+DDP_BUCKETS = [Case(Schedule.ONE_F_ONE_B, 2, 3, dp=2, buckets=2)]
+
+
+@pytest.mark.parametrize("case", DDP_BUCKETS, ids=str)
+def test_ddp_buckets_per_stage_equal_reference_and_replicas_agree_bitwise(pool, case):
+    """Within the fp32 bounds of the reference, and bitwise the one bucket a stage's run:
+    on 2 replicas each element's sum is the same two terms, however the buckets cut."""
+    import torch
+
+    got = run(pool, case)
+    assert_matches(got, reference(case))
+    for a, b in zip(got.steps, run(pool, replace(case, buckets=1)).steps, strict=True):
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+        assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)
+
+
 # FSDP per stage: the same schedules with each stage's parameters sharded over the 2
 # replicas (one unit a stage, the tied wte one of its own on both ends), AdamW on the shards;
 # and at dp 1 (every shard the whole unit), where the tied unit of pp 1 is read by two stages

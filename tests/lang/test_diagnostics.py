@@ -1048,12 +1048,38 @@ FAIL = [
         id="batch-arithmetic-pipeline",
     ),
     pytest.param(
+        PP + "ddp { bucket a = head, h.1 .. h.0  bucket b = embed }\n",
+        "conflict",
+        "bucket 'a' spans stages 's0' and 's1': a pipeline all-reduces each stage's "
+        "gradients over its own replicas",
+        "bucket a = head, h.1 .. h.0",
+        "split the bucket where the stages meet",
+        id="conflict-pipeline-bucket-across-stages",
+    ),
+    pytest.param(
         PP + "ddp { bucket_cap 1 MiB }\n",
         "conflict",
-        "a pipeline schedule cannot take a ddp block yet",
-        "ddp",
-        "ddp buckets per stage are not supported yet (an fsdp block shards each stage)",
-        id="conflict-pipeline-ddp",
+        "a pipeline's ddp block cannot take bucket_cap",
+        "bucket_cap",
+        "a pipeline stage's buckets are all-reduced once a step, after its last backward, "
+        "while the rank runs on (overlap on, no_sync on)",
+        id="conflict-pipeline-ddp-bucket-cap",
+    ),
+    pytest.param(
+        PP + "ddp { overlap off }\n",
+        "conflict",
+        "a pipeline's ddp block cannot take overlap off",
+        "overlap",
+        "after its last backward",
+        id="conflict-pipeline-ddp-overlap-off",
+    ),
+    pytest.param(
+        PP + "ddp { no_sync off }\n",
+        "conflict",
+        "a pipeline's ddp block cannot take no_sync off",
+        "no_sync",
+        "once a step",
+        id="conflict-pipeline-ddp-no-sync-off",
     ),
     pytest.param(
         PP + "fsdp { unit tied = wte.weight  unit a = wpe.weight, h.0 .. h.1, head }\n",

@@ -26,6 +26,7 @@ PIPELINE = REPO / "schedules" / "pipeline"
 def test_the_pipeline_bundle():
     assert [p.name for p in pipeline_schedules()] == [
         "tiny_pp2_dp2.sched",
+        "tiny_pp2_dp2_ddp.sched",
         "tiny_pp2_dp2_fsdp.sched",
         "tiny_pp2_interleaved.sched",
         "tiny_pp2_written.sched",
@@ -163,6 +164,12 @@ MUTATIONS = {
         ("world 4\n", "world 4\nddp { bucket_cap 1 MiB }\n", "conflict"),
         ("world 4\n", "world 4\nfsdp { unit all = embed .. head }\n", "conflict"),  # tied + more
     ],
+    "tiny_pp2_dp2_ddp.sched": [
+        ("bucket s1.a = h.2", "bucket s1.a = h.2 .. h.1", "double-cover"),
+        ("bucket s0.a = embed", "bucket s0.a = wpe.weight", "uncovered"),
+        ("bucket s1.a = h.2", "bucket s1.a = h.2\n  bucket_cap 1 MiB", "conflict"),
+        ("world 4\n", "world 4\nfsdp { }\n", "conflict"),  # both blocks
+    ],
     "tiny_pp2_dp2_fsdp.sched": [
         ("unit s1.a = h.2 .. h.3, head", "unit s1.a = h.3, head", "uncovered"),
         ("reshard_after_forward off", "reshard_after_forward on", "conflict"),
@@ -256,3 +263,35 @@ def test_an_fsdp_block_with_no_units_shards_each_stage_as_one():
     written = compile_file(PIPELINE / "tiny_pp2_dp2_fsdp.sched").spec.pipeline
     assert written is not None
     assert [u.params for u in written.units] == [u.params for u in c.spec.pipeline.units]
+
+
+# -- DDP per stage --------------------------------------------------------------------------
+
+
+def test_a_pipelines_ddp_buckets_lie_inside_stages():
+    """A bucket across two stages is refused where it is written, naming both stages."""
+    text = (PIPELINE / "tiny_pp2_dp2_ddp.sched").read_text()
+    text = text.replace("bucket s1.a = h.2", "bucket s1.a = h.2 .. h.1").replace(
+        "s0.b = h.1 .. h.0", "s0.b = h.0"
+    )
+    with pytest.raises(CompileError) as info:
+        compile_text(text, "f.sched")
+    (d,) = info.value.diagnostics
+    assert d.code == "conflict" and "bucket 's1.a' spans stages 's0' and 's1'" in d.message
+    assert (d.span.line, d.span.col) == (25, 3)
+    assert [n.message for n in d.notes] == ["stage 's0'", "stage 's1'"]
+    assert info.value.render().count("f.sched:25:3") == 1
+
+
+def test_a_ddp_block_with_no_buckets_is_one_a_stage(capsys):
+    text = (PIPELINE / "tiny_pp2_dp2_ddp.sched").read_text()
+    block = text[text.index("ddp {") :]
+    c = compile_text(text.replace(block, "ddp { overlap on  no_sync on }\n"), "f.sched")
+    assert c.spec.pipeline is not None and c.spec.sync.value == "ddp"
+    assert [(b.name, b.stage, len(b.params)) for b in c.spec.pipeline.buckets] == [
+        ("s0", 0, 2 + 2 * 12),
+        ("s1", 1, 2 * 12 + 2),
+    ]
+    assert main(["check", str(PIPELINE / "tiny_pp2_dp2_ddp.sched")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  pipeline "))
+    assert "in 4 buckets, each stage's in reverse layer order: s1.b in s1, s1.a in s1," in line

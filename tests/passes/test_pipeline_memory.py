@@ -88,6 +88,21 @@ def test_fsdp_per_stage_keeps_shards_and_gathers_its_units():
         assert m.gathered_peak == sum(padded(n, 2) for n in units) * spec.numerics.gather.nbytes
 
 
+def test_ddp_buckets_per_stage_hold_the_one_buckets_bytes():
+    """DDP per stage: each bucket of the ddp block is a flat copy in the reduce dtype from
+    its stage's last backward to the update; together the bytes of one bucket a stage (the
+    head's tied copy with the head's bucket), so the ledger is the same as without them."""
+    path = REPO / "schedules/pipeline/tiny_pp2_dp2_ddp.sched"
+    text = path.read_text()
+    c, one = compile_file(path), compile_text(text[: text.index("ddp {")], "one.sched")
+    assert c.pipeline is not None and one.pipeline is not None
+    numel = {p.name: p.numel for p in c.spec.model.params}
+    for r, m in c.pipeline.memory.items():
+        want = sum(numel[p] for p in stage_params(c.spec, r)) * c.spec.numerics.reduce.nbytes
+        assert m.comm_peak == one.pipeline.memory[r].comm_peak == want
+        assert (m.peak, m.states) == (one.pipeline.memory[r].peak, one.pipeline.memory[r].states)
+
+
 def test_every_bundled_pipeline_has_a_ledger_and_check_says_it(capsys):
     from schedc.cli.main import main
 

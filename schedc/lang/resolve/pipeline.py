@@ -5,10 +5,10 @@ pipeline degree, a named schedule or every rank's program written out
 The degree is the pipeline dimension of the mesh, outermost (ir/spec.py PipelineSpec), so
 dp = world / degree replicas of the pipeline share the global batch (a degree that does not
 divide the world is [mesh-size]). Each stage's gradients are all-reduced over its dp
-replicas implicitly, one bucket a stage, or, with an fsdp block, sharded over them in units
-inside each stage (stage_units.py); a ddp block (buckets per stage) is not taken yet, and
-the statements the pipeline executor and graph cannot honour yet are refused by name
-([conflict]), not ignored.
+replicas, one bucket a stage or in the buckets of a ddp block, each inside a stage
+(stage_buckets.py), or, with an fsdp block, sharded over them in units inside each stage
+(stage_units.py); the statements the pipeline executor and graph cannot honour yet are
+refused by name ([conflict]), not ignored.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from schedc.lang.resolve.cover import prove_cover
 from schedc.lang.resolve.pipeline_programs import resolve_written
 from schedc.lang.resolve.refs import resolve_refs
 from schedc.lang.resolve.settings import Run
+from schedc.lang.resolve.stage_buckets import resolve_stage_buckets
 from schedc.lang.resolve.stage_units import resolve_stage_units
 from schedc.lang.resolve.values import LIMITS, int_of
 from schedc.lang.syntax import (
-    DDP,
     MeshDecl,
     Name,
     Num,
@@ -52,12 +52,7 @@ SCHEDULES: dict[str, Schedule | Written] = {
 }
 # what a pipeline schedule cannot take yet, and why (the graph, lowering and executor of
 # DP schedules run every layer on every rank)
-DP_PER_STAGE = (
-    "a pipeline's replicas all-reduce each stage's gradients in one bucket, implicitly; "
-    "ddp buckets per stage are not supported yet (an fsdp block shards each stage)"
-)
 NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what, why)
-    DDP: ("ddp", "a ddp block", DP_PER_STAGE),
     MeshDecl: ("mesh", "a mesh", "a pipeline's mesh is degree x dp, dp = world / degree"),
     Program: (
         "program",
@@ -124,7 +119,10 @@ def resolve_pipeline(
             return None, None
     where = {k: s.span for k, s in settings.items()}
     units = resolve_stage_units(cx, model, stages) if model is not None else ()
-    spec = PipelineSpec(tuple(stages), degree, schedule, placement, head, where, units, written)
+    buckets = resolve_stage_buckets(cx, model, stages) if model is not None else ()
+    spec = PipelineSpec(
+        tuple(stages), degree, schedule, placement, head, where, units, written, buckets
+    )
     return spec, m
 
 

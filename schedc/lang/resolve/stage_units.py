@@ -16,14 +16,16 @@ says what runs, and is taken).
 
 from __future__ import annotations
 
+from schedc.ir.source import Span
 from schedc.ir.spec import TIED, StageSpec, StageUnit, stage_units
 from schedc.lang.diagnostics import Note
-from schedc.lang.resolve.blocks import read_block
+from schedc.lang.resolve.blocks import Block, read_block
 from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.cover import resolve_members
 from schedc.lang.syntax import FSDP, Prefetch, Recompute, Toggle, UnitDecl
 from schedc.model.arch import GPTConfig
 
+WHY = "a pipeline shards each stage's parameters over its own replicas"
 PER_STAGE = (
     "a pipeline stage's units are gathered once a step, before its first forward, and kept "
     "until its last backward (reshard_after_forward off, as torchtitan under PP)"
@@ -48,26 +50,9 @@ def resolve_stage_units(
             for s, params in stage_units(model, split)
         )
     errors = len(cx.diag.errors)
-    _, groups = resolve_members(cx, block, decls, model, "unit", "")
-    if len(cx.diag.errors) > errors:
-        return ()
-    stage_of = {layer: i for i, st in enumerate(stages) for layer in st.layers}
     units = []
-    for name, span, items in groups:
-        names = {p for p, _ in items}
-        params = tuple(p.name for p in model.params if p.name in names)
-        spans = sorted({stage_of[model.param(p).layer] for p in params})
-        if len(spans) > 1:
-            listed = " and ".join(f"'{stages[s].name}'" for s in spans)
-            cx.err(
-                "conflict",
-                f"unit '{name}' spans stages {listed}: a pipeline shards each stage's "
-                "parameters over its own replicas",
-                span,
-                hint="split the unit where the stages meet",
-                notes=tuple(Note(f"stage '{stages[s].name}'", stages[s].span) for s in spans),
-            )
-        elif TIED in params and len(params) > 1:
+    for name, span, params, stage in in_stages(cx, block, decls, model, stages, "unit", WHY):
+        if TIED in params and len(params) > 1:
             cx.err(
                 "conflict",
                 f"unit '{name}' holds {TIED} with other parameters; in a pipeline the tied "
@@ -77,8 +62,44 @@ def resolve_stage_units(
                 "same way, so the two copies' shards match",
             )
         else:
-            units.append(StageUnit(name, spans[0], params, span))
+            units.append(StageUnit(name, stage, params, span))
     return tuple(units) if len(cx.diag.errors) == errors else ()
+
+
+def in_stages(
+    cx: Context,
+    block: Block,
+    decls: list,
+    model: GPTConfig,
+    stages: list[StageSpec],
+    what: str,
+    why: str,
+) -> list[tuple[str, Span, tuple[str, ...], int]]:
+    """A pipeline's buckets or units, covering every parameter once (cover.py), each as
+    (name, span, parameters in the model's order, its stage); one across stages is a
+    [conflict] naming them, and left out. [] after a coverage error."""
+    errors = len(cx.diag.errors)
+    _, groups = resolve_members(cx, block, decls, model, what, "")
+    if len(cx.diag.errors) > errors:
+        return []
+    stage_of = {layer: i for i, st in enumerate(stages) for layer in st.layers}
+    out = []
+    for name, span, items in groups:
+        names = {p for p, _ in items}
+        params = tuple(p.name for p in model.params if p.name in names)
+        spans = sorted({stage_of[model.param(p).layer] for p in params})
+        if len(spans) > 1:
+            listed = " and ".join(f"'{stages[s].name}'" for s in spans)
+            cx.err(
+                "conflict",
+                f"{what} '{name}' spans stages {listed}: {why}",
+                span,
+                hint=f"split the {what} where the stages meet",
+                notes=tuple(Note(f"stage '{stages[s].name}'", stages[s].span) for s in spans),
+            )
+        else:
+            out.append((name, span, params, spans[0]))
+    return out
 
 
 def _default_name(stage: str, params: tuple[str, ...]) -> str:
