@@ -78,8 +78,8 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     pipeline, split, terms = pipeline_split(cx, model, run)  # the batch is split over dp
     require(cx, model_name, run)
     micro, accum = split_batch(cx, split, model, terms)
-    # a pipeline's replicas all-reduce each stage's gradients implicitly, or shard them by
-    # its fsdp block (read with the stages): no DP strategy
+    # a pipeline's replicas all-reduce each stage's gradients (one bucket a stage, or its ddp
+    # block's buckets) or shard them by its fsdp block, read with the stages: no DP strategy
     piped = pipeline is not None or "pipeline" in cx.seen
     strategy = None if piped else resolve_strategy(cx, model, split.world)
     mesh = resolve_mesh(cx, run.world, strategy)
