@@ -54,7 +54,7 @@ from schedc.exec.cpu_backend import CPUBackend
 from schedc.exec.flat import FlatUnit
 from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
-from schedc.ir.pipeline import Action, Item, Kind
+from schedc.ir.pipeline import Action, Item, last_grad_writers
 from schedc.ir.source import Span
 from schedc.ir.spec import TIED, UnitSpec
 from schedc.model.reference import adamw_groups, make_adamw
@@ -135,14 +135,9 @@ class StageSync:
     def _last_writers(self, program: list[Item]) -> dict[int, tuple[int, Action]]:
         """Each parameter's last writer in the program, by id: (its index, the action); the
         tied wte, in two stages where one rank holds both, goes with the later one."""
-        last: dict[int, Action] = {}
-        for item in program:
-            for act in item:
-                if act.kind in (Kind.B, Kind.W):
-                    last[act.stage] = act
         index = {a: i for i, item in enumerate(program) for a in item}
         owner: dict[int, tuple[int, Action]] = {}
-        for s, act in last.items():
+        for s, act in last_grad_writers(program).items():
             for name in self.job.split[s]:
                 for p in self.model.layer_params(name):
                     owner[id(p)] = max(owner.get(id(p), (-1, act)), (index[act], act))

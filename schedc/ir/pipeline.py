@@ -245,6 +245,17 @@ def needs(pipe: Pipeline, act: Action, backward: Kind = Kind.B) -> list[Action]:
     return []
 
 
+def last_grad_writers(program: list[Item]) -> dict[int, Action]:
+    """Each stage's last B or W in a rank's program: the stage's weight gradients are final
+    after it (where the executor launches their reduction and the ledger counts it)."""
+    last: dict[int, Action] = {}
+    for item in program:
+        for act in item:
+            if act.kind in (Kind.B, Kind.W):
+                last[act.stage] = act
+    return last
+
+
 def producer(recv: Action, backward: Kind = Kind.B) -> Action:
     """The compute whose output a receive brings (on the sending rank)."""
     if recv.kind is Kind.RECV_F:

@@ -119,9 +119,10 @@ class MemoryReport:
         ]
 
 
-class _Ledger:
+class Ledger:
     """The interpreter of a plan's lifetimes (ir/effects.py) with byte sizes: what is live
-    at each measure, the peaks of each part, and the largest total and what it is made of."""
+    at each measure, the peaks of each part, and the largest total and what it is made of.
+    A pipeline rank's walk (passes/pipeline_memory.py) adds its buffers up with it too."""
 
     def __init__(self) -> None:
         self.live: dict[str, tuple[Part, int]] = {}
@@ -183,7 +184,7 @@ class _Ledger:
 def predict(spec: Spec, plan: Plan) -> MemoryReport:
     """The memory of one rank's plan: its lifetimes (ir/effects.py) added up."""
     life = lifetimes(spec, plan)
-    led = _Ledger()
+    led = Ledger()
     led.run(life, plan)
     return led.report(life.states)
 

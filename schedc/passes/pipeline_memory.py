@@ -38,76 +38,46 @@ without it; the peak is what a pipeline file's `memory` budget is checked agains
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from schedc.ir.pipeline import COMPUTE, Action, Item, Kind, Pipeline, Programs
+from schedc.ir.effects import Alloc, Free, Part
+from schedc.ir.pipeline import (
+    COMPUTE,
+    Action,
+    Item,
+    Kind,
+    Pipeline,
+    Programs,
+    last_grad_writers,
+)
 from schedc.ir.sizes import layer_acts, padded, stream_bytes
 from schedc.ir.spec import TIED, Spec
 from schedc.lang.diagnostics import Diagnostics
 from schedc.model.arch import FP32
-from schedc.passes.memory import MemoryReport, fmt_bytes
-
-STATES, GATHERED, GRADS, COMM, ACTS = (
-    "model states",
-    "gathered units",
-    "unsharded gradients",
-    "communication buffers",
-    "activations",
-)
+from schedc.passes.memory import Ledger, MemoryReport, fmt_bytes
 
 
-@dataclass
 class _Walk:
-    """What lives on one pipeline rank, by buffer name, and the peak of the sum."""
+    """What lives on one pipeline rank, added up by the DP ledger's `Ledger` (each part's
+    peak, the total's and what it is made of, the peak without transients); a buffer of no
+    bytes is not allocated, and freeing one that never was is nothing."""
 
-    live: dict[str, tuple[str, int]] = field(default_factory=dict)
-    peak: tuple[int, str, dict[str, int]] = (0, "", {})
-    peaks: dict[str, int] = field(default_factory=dict)  # each part's own peak
-    buffers_peak: int = 0  # the peak without activations
-    settled: int = 0  # the peak at item boundaries, without an op's transients
+    def __init__(self) -> None:
+        self.led = Ledger()
 
-    def alloc(self, name: str, part: str, nbytes: int) -> None:
+    def alloc(self, name: str, part: Part, nbytes: int) -> None:
         if nbytes:
-            self.live[name] = (part, nbytes)
+            self.led.apply(Alloc(name, part, nbytes), "")
 
     def free(self, name: str) -> None:
-        self.live.pop(name, None)
+        if name in self.led.live:
+            self.led.apply(Free(name), "")
 
     def measure(self, at: str, transient: int = 0) -> None:
         """What lives now, and `transient` on top of it: an op's own scratch while it runs
         (its layers' largest, ir/sizes.py `layer_acts`), counted in the peak only."""
-        parts: dict[str, int] = {}
-        for part, n in self.live.values():
-            parts[part] = parts.get(part, 0) + n
-        self.settled = max(self.settled, sum(parts.values()))
-        if transient:
-            parts[ACTS] = parts.get(ACTS, 0) + transient
-        total = sum(parts.values())
-        for part, n in parts.items():
-            self.peaks[part] = max(self.peaks.get(part, 0), n)
-        self.buffers_peak = max(self.buffers_peak, total - parts.get(ACTS, 0))
-        if total > self.peak[0]:
-            self.peak = (total, at, parts)
+        self.led.measure(at, 0, transient)
 
-    def report(self, units: dict, dp: int, g: int) -> MemoryReport:
-        return _report(self, units, dp, g)
-
-
-def _report(w: _Walk, units: dict, dp: int, g: int) -> MemoryReport:
-    total, at, parts = w.peak
-    named = tuple(sorted(((k, v) for k, v in parts.items() if v), key=lambda p: -p[1]))
-    return MemoryReport(
-        states=sum(n for part, n in w.live.values() if part == STATES),
-        gathered_peak=sum(padded(n, dp) * g for n in units.values()),
-        grads_peak=w.peaks.get(GRADS, 0),
-        comm_peak=w.peaks.get(COMM, 0),
-        peak=total,
-        peak_at=at,
-        activations=w.peaks.get(ACTS, 0),
-        buffers_peak=w.buffers_peak,
-        parts=named,
-        settled_peak=w.settled,
-    )
+    def report(self) -> MemoryReport:
+        return self.led.report(self.led.by_part[Part.STATES])
 
 
 def stage_params(spec: Spec, stage: int) -> list[str]:
@@ -141,18 +111,18 @@ class _RankLedger:
         dp = self.dp
         if self.units:
             shard = sum(padded(n, dp) // dp for n in self.units.values())
-            self.w.alloc("states", STATES, shard * 3 * FP32)  # parameter, m, v
+            self.w.alloc("states", Part.STATES, shard * 3 * FP32)  # parameter, m, v
             for name, n in self._named(None):
-                self.w.alloc(f"gathered[{name}]", GATHERED, padded(n, dp) * self.g)
+                self.w.alloc(f"gathered[{name}]", Part.GATHERED, padded(n, dp) * self.g)
         else:
             held = {p for s in stages for p in stage_params(spec, s)}
-            self.w.alloc("states", STATES, sum(self.numel[p] for p in held) * 4 * FP32)
+            self.w.alloc("states", Part.STATES, sum(self.numel[p] for p in held) * 4 * FP32)
 
     def _named(self, stage: int | None) -> list[tuple[str, int]]:
         return [(name, n) for (s, name), n in self.units.items() if stage in (None, s)]
 
     def run(self, program: list[Item]) -> MemoryReport:
-        last = _last_grad_writers(program)
+        last = last_grad_writers(program)
         self.w.measure("step start")
         for item in program:
             for act in item:
@@ -163,7 +133,7 @@ class _RankLedger:
             for act in (a for a in item if last.get(a.stage) == a):
                 self.synced(act.stage)
                 self.w.measure(f"{act} (its gradients' collective issued)")
-        return self.w.report(self.units, self.dp, self.g)
+        return self.w.report()
 
     def transient(self, act: Action) -> int:
         """The largest scratch of the stage's layers in this action (a forward's, or a
@@ -177,7 +147,7 @@ class _RankLedger:
 
     def recv(self, act: Action) -> None:
         kind = "recv_f" if act.kind is Kind.RECV_F else "recv_b"
-        self.w.alloc(f"{kind}[s{act.stage}@mb{act.mb}]", ACTS, self.ncx)
+        self.w.alloc(f"{kind}[s{act.stage}@mb{act.mb}]", Part.ACTS, self.ncx)
 
     def send(self, act: Action) -> None:
         if act.kind is Kind.SEND_B:
@@ -191,9 +161,9 @@ class _RankLedger:
         saved = sum(layer_acts(self.spec, layer).saved for layer in layers)
         if s > 0 and self.pipe.local(s - 1, s):
             saved -= self.ncx  # its input is the local stage before's output, counted there
-        self.w.alloc(f"act[{key}]", ACTS, saved)
+        self.w.alloc(f"act[{key}]", Part.ACTS, saved)
         if s < self.pipe.stages - 1:
-            self.w.alloc(f"out[{key}]", ACTS, self.ncx)
+            self.w.alloc(f"out[{key}]", Part.ACTS, self.ncx)
 
     def backward(self, act: Action) -> None:
         """B, or I (which keeps the graph for W): the input's gradient comes into being."""
@@ -203,7 +173,7 @@ class _RankLedger:
         if act.kind is Kind.B:
             self.weights(act)
         if s > 0:
-            self.w.alloc(f"grad_in[s{s}@mb{j}]", ACTS, self.ncx)
+            self.w.alloc(f"grad_in[s{s}@mb{j}]", Part.ACTS, self.ncx)
 
     def weights(self, act: Action) -> None:
         """B or W: the stage's saved tensors go; its gradients exist from its first one."""
@@ -213,7 +183,7 @@ class _RankLedger:
         if act.stage not in self.written:
             self.written.add(act.stage)
             for name, n in self._named(act.stage):
-                self.w.alloc(f"grad[{name}]", GRADS, padded(n, self.dp) * self.g)
+                self.w.alloc(f"grad[{name}]", Part.GRADS, padded(n, self.dp) * self.g)
 
     def synced(self, stage: int) -> None:
         """After the stage's last B or W: FSDP frees its gathered units and reduce-scatters
@@ -222,11 +192,13 @@ class _RankLedger:
         if self.units:
             for name, n in self._named(stage):
                 self.w.free(f"gathered[{name}]")
-                self.w.alloc(f"shard_grad[{name}]", STATES, padded(n, self.dp) // self.dp * FP32)
+                self.w.alloc(
+                    f"shard_grad[{name}]", Part.STATES, padded(n, self.dp) // self.dp * FP32
+                )
         elif self.dp > 1:
             for name, params in _buckets(self.spec, stage):
                 n = sum(self.numel[p] for p in params)
-                self.w.alloc(f"bucket[{name}]", COMM, n * self.r)
+                self.w.alloc(f"bucket[{name}]", Part.COMM, n * self.r)
 
 
 ACTIONS = {
@@ -281,16 +253,6 @@ def _buckets(spec: Spec, stage: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _last_grad_writers(program: list[Item]) -> dict[int, Action]:
-    """Each stage's last B or W on this rank: its gradients are final after it."""
-    last: dict[int, Action] = {}
-    for item in program:
-        for act in item:
-            if act.kind in (Kind.B, Kind.W):
-                last[act.stage] = act
-    return last
-
-
 def check_budget(spec: Spec, memory: dict[int, MemoryReport], diag: Diagnostics) -> None:
     """[memory-budget]: each pipeline rank's predicted peak against the declared budget,
     the worst rank said (its global ranks: every replica holds the same)."""
@@ -305,7 +267,7 @@ def check_budget(spec: Spec, memory: dict[int, MemoryReport], diag: Diagnostics)
     parts = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in m.parts)
     others = f" ({len(over) - 1} more pipeline ranks over)" if len(over) > 1 else ""
     hint = "raise `memory`"
-    if m.largest == ACTS:
+    if m.largest == Part.ACTS.value:
         hint = (
             "fewer micro-batches in flight: 1f1b keeps at most p - r on rank r where gpipe "
             "keeps all of them; or more stages, a smaller `micro`, or raise `memory`"
