@@ -56,7 +56,7 @@ from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.pipeline import Action, Item, last_grad_writers
 from schedc.ir.source import Span
-from schedc.ir.spec import TIED, UnitSpec
+from schedc.ir.spec import UnitSpec, rank_buckets
 from schedc.model.reference import adamw_groups, make_adamw
 
 
@@ -165,19 +165,10 @@ class ReplicatedStages(StageSync):
                 self.buckets.setdefault(act, []).append([own[n] for n in names])
 
     def _own_buckets(self) -> list[list[str]]:
-        """This rank's buckets, in reverse layer order (the order backward completes them):
-        those holding its stages' parameters; the head's copy of the tied wte (its bucket is
-        the embed's stage's) goes with the bucket holding the head's own parameters."""
+        """This rank's buckets (ir/spec.py `rank_buckets`)."""
         assert self.job.buckets is not None
-        cfg, own = self.job.model, dict(self.named)
-        copy = TIED if self.model.holds_tied_copy else None
-        out = [[n for n in b if n in own and n != copy] for b in self.job.buckets]
-        out = [b for b in out if b]
-        if copy is not None:
-            head = {p.name for p in cfg.layer_params("head")}
-            home = next(b for b in out if head & set(b))  # the buckets cover the head
-            home.append(copy)
-        return sorted(out, key=lambda b: -max(cfg.layer_index(cfg.param(n).layer) for n in b))
+        held = {n for n, _ in self.named}
+        return rank_buckets(self.job.model, self.job.buckets, held, self.model.holds_tied_copy)
 
     def optimizer(self) -> torch.optim.Optimizer:
         return make_adamw(self.named, self.job.optim)

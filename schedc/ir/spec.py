@@ -322,6 +322,22 @@ class WrittenPrograms:
     heads: dict[int, Span] = field(compare=False)  # rank -> its `program` keyword
 
 
+def rank_buckets(
+    cfg: GPTConfig, buckets: tuple[tuple[str, ...], ...], held: set[str], tied_copy: bool
+) -> list[list[str]]:
+    """A pipeline rank's DDP buckets (a ddp block's, each inside a stage): each restricted to
+    the parameters `held`, in reverse layer order (the order backward completes them). Where
+    the rank holds the head's copy of the tied wte (`tied_copy`: the head's stage without the
+    embed's, whose bucket holds the wte), the copy goes with the bucket holding the head's
+    own parameters. The executor's and the memory ledger's one rule."""
+    out = [[n for n in b if n in held and not (tied_copy and n == TIED)] for b in buckets]
+    out = [b for b in out if b]
+    if tied_copy:
+        head = {p.name for p in cfg.layer_params("head")}
+        next(b for b in out if head & set(b)).append(TIED)  # the buckets cover the head
+    return sorted(out, key=lambda b: -max(cfg.layer_index(cfg.param(n).layer) for n in b))
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """`pipeline { ... }`: stages over `degree` ranks, run by a named schedule or by

@@ -49,7 +49,7 @@ from schedc.ir.pipeline import (
     last_grad_writers,
 )
 from schedc.ir.sizes import layer_acts, padded, stream_bytes
-from schedc.ir.spec import TIED, Spec
+from schedc.ir.spec import TIED, Spec, rank_buckets
 from schedc.lang.diagnostics import Diagnostics
 from schedc.model.arch import FP32
 from schedc.passes.memory import Ledger, MemoryReport, fmt_bytes
@@ -104,7 +104,7 @@ class _RankLedger:
         cfg, self.dp = spec.model, spec.dp
         self.ncx = spec.micro * spec.seq_len * cfg.n_embd * stream_bytes(spec)
         self.g, self.r = spec.numerics.gather.nbytes, spec.numerics.reduce.nbytes
-        stages = pipe.stages_of(rank)
+        self.stages = stages = pipe.stages_of(rank)
         self.numel = {p.name: p.numel for p in cfg.params}
         self.units = _units(spec, stages, self.numel)
         self.written: set[int] = set()  # stages whose gradients exist
@@ -196,9 +196,9 @@ class _RankLedger:
                     f"shard_grad[{name}]", Part.STATES, padded(n, self.dp) // self.dp * FP32
                 )
         elif self.dp > 1:
-            for name, params in _buckets(self.spec, stage):
+            for k, params in enumerate(_buckets(self.spec, stage, self.stages)):
                 n = sum(self.numel[p] for p in params)
-                self.w.alloc(f"bucket[{name}]", Part.COMM, n * self.r)
+                self.w.alloc(f"bucket[s{stage}.{k}]", Part.COMM, n * self.r)
 
 
 ACTIONS = {
@@ -233,24 +233,30 @@ def _units(spec: Spec, stages: list[int], numel: dict[str, int]) -> dict[tuple[i
     out = {(u.stage, u.name): sum(numel[p] for p in u.params) for u in units}
     for s in stages:
         holds_tied = any(TIED in u.params and u.stage == s for u in units)
-        if units and TIED in stage_params(spec, s) and not holds_tied:
+        if units and TIED in _stage_held(spec, s, stages) and not holds_tied:
             out[(s, "tied-copy")] = numel[TIED]
     return out
 
 
-def _buckets(spec: Spec, stage: int) -> list[tuple[str, list[str]]]:
-    """DDP per stage: the stage's buckets by name, each the parameters its flat copy holds;
-    one a stage (`s<i>`) without a ddp block's buckets. The head's stage's copy of the tied
-    wte goes with its bucket holding the head (exec/pipeline_sync.py)."""
+def _stage_held(spec: Spec, stage: int, stages: list[int]) -> list[str]:
+    """The parameters a rank keeps for one of its stages: the head's stage's tied wte is a
+    copy of its own only where the rank does not hold the embed's stage too (one parameter)."""
+    held = stage_params(spec, stage)
+    if stage != 0 and 0 in stages:
+        held = [p for p in held if p != TIED]
+    return held
+
+
+def _buckets(spec: Spec, stage: int, stages: list[int]) -> list[list[str]]:
+    """DDP per stage: the stage's buckets, each the parameters its flat copy holds (the
+    executor's `rank_buckets`, ir/spec.py); one a stage without a ddp block's buckets."""
     assert spec.pipeline is not None
-    params = stage_params(spec, stage)
+    held = _stage_held(spec, stage, stages)
     if not spec.pipeline.buckets:
-        return [(f"s{stage}", params)]
-    out = [(b.name, list(b.params)) for b in spec.pipeline.buckets if b.stage == stage]
-    if TIED in params and all(TIED not in ps for _, ps in out):
-        head = {p.name for p in spec.model.layer_params("head")}
-        next(ps for _, ps in out if head & set(ps)).append(TIED)
-    return out
+        return [held]
+    tied_copy = stage != 0 and TIED in held
+    buckets = tuple(b.params for b in spec.pipeline.buckets if b.stage == stage)
+    return rank_buckets(spec.model, buckets, set(held), tied_copy)
 
 
 def check_budget(spec: Spec, memory: dict[int, MemoryReport], diag: Diagnostics) -> None:

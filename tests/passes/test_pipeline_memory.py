@@ -142,3 +142,24 @@ def test_zb_h1_holds_1f1b_peak_at_its_bubble(p):
         assert max(in_flight(prog) for prog in g.programs.values()) <= min(p, m)
         timing = simulate(prove(g.pipeline, g.programs).graph, Costs(f=1, i=1, w=1))
         assert timing.step == 3 * m + p - 1
+
+
+@pytest.mark.parametrize("block", ["fsdp { }", "ddp { }", ""])
+def test_one_rank_holding_embed_and_head_holds_one_wte(block):
+    """Degree 1, two stages interleaved on one rank, two replicas: the tied wte is one
+    parameter there (no head's copy), so FSDP shards it once and a stage's flat bucket
+    copies it once: the states are the units' shards, the buckets every parameter once."""
+    c = compile_text(
+        "model tiny\nworld 2\nbatch 8 x 64\npipeline {\n  stage s0 = embed, h.0 .. h.1\n"
+        "  stage s1 = h.2 .. h.3, head\n  degree 1\n  schedule interleaved\n"
+        f"  microbatches 2\n}}\n{block}\n"
+    )
+    spec, m = c.spec, c.pipeline.memory[0]
+    numel = sum(p.numel for p in spec.model.params)
+    if block.startswith("fsdp"):
+        units = [sum(spec.model.param(p).numel for p in u.params) for u in spec.pipeline.units]
+        assert m.states == sum(padded(n, 2) // 2 for n in units) * 4 * FP32
+        assert m.gathered_peak == sum(padded(n, 2) for n in units) * FP32
+    else:
+        assert m.states == numel * 4 * FP32
+        assert m.comm_peak == numel * FP32  # the two stages' flat buckets, wte in one
