@@ -90,11 +90,8 @@ def render_pipeline(args: argparse.Namespace, out: Path) -> int:
         raise UserError(f"-o {args.output}: cannot write: {e.strerror or e}") from None
     print(f"schedc: wrote {out} (pipeline timeline)")
     for g in grids:
-        bubble = ", ".join(
-            f"{who(g.compiled, r)} {100 * b:.1f}%" for r, b in sorted(g.bubble.items())
-        )
         unit = "ms" if g.unit else "(F = 1 a stage)"
-        print(f"  {g.name}: step {g.step:.4g} {unit}, bubble {bubble}")
+        print(f"  {g.name}: step {g.step:.4g} {unit}, bubble {_bubble(g.compiled, g.bubble)}")
     return 0
 
 
@@ -110,7 +107,7 @@ def _traced(c: Compiled, args: argparse.Namespace) -> list[Grid]:
         )
     m = measure(trace.spans, plan.programs, step, c.spec.dp)
     name = Path(args.trace).name
-    bubble = ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(m.bubble.items()))
+    bubble = _bubble(c, m.bubble)
     rep = " of replica 0" if c.spec.dp > 1 else ""
     grids = [
         measured_grid(
@@ -125,8 +122,12 @@ def _traced(c: Compiled, args: argparse.Namespace) -> list[Grid]:
             f"{costs.gap:.2f} ms)"
         )
         pred = grid_of(c, costs, "")
-        words = ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(pred.bubble.items()))
         unit = ", ".join(f"{100 * b:.1f}%" for _, b in sorted(plan.bubble.items()))
-        said += f": {pred.step:.1f} ms; bubble {words} (at unit costs {unit})"
+        said += f": {pred.step:.1f} ms; bubble {_bubble(c, pred.bubble)} (at unit costs {unit})"
         grids.insert(0, replace(pred, said=said))
     return grids
+
+
+def _bubble(c: Compiled, bubble: dict[int, float]) -> str:
+    """Each rank's idle share, as the summary lines say it: `rank 0 27.3%, ...`."""
+    return ", ".join(f"{who(c, r)} {100 * b:.1f}%" for r, b in sorted(bubble.items()))
