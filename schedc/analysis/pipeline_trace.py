@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from statistics import fmean, median
 
 from schedc.errors import UserError
-from schedc.ir.pipeline import Kind, Programs, format_item, reader
+from schedc.ir.pipeline import Kind, Programs, actions, backward_kind, format_item, reader
 from schedc.passes.pipeline_sim import Costs
 
 FORMAT = "schedc-pipeline"
@@ -182,7 +182,7 @@ class Measured:
         """Median host time (ms) from an item's end to the next one's start, over the items
         that wait for no receive: the executor's own time between items."""
         reads = {
-            reader(a, Kind.I if self._split else Kind.B)
+            reader(a, self._back)
             for p in self.programs.values()
             for it in p
             for a in it
@@ -197,8 +197,8 @@ class Measured:
         return median(gaps) if gaps else 0.0
 
     @property
-    def _split(self) -> bool:
-        return any(a.kind is Kind.I for p in self.programs.values() for it in p for a in it)
+    def _back(self) -> Kind:
+        return backward_kind(a for p in self.programs.values() for a in actions(p))
 
     def calibrated(self) -> Costs:
         """The simulator's costs as measured here: each kind per stage, latency, posting, gap."""
@@ -213,12 +213,11 @@ class Measured:
         1-6 ms), which the median drops."""
         at = {a: (r, i) for r, p in self.programs.items() for i, it in enumerate(p) for a in it}
         sends = {a.tag: at[a] for a in at if a.kind.is_send}
-        split = any(a.kind is Kind.I for a in at)
         samples = []
         for a, (r, i) in at.items():
             if not a.kind.is_p2p or a.kind.is_send:
                 continue
-            k = at[reader(a, Kind.I if split else Kind.B)][1]
+            k = at[reader(a, self._back)][1]
             start, before = self.times[(r, k)][0], self.times[(r, k - 1)][1]
             posted = max(self.times[sends[a.tag]][1], self.times[(r, i)][1])
             if start > before and start > posted:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from schedc.ir.pipeline import Action, Item, Kind, Pipeline, reader
+from schedc.ir.pipeline import Action, Item, Pipeline, actions, backward_kind, reader
 
 
 @dataclass
@@ -83,12 +83,9 @@ def make_comm(rank: int, world: int, pipe: Pipeline) -> PipeComm:
 def awaited(program: list[Item]) -> list[tuple[Action, ...]]:
     """Per item, the receives of the program it reads (ir/pipeline.py `reader`): what the
     executor waits for before running it, and passes/pipeline_sim.py's lazy model too."""
-    split = any(a.kind is Kind.I for item in program for a in item)
+    back = backward_kind(actions(program))
     by_reader = {
-        reader(a, Kind.I if split else Kind.B): a
-        for item in program
-        for a in item
-        if a.kind.is_p2p and not a.kind.is_send
+        reader(a, back): a for item in program for a in item if a.kind.is_p2p and not a.kind.is_send
     }
     return [
         (by_reader[item[0]],) if not item[0].kind.is_p2p and item[0] in by_reader else ()

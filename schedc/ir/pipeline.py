@@ -20,6 +20,7 @@ program is one action or a group of point-to-point actions issued together
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -261,6 +262,12 @@ def producer(recv: Action, backward: Kind = Kind.B) -> Action:
     if recv.kind is Kind.RECV_F:
         return Action(Kind.F, recv.stage - 1, recv.mb)
     return Action(backward, recv.stage + 1, recv.mb)
+
+
+def backward_kind(acts: Iterable[Action]) -> Kind:
+    """The kind that makes a stage's input gradient in these actions' schedule: I where the
+    backward is split (zero bubble), else B."""
+    return Kind.I if any(a.kind is Kind.I for a in acts) else Kind.B
 
 
 def reader(recv: Action, backward: Kind = Kind.B) -> Action:

@@ -40,6 +40,7 @@ from schedc.ir.pipeline import (
     Placement,
     Programs,
     Schedule,
+    backward_kind,
     needs,
     producer,
 )
@@ -231,7 +232,7 @@ def _inputs(pipe: Pipeline, act: Action, backward: Kind) -> list[Action]:
 
 
 def _backward_kind(orders: dict[int, list[Action]]) -> Kind:
-    return Kind.I if any(a.kind is Kind.I for acts in orders.values() for a in acts) else Kind.B
+    return backward_kind(a for acts in orders.values() for a in acts)
 
 
 def _transfers(pipe: Pipeline, act: Action) -> tuple[Action, Action] | None:

@@ -35,6 +35,7 @@ from schedc.ir.pipeline import (
     Programs,
     Written,
     actions,
+    backward_kind,
     format_item,
     side_by_side,
 )
@@ -63,7 +64,7 @@ class PipelinePlan:
     def cost_words(self) -> str:
         """The costs the bubble was simulated at, as the summary says them."""
         c = self.costs
-        split = any(a.kind is Kind.I for p in self.programs.values() for i in p for a in i)
+        split = backward_kind(a for p in self.programs.values() for a in actions(p)) is Kind.I
         kinds = f"F {c.f:g}, I {c.i:g}, W {c.w:g}" if split else f"F {c.f:g}, B {c.b:g}"
         return f"{kinds} a stage, transfers free"
 

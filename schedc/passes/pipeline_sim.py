@@ -29,7 +29,7 @@ from enum import Enum
 
 import networkx as nx
 
-from schedc.ir.pipeline import Action, Kind, reader
+from schedc.ir.pipeline import Action, Kind, backward_kind, reader
 
 
 class Waits(str, Enum):
@@ -91,14 +91,14 @@ def lazy(graph: nx.DiGraph) -> nx.DiGraph:
     for node, data in graph.nodes(data=True):
         if node[0] == "post" and not data["item"][0].kind.is_p2p:
             at[(node[1], data["item"][0])] = node[2]
-    split = any(a.kind is Kind.I for _, a in at)
+    back = backward_kind(a for _, a in at)
     for node, data in graph.nodes(data=True):
         if node[0] != "xfer":
             continue
         rank, item, _, recv = data["recv"]
         g.remove_edge(node, ("done", data["send"][0], data["send"][1]))
         g.remove_edge(node, ("done", rank, item))
-        g.add_edge(node, ("post", rank, at[(rank, reader(recv, Kind.I if split else Kind.B))]))
+        g.add_edge(node, ("post", rank, at[(rank, reader(recv, back))]))
     return g
 
 

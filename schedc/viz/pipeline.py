@@ -25,7 +25,7 @@ from pathlib import Path
 from schedc.analysis.pipeline_trace import Measured
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind as OpKind
-from schedc.ir.pipeline import Action, Kind, producer
+from schedc.ir.pipeline import Action, Kind, backward_kind, producer
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_plan import PipelinePlan
 from schedc.passes.pipeline_sim import Costs, simulate
@@ -134,8 +134,7 @@ def _grid(
             if not item[0].kind.is_p2p
         ]
     at = {s.action: s for row in slots.values() for s in row}
-    split = any(a.kind is Kind.I for a in at)
-    back = Kind.I if split else Kind.B
+    back = backward_kind(at)
     transfers = []
     for _, program in sorted(plan.programs.items()):
         for item in program:
