@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/pipeline_bench.py                     # PP 4 and PP 2 x DP 2
     PYTHONPATH=$PWD python bench/pipeline_bench.py --config pp4 --steps 6 --rounds 5
+    PYTHONPATH=$PWD python bench/pipeline_bench.py --save run.json   # then --replay run.json
 
 Four CPU ranks (gloo, one thread each, started here with torch.multiprocessing and a
 FileStore) hold the same stages (exec/pipeline_model.py split_layers: embed .. head cut
@@ -37,16 +38,20 @@ measured mean cost of each kind per stage; medians over steps. Not part of the t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn import functional as F
+
+from schedc.analysis.pipeline_trace import ItemSpan
+from schedc.model.arch import SIZES
 
 WORLD = 4
 LAYOUTS = {"pp4": (4, 1), "pp2xdp2": (2, 2)}  # name -> (pp, dp)
@@ -181,7 +186,6 @@ def _rank(rank: int, args, store_dir: str, out) -> None:
     from schedc.exec.pipeline_comm import make_comm
     from schedc.exec.pipeline_model import PipeJob, split_layers
     from schedc.ir.pipeline import Pipeline
-    from schedc.model.arch import SIZES
     from schedc.model.config import DataConfig, OptimConfig
     from schedc.model.data import load_batches
 
@@ -211,8 +215,9 @@ def _rank(rank: int, args, store_dir: str, out) -> None:
     dist.destroy_process_group()
 
 
-def _bubbles(args, cfg, spans) -> list[str]:
-    """Per layout and schedule: measured, calibrated and unit-cost bubble per pipeline rank."""
+def _bubbles(args, spans) -> list[str]:
+    """Per layout and schedule and pipeline rank: the measured bubble, the predicted one at
+    each step's measured costs (`Measured.calibrated`) and at unit costs; medians over steps."""
     from schedc.analysis.pipeline_trace import measure
     from schedc.passes.pipeline_check import prove
     from schedc.passes.pipeline_gen import Request, Schedule, generate
@@ -231,7 +236,6 @@ def _bubbles(args, cfg, spans) -> list[str]:
             gen = generate(Request(Schedule(schedule), pp, args.m, v))
             graph = prove(gen.pipeline, gen.programs).graph
             unit = simulate(graph, Costs(f=1 / v, b=2 / v)).bubble
-            mine = [s for n, _, sch, s in spans if n == name and sch == schedule]
             keys = sorted({(r, s.step) for n, r, sch, s in spans if n == name and sch == schedule})
             got: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
             seen: list = []
@@ -239,11 +243,11 @@ def _bubbles(args, cfg, spans) -> list[str]:
                 these = [s for n, r, sch, s in spans
                          if (n, sch, r, s.step) == (name, schedule, rnd, step)]  # fmt: skip
                 m = measure(these, gen.programs, step, dp)
-                pred = simulate(graph, m.calibrated()).bubble
                 seen.append(m.calibrated())
+                pred = simulate(graph, seen[-1]).bubble
                 for r in range(pp):
                     got[r].append((m.bubble[r], pred[r]))
-            assert mine
+            assert keys
             notes.append(
                 f"{name} {schedule}: median over steps of the calibration: latency "
                 f"{statistics.median(c.latency for c in seen):.2f} ms, posting "
@@ -270,21 +274,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=128, help="tokens a sequence")
     ap.add_argument("--steps", type=int, default=4, help="timed steps a round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--save", help="write the step times and every rank's item spans here")
+    ap.add_argument("--replay", help="read a --save file and print its tables (runs nothing)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    load = os.getloadavg()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank, args=(r, args, d, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        cfg, rows, spans = out.get(timeout=3600)
-        for p in procs:
-            p.join()
+    if args.replay:
+        with open(args.replay) as f:
+            saved = json.load(f)
+        args = argparse.Namespace(**(saved["args"] | {"replay": args.replay, "save": None}))
+        cfg = replace(SIZES[args.model], n_layer=args.layers)
+        rows = [tuple(r) for r in saved["rows"]]
+        spans = [(n, r, sch, ItemSpan(**s)) for n, r, sch, s in saved["spans"]]
+        print(f"replayed from {args.replay}")
+    else:
+        cfg, rows, spans = _run(args)
     print(f"{args.model} with {cfg.n_layer} blocks, m {args.m} x {args.micro} seqs x {args.seq} "
-          f"tokens a replica, {args.rounds} rounds x {args.steps} timed steps; load average "
-          f"{load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
+          f"tokens a replica, {args.rounds} rounds x {args.steps} timed steps")  # fmt: skip
     print(
         "| layout | schedule | schedc step ms (median) | torch step ms (median) | schedc / torch |"
     )
@@ -300,10 +304,30 @@ def main(argv: list[str] | None = None) -> None:
             ratio = med["schedc"] / med["torch"]
             print(f"| {name} | {schedule} | {med['schedc']:.1f} | {med['torch']:.1f} | "
                   f"{ratio:.3f}x |")  # fmt: skip
+    if args.save:
+        with open(args.save, "w") as f:
+            saved = [(n, r, sch, asdict(s)) for n, r, sch, s in spans]
+            json.dump({"args": vars(args), "rows": rows, "spans": saved}, f)
     print()
-    print("\n".join(_bubbles(args, cfg, spans)))
+    print("\n".join(_bubbles(args, spans)))
     print()
     print("per round (ms):", [(n, r, s, sd, round(t, 1)) for n, r, s, sd, t in rows])
+
+
+def _run(args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_rank, args=(r, args, d, out)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        cfg, rows, spans = out.get(timeout=3600)
+        for p in procs:
+            p.join()
+    print(f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
+    return cfg, rows, spans
 
 
 if __name__ == "__main__":

@@ -162,20 +162,30 @@ class Measured:
     def bubble(self) -> dict[int, float]:
         return {r: (self.step - b) / self.step if self.step else 0.0 for r, b in self.busy.items()}
 
-    def costs(self) -> dict[tuple[Kind, int], float]:
-        """Mean duration (ms) of each compute kind per stage: the simulator's `Costs.measured`."""
+    def durations(self) -> dict[tuple[Kind, int], list[float]]:
+        """Every compute item's duration (ms), by kind and stage."""
         seen: dict[tuple[Kind, int], list[float]] = {}
-        for (r, i), (a, b) in self.times.items():
+        for (r, i), (a, b) in sorted(self.times.items()):
             act = self.programs[r][i][0]
             if not act.kind.is_p2p:
                 seen.setdefault((act.kind, act.stage), []).append(b - a)
-        return {k: fmean(v) for k, v in sorted(seen.items())}
+        return dict(sorted(seen.items()))
+
+    def costs(self) -> dict[tuple[Kind, int], float]:
+        """Mean duration (ms) of each compute kind per stage: the simulator's `Costs.measured`."""
+        return {k: fmean(v) for k, v in self.durations().items()}
+
+    def postings(self) -> dict[int, list[float]]:
+        """Every transfer item's posting time (ms), by pipeline rank."""
+        out: dict[int, list[float]] = {r: [] for r in self.programs}
+        for (r, i), (a, b) in sorted(self.times.items()):
+            if self.programs[r][i][0].kind.is_p2p:
+                out[r].append(b - a)
+        return out
 
     def post(self) -> float:
         """Mean time (ms) a rank spent posting a transfer item."""
-        spent = [
-            b - a for (r, i), (a, b) in self.times.items() if self.programs[r][i][0].kind.is_p2p
-        ]
+        spent = [t for v in self.postings().values() for t in v]
         return fmean(spent) if spent else 0.0
 
     def gap(self) -> float:
@@ -201,28 +211,46 @@ class Measured:
         return backward_kind(a for p in self.programs.values() for a in actions(p))
 
     def calibrated(self) -> Costs:
-        """The simulator's costs as measured here: each kind per stage, latency, posting, gap."""
-        return Costs.measured(self.costs(), self.latency(), self.post(), self.gap())
+        """The simulator's costs as measured here: each kind per stage, latency, posting
+        (each rank's own mean: which transfers a rank groups and when differs), gap."""
+        posts = {r: fmean(v) for r, v in self.postings().items() if v}
+        return Costs.measured(self.costs(), self.latency(), self.post(), self.gap(), posts)
 
     def latency(self) -> float:
-        """Mean time (ms) from a transfer's later end being posted until its reader ran,
-        over the readers that had to wait for it (their previous item ended before): the
-        transport's latency, and on a shared CPU the reader's wake-up. The mean, not the
-        median: a step's length is a sum of the latencies on its critical path, and these
-        have a long tail (measured on 2 ranks: most under 0.15 ms, one to four a step of
-        1-6 ms), which the median drops."""
+        """Mean of `latencies`. The mean, not the median: a step's length is a sum of the
+        latencies on its critical path, and these have a long tail (measured on 2 ranks:
+        most under 0.15 ms, one to four a step of 1-6 ms), which the median drops."""
+        samples = self.latencies()
+        return fmean(samples) if samples else 0.0
+
+    def latencies(self) -> list[float]:
+        """Time (ms) from the later of a transfer's two items starting to be posted until its
+        reader ran (the simulator's latency: posting included, as gloo writes in the
+        posting), over the readers that waited for it: the transport's latency, and on a
+        shared CPU the reader's wake-up. A reader waited if it started more than `waited` after its
+        previous item ended; one that did not tells nothing of the transfer (it may have
+        arrived long before), and counting it (as this did until 2026-12-03) put waits of
+        10-15 ms into interleaved schedules' latency, whose receives are posted early."""
         at = {a: (r, i) for r, p in self.programs.items() for i, it in enumerate(p) for a in it}
         sends = {a.tag: at[a] for a in at if a.kind.is_send}
+        waited = self.waited()
         samples = []
-        for a, (r, i) in at.items():
+        for a, (r, i) in sorted(at.items(), key=lambda e: e[1]):
             if not a.kind.is_p2p or a.kind.is_send:
                 continue
             k = at[reader(a, self._back)][1]
             start, before = self.times[(r, k)][0], self.times[(r, k - 1)][1]
-            posted = max(self.times[sends[a.tag]][1], self.times[(r, i)][1])
-            if start > before and start > posted:
+            posted = max(self.times[sends[a.tag]][0], self.times[(r, i)][0])
+            if start - before > waited and start > posted:
                 samples.append(start - posted)
-        return fmean(samples) if samples else 0.0
+        return samples
+
+    def waited(self) -> float:
+        """How long (ms) after its previous item a reader must start to have waited: three
+        times the executor's own time between items, and at least 20 us (on a 2-core CPU
+        the gap is 6-9 us, and readers that found their transfer arrived start within 20 us;
+        those that waited, from 30 us to milliseconds)."""
+        return max(3 * self.gap(), 0.02)
 
 
 def measure(

@@ -6,8 +6,9 @@
 
 It reads the happens-before graph the proof built (passes/pipeline_check.py), so what is
 timed is what was proven. A compute item ends its duration after it is posted, a transfer
-item `post` after (its posting); a transfer ends `latency` after both its ends are posted
-(its rendezvous); the next item on a rank is posted `gap` after the previous one ends.
+item `post` after (its posting; `post_at` a rank's own); a transfer ends `latency` after
+the later of its two items starts to be posted (its rendezvous: the posting writes the
+data); the next item on a rank is posted `gap` after the previous one ends.
 Two ways of waiting for a transfer:
 
 - `Waits.LAZY` (the default: what exec/pipeline.py does): a transfer item is posted and the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 import networkx as nx
 
@@ -40,7 +42,8 @@ class Waits(str, Enum):
 @dataclass(frozen=True)
 class Costs:
     """Durations of the compute actions and the latency of one transfer (any unit); `stage`
-    overrides a kind's duration for one stage (measured costs: `Costs.measured`)."""
+    overrides a kind's duration for one stage, `post_at` the posting time for one rank
+    (measured costs: `Costs.measured`)."""
 
     f: float = 1.0
     b: float = 2.0
@@ -50,13 +53,24 @@ class Costs:
     post: float = 0.0  # the time a rank spends posting a transfer item (not computing)
     gap: float = 0.0  # host time between one item's end and the next one's start on a rank
     stage: tuple[tuple[tuple[Kind, int], float], ...] = field(default=())
+    post_at: tuple[tuple[int, float], ...] = field(default=())
+
+    @cached_property
+    def _table(self) -> dict[tuple[Kind, int], float]:
+        return dict(self.stage)
 
     def of(self, kind: Kind, stage: int | None = None) -> float:
-        if self.stage and stage is not None:
-            for (k, s), t in self.stage:
-                if k is kind and s == stage:
-                    return t
+        t = self._table.get((kind, stage)) if stage is not None else None
+        if t is not None:
+            return t
         return {Kind.F: self.f, Kind.B: self.b, Kind.I: self.i, Kind.W: self.w}.get(kind, 0.0)
+
+    @cached_property
+    def _posts(self) -> dict[int, float]:
+        return dict(self.post_at)
+
+    def posting(self, rank: int) -> float:
+        return self._posts.get(rank, self.post)
 
     @classmethod
     def measured(
@@ -65,10 +79,18 @@ class Costs:
         latency: float = 0.0,
         post: float = 0.0,
         gap: float = 0.0,
+        post_at: dict[int, float] | None = None,
     ) -> Costs:
         """Per-stage costs from measured means by (kind, stage); a kind never measured keeps
-        the unit default (it does not run in that schedule)."""
-        return cls(latency=latency, post=post, gap=gap, stage=tuple(sorted(means.items())))
+        the unit default (it does not run in that schedule). `post_at`: a rank's own mean
+        posting time, where it differs from the others' (which transfers it groups)."""
+        return cls(
+            latency=latency,
+            post=post,
+            gap=gap,
+            stage=tuple(sorted(means.items())),
+            post_at=tuple(sorted((post_at or {}).items())),
+        )
 
 
 @dataclass(frozen=True)
@@ -124,7 +146,7 @@ def simulate(graph: nx.DiGraph, costs: Costs, waits: Waits = Waits.LAZY) -> Timi
                 t[node] = max(ready, t[("post", node[1], node[2])] + cost)
                 busy[node[1]] = busy.get(node[1], 0.0) + cost
             else:
-                t[node] = max(ready, t[("post", node[1], node[2])] + costs.post)
+                t[node] = max(ready, t[("post", node[1], node[2])] + costs.posting(node[1]))
                 busy.setdefault(node[1], 0.0)
             ends[node[1]] = max(ends.get(node[1], 0.0), t[node])
     starts = {(n[1], n[2]): v for n, v in t.items() if n[0] == "post"}
