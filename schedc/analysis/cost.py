@@ -41,7 +41,7 @@ from schedc.files import read_limited
 from schedc.ir.op import Kind, Op
 from schedc.ir.sizes import op_bytes, padded, unit_numel
 from schedc.ir.spec import Dtype, FSDPSpec, Numerics, Spec, Strategy
-from schedc.model.arch import FP32
+from schedc.model.arch import FP32, GPTConfig
 
 FP32_POLICY = Numerics()
 ADAMW_BYTES = 7 * FP32  # per parameter: read param, grad, m, v; write param, m, v
@@ -288,12 +288,16 @@ def grad_bytes(spec: Spec, op: Op) -> float:
     EmbeddingIntoGrad; a compiled region keeps the dense vocab x d gradient)."""
     if op.kind is not Kind.BWD:
         return 0.0
-    m, layer = spec.model, op.target
-    rows_only = layer == "embed" and not spec.numerics.compile
+    return layer_grad_bytes(spec.model, op.target, spec.numerics.compile)
+
+
+def layer_grad_bytes(model: GPTConfig, layer: str, compiled: bool = False) -> float:
+    """`grad_bytes` of one layer's backward (`compiled`: the embedding's gradient dense)."""
+    rows_only = layer == "embed" and not compiled
     return FP32 * sum(
         p.numel
-        for p in m.params
-        if layer in m.users(p.name) and not (rows_only and p.name == "wte.weight")
+        for p in model.params
+        if layer in model.users(p.name) and not (rows_only and p.name == "wte.weight")
     )
 
 

@@ -4,7 +4,9 @@
     schedc tune my.sched --cost params.json --measure 8 --fit fitted.json --write-top top/
 
 The file fixes the model, world, global batch, data, optimizer, steps and seed; tune
-searches the rest (schedc/tune/: the space, the bounds, the search; docs/tune.md).
+searches the rest (schedc/tune/: the space, the bounds, the search; docs/tune.md). A
+pipeline file's search is its degree, schedule, micro-batches and stage split
+(tune/pipeline.py, cli/tune_pipeline.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
 from schedc.cli.render import add_cost_args, cost_from_args, default_cost_note
+from schedc.cli.tune_pipeline import tune_pipeline
 from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
 from schedc.lang.resolve import UNITS, size_bytes
@@ -133,10 +136,7 @@ def run(args: argparse.Namespace) -> int:
     defaults(args, steps=4, rounds=1, timeout=600)
     base = Base.read(args.file)
     if base.pipeline:
-        raise UserError(
-            f"{args.file} is a pipeline schedule: tune searches data-parallel layouts (DDP and "
-            "FSDP); pipeline degree, schedule and placement are not in its space yet"
-        )
+        return tune_pipeline(args, base, options(args, base))
     if base.mesh:
         print(f"schedc: note: {args.file}: {NOT_SEARCHED.format(mesh=base.mesh)}")
     opts = options(args, base)

@@ -101,18 +101,20 @@ class Base:
     precision: Span | None  # the file's `precision` statement: dropped when tune searches it
     world: int = 1  # as written (the compiler judges it)
     mesh: str | None = None  # the file's `mesh` statement as written: HSDP, not searched
-    pipeline: bool = False  # a `pipeline` block: not in tune's space at all
+    pipeline: Span | None = None  # a `pipeline` block: tune/pipeline.py writes it anew
+    memory_span: Span | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> Base:
         source = read_source(path)
         ast = to_ast(parse(source), source)  # a syntax error is the user's, located
-        dropped, memory, precision, world, mesh, pipeline = [], None, None, 1, None, False
+        dropped, memory, precision, world, mesh = [], None, None, 1, None
+        pipeline, memory_span = None, None
         for s in ast.stmts:
             if isinstance(s, Setting) and s.key in SEARCHED_SETTINGS:
                 dropped.append(s.span)
             elif isinstance(s, Memory):
-                memory = source.snippet(s.size.span)
+                memory, memory_span = source.snippet(s.size.span), s.span
                 dropped.append(s.span)
             elif isinstance(s, DDP | FSDP | StreamDecl | Program | MeshDecl):
                 # a `mesh` goes with the strategy: tune searches flat DDP and FSDP layouts
@@ -121,31 +123,21 @@ class Base:
                 mesh = source.snippet(s.span) if isinstance(s, MeshDecl) else mesh
             elif isinstance(s, Precision):
                 precision = s.span
-            pipeline = pipeline or isinstance(s, Pipeline)
+            pipeline = s.span if isinstance(s, Pipeline) else pipeline
             if isinstance(s, Setting) and s.key == "world" and s.value.is_int:
                 world = int(s.value.text)
-        return cls(source, tuple(dropped), memory, precision, world, mesh, pipeline)
+        return cls(source, tuple(dropped), memory, precision, world, mesh, pipeline, memory_span)
 
-    def kept_text(self, *, blank: bool, precision: bool = True) -> str:
+    def kept_text(
+        self, *, blank: bool, precision: bool = True, extra: tuple[Span, ...] = ()
+    ) -> str:
         """The file without the dropped statements (and their trailing comments): blanked
         with spaces, newlines kept, so positions hold (`blank`); or cut, for a file to read.
-        `precision`: keep the file's precision statement."""
-        text = self.source.text
-        out, at = [], 0
-        drop = self.dropped + ((self.precision,) if self.precision and not precision else ())
-        for sp in sorted(drop):
-            start = comments_above(text, sp.start)  # they describe what is dropped
-            out.append(text[at:start])
-            end = sp.end
-            eol = text.find("\n", end)
-            eol = len(text) if eol < 0 else eol
-            if text[end:eol].strip().startswith("#") or not text[end:eol].strip():
-                end = eol  # the statement's own comment goes with it
-            cut = text[start:end]
-            out.append("".join(c if c == "\n" else " " for c in cut) if blank else "")
-            at = end
-        out.append(text[at:])
-        kept = "".join(out)
+        `precision`: keep the file's precision statement; `extra`: more statements to drop."""
+        drop = (
+            self.dropped + extra + ((self.precision,) if self.precision and not precision else ())
+        )
+        kept = _blanked(self.source.text, drop, blank)
         if blank:
             return kept
         lines = [ln.rstrip() for ln in kept.split("\n")]
@@ -155,10 +147,42 @@ class Base:
                 tidy.append(ln)
         return "\n".join(tidy).rstrip("\n") + "\n"
 
+    def unbudgeted_text(self) -> str:
+        """The file as written but for its `memory` (blanked): what the model, world and
+        batch resolve from, before any candidate is judged against the budget."""
+        return _blanked(self.source.text, (self.memory_span,) if self.memory_span else ())
+
+    def pipeline_text(
+        self, block: str, budget: str | None, *, precision: bool = True, blank: bool = True
+    ) -> str:
+        """A pipeline candidate: the kept statements (`precision`: with the file's), the
+        file's `pipeline` block dropped too, and `block` after them."""
+        assert self.pipeline is not None
+        kept = self.kept_text(blank=blank, precision=precision, extra=(self.pipeline,))
+        return kept + "\n" + "".join(f"memory {budget}\n" if budget else "") + block + "\n"
+
     def text(self, k: Knobs, cfg: GPTConfig | None, budget: str | None, *, blank=True) -> str:
         """The candidate as a whole schedule (cfg: the model, for layer names)."""
         kept = self.kept_text(blank=blank, precision=k.precision is None)
         return kept + "\n" + knob_text(k, cfg, budget)
+
+
+def _blanked(text: str, drop, blank: bool = True) -> str:
+    """`text` without the statements at `drop` and their comments (blanked or cut)."""
+    out, at = [], 0
+    for sp in sorted(drop):
+        start = comments_above(text, sp.start)  # they describe what is dropped
+        out.append(text[at:start])
+        end = sp.end
+        eol = text.find("\n", end)
+        eol = len(text) if eol < 0 else eol
+        if text[end:eol].strip().startswith("#") or not text[end:eol].strip():
+            end = eol  # the statement's own comment goes with it
+        cut = text[start:end]
+        out.append("".join(c if c == "\n" else " " for c in cut) if blank else "")
+        at = end
+    out.append(text[at:])
+    return "".join(out)
 
 
 def knob_text(k: Knobs, cfg: GPTConfig | None, budget: str | None) -> str:
