@@ -23,7 +23,7 @@ Each schedule is first a compute order per rank, from its paper's definition:
   stage, then r pairs (second stage, first stage), then pp-r rounds of F, I, W of its second
   stage, then F, I, W of each stage in turn, and drains with the I of both stages and the
   W left. Like torch, the order is made for max(m, 2pp-1) micro-batches and the actions of
-  micro-batches past m are dropped, so any m >= 1 runs (fewer only widen the bubble).
+  micro-batches past m are dropped, so any m >= 1 runs (below 2pp-1 with a wider bubble).
 
 `add_transfers` then places the communication (torch's `_add_send_recv` does this step for
 its IR). It times the compute order at COSTS with sends that never block, and gives every
