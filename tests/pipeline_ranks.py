@@ -124,7 +124,6 @@ def run_case(rank: int, groups, case: Case) -> list:
     import torch
 
     from schedc.exec.pipeline import PipelineExecutor
-    from schedc.exec.pipeline_comm import PipeComm
     from schedc.exec.pipeline_model import PipeJob
     from schedc.passes.pipeline_gen import generate
 
@@ -150,10 +149,7 @@ def run_case(rank: int, groups, case: Case) -> list:
         buckets,
         **case.torch_dtypes(),
     )
-    if case.dp == 1:
-        comm = PipeComm(rank, groups[case.pp], groups.get(("ends", case.pp)))
-    else:
-        comm = dp_comm(rank, case.world, gen.pipeline)
+    comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp)
     ex = PipelineExecutor(job, gen, comm, record=True)
     return [ex.step() for _ in range(case.steps)]
 
@@ -167,6 +163,18 @@ def stage_buckets(cfg: GPTConfig, split, n: int) -> tuple[tuple[str, ...], ...]:
         for part in reversed([c for c in cut if c]):
             out.append(tuple(p.name for layer in part for p in cfg.layer_params(layer)))
     return tuple(out)
+
+
+def pool_comm(rank: int, groups, pipe, world: int, dp: int):
+    """This rank's PipeComm on the pool: one replica on the pool's groups, the tied pair the
+    ranks of the first and last stage where they differ (no pair where one rank holds both,
+    as on a V), or make_comm's groups for DP x PP."""
+    from schedc.exec.pipeline_comm import PipeComm
+
+    if dp > 1:
+        return dp_comm(rank, world, pipe)
+    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
+    return PipeComm(rank, groups[pipe.pp], groups.get(("ends", pipe.pp)) if first != last else None)
 
 
 _COMMS: dict = {}
@@ -271,7 +279,6 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     """The executor `schedc run` would build for this rank of a bundled pipeline file."""
     from schedc.compiler import compile_file
     from schedc.exec.pipeline import PipelineExecutor
-    from schedc.exec.pipeline_comm import PipeComm
     from schedc.exec.pipeline_model import PipeJob
     from schedc.exec.pipeline_train import precision as job_precision
     from schedc.lang.resolve import Overrides
@@ -284,15 +291,7 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     data = batches_of(spec)
     split = tuple(st.layers for st in spec.pipeline.stages)
     job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
-    if spec.dp == 1:
-        ends = (
-            groups.get(("ends", pipe.pp))
-            if pipe.rank_of(0) != pipe.rank_of(pipe.stages - 1)
-            else None
-        )
-        comm = PipeComm(rank, groups[pipe.pp], ends)
-    else:
-        comm = dp_comm(rank, spec.world, pipe)
+    comm = pool_comm(rank, groups, pipe, spec.world, spec.dp)
     return PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=record)
 
 

@@ -160,6 +160,12 @@ class Schedule(str, Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+
+    @property
+    def placement(self) -> Placement:
+        """Where the schedule puts its stages: ZB-V's two a rank in a V, the rest in a loop."""
+        return Placement.V if self is Schedule.ZB_V else Placement.LOOP
 
 
 class Written(str, Enum):

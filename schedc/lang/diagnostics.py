@@ -105,7 +105,7 @@ CODES: dict[str, str] = {
     "stage-order": "a pipeline stage that is not one contiguous run of layers, or stages out "
     "of model order",
     "stage-count": "a stage count the schedule cannot place on the pipeline's ranks (one stage "
-    "a rank, or v >= 2 with interleaved)",
+    "a rank, v >= 2 with interleaved, 2 in a V with zb-v)",
     # pipeline programs
     "pp-placement": "a pipeline action on a rank that does not hold its stage, or for a "
     "stage or micro-batch the pipeline does not have",

@@ -15,6 +15,15 @@ Each schedule is first a compute order per rank, from its paper's definition:
   (F = I = W = 1), its next F or I would have to wait for its input, or its next F would
   hold more micro-batches (F run, W not) than 1F1B's first rank does, min(pp, m), and the
   rest at the end: ZB-H1's peak memory is 1F1B's (Qi et al. section 3.1).
+- ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6; torch 2.13's
+  `ScheduleZBVZeroBubble._calculate_single_rank_operations`, whose order this is, action
+  for action): two stages a rank placed in a V, rank r holding stages r and 2pp-1-r, so
+  the forward runs down the ranks and back up, and the loss stage is on rank 0. Each
+  backward is split into I and W; rank r warms up with 2(pp-r)-1 forwards of its first
+  stage, then r pairs (second stage, first stage), then pp-r rounds of F, I, W of its second
+  stage, then F, I, W of each stage in turn, and drains with the I of both stages and the
+  W left. Like torch, the order is made for max(m, 2pp-1) micro-batches and the actions of
+  micro-batches past m are dropped, so any m >= 1 runs (below 2pp-1 with a wider bubble).
 
 `add_transfers` then places the communication (torch's `_add_send_recv` does this step for
 its IR). It times the compute order at COSTS with sends that never block, and gives every
@@ -37,7 +46,6 @@ from schedc.ir.pipeline import (
     Item,
     Kind,
     Pipeline,
-    Placement,
     Programs,
     Schedule,
     backward_kind,
@@ -58,10 +66,10 @@ class Request:
     schedule: Schedule
     pp: int
     microbatches: int
-    v: int = 1  # stages a rank (interleaved only)
+    v: int = 1  # stages a rank (interleaved; 2 for ZB-V)
 
     def pipeline(self) -> Pipeline:
-        return Pipeline(self.pp, self.pp * self.v, self.microbatches, Placement.LOOP)
+        return Pipeline(self.pp, self.pp * self.v, self.microbatches, self.schedule.placement)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class Generated:
 def request_errors(req: Request) -> list[Diagnostic]:
     """What a schedule needs of its micro-batch count and v ([pp-microbatches])."""
     name, p, m = req.schedule.value, req.pp, req.microbatches
+    if req.schedule is Schedule.ZB_V:  # any m: the order drops the micro-batches past m
+        if req.v == 2:
+            return []
+        return [Diagnostic("pp-microbatches", f"{name} runs v = 2 stages a rank, not v={req.v}")]
     if req.v != 1 and req.schedule is not Schedule.INTERLEAVED:
         return [Diagnostic("pp-microbatches", f"{name} runs one stage a rank, not v={req.v}")]
     if req.schedule is Schedule.INTERLEAVED and req.v < 2:
@@ -192,11 +204,43 @@ def _next_zb(
     return pending.pop(0) if pending else None
 
 
+def zb_v(pipe: Pipeline) -> dict[int, list[Action]]:
+    """ZB-V's order (the module docstring): each rank's pattern of (kind, stage), numbered
+    in turn per kind and stage, made for max(m, 2pp-1) micro-batches, those past m dropped."""
+    p, m = pipe.pp, pipe.microbatches
+    n = max(m, 2 * p - 1)  # torch: at least the micro-batches that fill the V
+    out = {}
+    for r in range(p):
+        a, b = r, 2 * p - 1 - r  # the rank's stage on the way down, and on the way up
+        f0, i0, w0 = (Kind.F, a), (Kind.I, a), (Kind.W, a)
+        f1, i1, w1 = (Kind.F, b), (Kind.I, b), (Kind.W, b)
+        pattern = (
+            [f0] * (2 * (p - r) - 1)
+            + [f1, f0] * r
+            + [f1, i1, w1] * (p - r)
+            + [f0, i0, w0, f1, i1, w1] * (n - 2 * p + r + 1)  # steady: each stage's F, I, W
+            + [i0, w0, f1, i1, w1] * (p - r - 1)  # the first stage's forwards are done
+            + [i0, i1] * r
+            + [i0, w0] * (p - r)
+            + [w1] * r
+            + [w0] * r
+        )
+        seen: dict[tuple[Kind, int], int] = defaultdict(int)
+        acts = []
+        for kind, stage in pattern:
+            acts.append(Action(kind, stage, seen[kind, stage]))
+            seen[kind, stage] += 1
+        assert all(k == n for k in seen.values()), f"zb-v rank {r}: {dict(seen)}"
+        out[r] = [act for act in acts if act.mb < m]
+    return out
+
+
 ORDERS = {
     Schedule.GPIPE: gpipe,
     Schedule.ONE_F_ONE_B: one_f_one_b,
     Schedule.INTERLEAVED: interleaved,
     Schedule.ZB_H1: zb_h1,
+    Schedule.ZB_V: zb_v,
 }
 
 

@@ -1,9 +1,9 @@
 """The pipeline executor (schedc/exec/pipeline.py) computes what one process computes.
 
 Real gloo ranks (tests/pool.py, the session's pool: no process is started per case) run
-the proven programs of GPipe, 1F1B, Interleaved 1F1B (v = 2) and ZB-H1 at pp = 2 and 4
-with m = pp and 2pp micro-batches, on nano's width with 6 blocks (8 layers: embed, h.0 ..
-h.5, head, so 8 stages at most); after each of two optimizer steps every parameter (after
+the proven programs of GPipe, 1F1B, Interleaved 1F1B (v = 2), ZB-H1 and ZB-V (two stages a
+rank in a V) at pp = 2 and 4 with m = pp and 2pp micro-batches, on nano's width with 6
+blocks (8 layers: embed, h.0 .. h.5, head, so 8 stages at most); after each of two optimizer steps every parameter (after
 the update), every gradient (before clipping), the loss and the norm equal the
 single-process reference (model/reference.py) within tests/oracle.py's fp32 tolerances,
 and the two copies of the tied wte.weight are bitwise equal (tests/pipeline_ranks.py
@@ -44,7 +44,12 @@ FIXED = [
     for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.ZB_H1)
     for pp in (2, 4)
     for m in (pp, 2 * pp)
-] + [Case(Schedule.INTERLEAVED, pp, m, v=2) for pp in (2, 4) for m in (pp, 2 * pp)]
+] + [
+    Case(schedule, pp, m, v=2)
+    for schedule in (Schedule.INTERLEAVED, Schedule.ZB_V)
+    for pp in (2, 4)
+    for m in (pp, 2 * pp)
+]
 
 
 @pytest.mark.parametrize("case", FIXED, ids=str)
@@ -59,6 +64,7 @@ DP_X_PP = [
     Case(Schedule.ONE_F_ONE_B, 2, 3, dp=2),
     Case(Schedule.ZB_H1, 2, 2, dp=2),
     Case(Schedule.INTERLEAVED, 2, 2, v=2, dp=2),
+    Case(Schedule.ZB_V, 2, 3, v=2, dp=2),  # rank 0 holds embed and head: one wte, no pair
 ]
 
 
@@ -154,9 +160,10 @@ def cases(draw) -> Case:
     schedule = draw(st.sampled_from(list(Schedule)))
     pp = draw(st.integers(1, 4))
     v = draw(st.integers(2, 8 // pp)) if schedule is Schedule.INTERLEAVED else 1
+    v = 2 if schedule is Schedule.ZB_V else v
     if schedule is Schedule.INTERLEAVED:
         m = pp * draw(st.integers(1, 2))
-    elif schedule is Schedule.GPIPE:
+    elif schedule in (Schedule.GPIPE, Schedule.ZB_V):  # any m: ZB-V drops those past m
         m = draw(st.integers(1, 2 * pp + 1))
     else:
         m = draw(st.integers(pp, 2 * pp + 1))

@@ -1,8 +1,9 @@
 """`schedc run` of a bundled pipeline schedule under torchrun (#31): each rank runs its
 stages' proven program, and the steps it logs are one process's.
 
-schedules/pipeline/tiny_pp2_interleaved.sched (interleaved 1F1B, 4 stages on 2 ranks) and
-tiny_pp2_dp2_fsdp.sched (DP x PP: 1F1B on 2 stages x 2 replicas, world 4, each stage's
+schedules/pipeline/tiny_pp2_interleaved.sched (interleaved 1F1B, 4 stages on 2 ranks),
+tiny_pp2_zbv.sched (ZB-V, 4 stages on 2 ranks in a V: the loss stage on rank 0, beside the
+embed) and tiny_pp2_dp2_fsdp.sched (DP x PP: 1F1B on 2 stages x 2 replicas, world 4, each stage's
 parameters sharded over its replicas), each against a world-1 schedule that `schedc check` says makes the same update (the same model,
 seed, sequences and optimizer, k = 4 micro-steps of 2): the losses and gradient norms of
 three steps agree within the suite's fp32 bound (tests/oracle.py), and the run's lines say
@@ -58,6 +59,7 @@ def one_process(tmp_path_factory) -> tuple:
     "name, world, said",
     [
         ("tiny_pp2_interleaved.sched", 2, "(interleaved-1f1b, 4 stages, loop), world 2, 4 "),
+        ("tiny_pp2_zbv.sched", 2, "(zb-v, 4 stages, v), world 2, 4 "),
         ("tiny_pp2_dp2_fsdp.sched", 4, "(1f1b, 2 stages, loop), world 4, 2 "),
     ],
 )

@@ -33,6 +33,13 @@ PP = (
     "pipeline {\n  stage s0 = embed, h.0\n  stage s1 = h.1, head\n  schedule 1f1b\n}\n"
 )
 
+# ZB-V: four stages on two ranks in a V (rank 0 holds s0 and s3, rank 1 s1 and s2)
+PP_V = (
+    "model nano world 2 batch 8 x 32 micro 2\n"
+    "pipeline {\n  stage s0 = embed\n  stage s1 = h.0\n  stage s2 = h.1\n  stage s3 = head\n"
+    "  schedule zb-v\n  placement v\n}\n"
+)
+
 # the same pipeline at 2 micro-batches with its ranks' programs written out (1F1B's, as
 # `schedc check --dump pipeline` prints them for `schedule 1f1b`)
 PP_WRITTEN = (
@@ -1004,6 +1011,38 @@ FAIL = [
         "schedule interleaved",
         "declare 4 or 6 stages",
         id="stage-count-interleaved",
+    ),
+    pytest.param(
+        PP.replace("1f1b", "zb-v\n  placement v"),
+        "stage-count",
+        "zb-v runs 2 stages on each of its 2 ranks, in a V; 2 stages are not that",
+        "schedule zb-v",
+        "declare 4 stages, or use zb-h1",
+        id="stage-count-zb-v",
+    ),
+    pytest.param(
+        PP_V.replace("placement v", "placement loop"),
+        "conflict",
+        "zb-v places its stages in a V (rank r holds stages r and 3 - r), not in a loop",
+        "placement loop",
+        "write `placement v`",
+        id="conflict-zb-v-placement",
+    ),
+    pytest.param(
+        PP_V.replace("  placement v\n", ""),
+        "conflict",
+        "not in a loop (the default placement)",
+        "schedule zb-v",
+        "write `placement v` in the pipeline block",
+        id="conflict-zb-v-default-placement",
+    ),
+    pytest.param(
+        PP_V.replace("zb-v", "interleaved"),
+        "conflict",
+        "interleaved-1f1b places its stages in a loop; of the named schedules only zb-v runs a V",
+        "placement v",
+        "write `placement loop`, or `schedule zb-v`",
+        id="conflict-interleaved-placement-v",
     ),
     pytest.param(
         PP.replace("h.1, head", "head"),

@@ -30,6 +30,7 @@ def test_the_pipeline_bundle():
         "tiny_pp2_dp2_fsdp.sched",
         "tiny_pp2_interleaved.sched",
         "tiny_pp2_written.sched",
+        "tiny_pp2_zbv.sched",
         "tiny_pp4_1f1b.sched",
         "tiny_pp_zb.sched",
     ]
@@ -38,11 +39,13 @@ def test_the_pipeline_bundle():
 
 # (file, schedule, ranks, stages, micro-batches, bubble on every rank): the textbook bubble
 # at F = 1, B = 2 (I = W = 1): 1F1B (p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1), interleaved
-# (p-1)/(vm+p-1) = 1/9 as the executor waits (under blocking rendezvous it is 22.6%)
+# (p-1)/(vm+p-1) = 1/9 as the executor waits (under blocking rendezvous it is 22.6%), ZB-V
+# (p-1)/(6m+p-1) at I = W = F a stage, two stages a rank (tests/passes/test_pipeline.py)
 BUBBLES = [
     ("tiny_pp4_1f1b.sched", "1f1b", 4, 4, 8, 3 / 11),
     ("tiny_pp_zb.sched", "zb-h1", 4, 4, 8, 3 / 27),
     ("tiny_pp2_interleaved.sched", "interleaved-1f1b", 2, 4, 4, 1 / 9),
+    ("tiny_pp2_zbv.sched", "zb-v", 2, 4, 4, 1 / 25),
 ]
 
 
@@ -191,6 +194,13 @@ MUTATIONS = {
         ("batch 16 x 64", "batch 4 x 64", "pp-microbatches"),
         ("world 4", "world 4\nddp { bucket_cap 1 MiB }", "conflict"),
         ("zb-h1", "zb-h2", "unknown-name"),
+    ],
+    "tiny_pp2_zbv.sched": [
+        ("placement v", "placement loop", "conflict"),  # zb-v runs a V
+        ("  placement v\n", "", "conflict"),  # nor the default loop
+        ("stage s3 = h.3, head", "stage s3 = h.3\n  stage s4 = head", "stage-count"),
+        ("schedule zb-v", "schedule zb-h1", "stage-count"),  # one stage a rank
+        ("microbatches 4", "microbatches 3", "batch-arithmetic"),
     ],
 }
 

@@ -10,7 +10,7 @@ import pytest
 
 from schedc.cli.main import main
 from schedc.compiler import compile_file, compile_text
-from schedc.ir.pipeline import Schedule, Written, format_item
+from schedc.ir.pipeline import Placement, Schedule, Written, format_item
 from schedc.lang.diagnostics import CompileError
 from schedc.passes.pipeline_gen import Request, generate
 from tests.goldens import REPO
@@ -25,6 +25,8 @@ def written_text(schedule: Schedule, pp: int, m: int, v: int = 1) -> str:
     stages = [f"  stage s{k} = h.{k}\n" for k in range(pp * v)]
     stages[0] = "  stage s0 = embed, h.0\n"
     stages[-1] = f"  stage s{pp * v - 1} = h.{pp * v - 1}, head\n"
+    if gen.pipeline.placement is Placement.V:  # written programs run in either placement
+        stages.append("  placement v\n")
     programs = "".join(
         f"  program on rank {r} {{ {' '.join(format_item(i) for i in p)} }}\n"
         for r, p in sorted(gen.programs.items())
@@ -42,6 +44,7 @@ def written_text(schedule: Schedule, pp: int, m: int, v: int = 1) -> str:
         (Schedule.GPIPE, 3, 2, 1),
         (Schedule.ZB_H1, 4, 4, 1),
         (Schedule.INTERLEAVED, 2, 4, 2),
+        (Schedule.ZB_V, 3, 5, 2),  # in a V: rank 0 holds s0 and s5
     ],
 )
 def test_written_generated_programs_prove_as_generated(schedule, pp, m, v):

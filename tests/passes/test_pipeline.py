@@ -14,6 +14,7 @@ from schedc.ir.pipeline import (
     Pipeline,
     Placement,
     Programs,
+    actions,
     format_program,
     parse_program,
 )
@@ -26,8 +27,10 @@ from tests.pipeline_torch_text import programs_from_torch
 S = Schedule
 CASES = [(s, p, m, v) for p in (2, 3, 4) for m in range(p, 3 * p + 2)
          for s, v in ((S.GPIPE, 1), (S.ONE_F_ONE_B, 1), (S.ZB_H1, 1), (S.INTERLEAVED, 2),
-                      (S.INTERLEAVED, 3))
+                      (S.INTERLEAVED, 3), (S.ZB_V, 2))
          if not request_errors(Request(s, p, m, v))]  # fmt: skip
+# ZB-V takes any m (its order drops the micro-batches past m): every m from 1, pp 2-5
+ZB_V = [(p, m) for p in (2, 3, 4, 5) for m in range(1, 3 * p + 2)]
 
 
 def test_text_round_trips():
@@ -73,6 +76,58 @@ def test_zb_h1_bubble(p, m):
     timing = simulate(prove(g.pipeline, g.programs).graph, Costs(f=1, i=1, w=1))
     assert timing.step == 3 * m + p - 1
     assert all(b == pytest.approx((p - 1) / (3 * m + p - 1)) for b in timing.bubble.values())
+
+
+@pytest.mark.parametrize("p,m", ZB_V)
+def test_every_zb_v_schedule_proves_in_a_v(p, m):
+    g = generate(Request(S.ZB_V, p, m, 2))
+    assert g.pipeline.placement is Placement.V and g.pipeline.stages == 2 * p
+    assert [g.pipeline.stages_of(r) for r in range(p)] == [[r, 2 * p - 1 - r] for r in range(p)]
+    proof = prove(g.pipeline, g.programs)
+    assert proof.ok, [f.render(g.programs) for f in proof.findings]
+    assert interpret(g.pipeline, g.programs) == "ok"
+    # no transfer at the V's turn (stages p-1 and p are both rank p-1's)
+    sent = {a.edge for prog in g.programs.values() for item in prog for a in item if a.kind.is_p2p}
+    assert (p - 1, p) not in sent and (p, p - 1) not in sent
+    assert len(sent) == 2 * (2 * p - 2)  # every other edge, both directions
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zb_v_bubble(p):
+    """F = I = W = 1 a stage, two stages a rank (6m of compute a rank): from m = 2p-1 on the
+    step is 6m + p - 1 and every rank idles (p-1)/(6m+p-1) of it. The p - 1 units are the
+    forwards that must run before the last rank's first one, which nothing can fill in a
+    step that ends in a synchronised update (the global norm): Qi et al.'s ZB-V is 'zero
+    bubble' at T_F = T_B = T_W because they bypass that synchronisation (post-validation),
+    so the next step's warm-up overlaps this one's tail. ZB-H1 on the same model (a stage
+    there is two here) idles (p-1)/(3m+p-1): ZB-V's bubble is about half of it. Fewer
+    micro-batches than 2p-1 may not fill the V (p = 4, m = 4: a step of 30, not 27)."""
+    for m in range(1, 3 * p + 2):
+        g = generate(Request(S.ZB_V, p, m, 2))
+        timing = simulate(prove(g.pipeline, g.programs).graph, Costs(f=1, i=1, w=1))
+        bubble = (p - 1) / (6 * m + p - 1)
+        assert timing.step >= 6 * m + p - 1  # the last rank's first forward waits p - 1
+        if m < 2 * p - 1:
+            continue
+        assert timing.step == 6 * m + p - 1
+        assert all(b == pytest.approx(bubble) for b in timing.bubble.values())
+        assert bubble < 0.6 * (p - 1) / (3 * m + p - 1)  # ZB-H1's
+
+
+@pytest.mark.torch
+def test_zb_v_is_torchs_order():
+    """The compute order is torch's ScheduleZBVZeroBubble's, action for action."""
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from types import SimpleNamespace
+
+    zbv = torch_schedules.ScheduleZBVZeroBubble
+    for p, m in [(1, 1), (1, 3), *ZB_V]:
+        g = generate(Request(S.ZB_V, p, m, 2))
+        for r, prog in g.programs.items():
+            torch_self = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+            want = [str(a) for a in zbv._calculate_single_rank_operations(torch_self, r) if a]
+            ours = [f"{a.stage}{a.kind.value}{a.mb}" for a in actions(prog) if not a.kind.is_p2p]
+            assert ours == want, (p, m, r)
 
 
 @pytest.mark.parametrize("p,m,v", [(3, 3, 2), (3, 9, 2), (4, 4, 2), (4, 12, 2), (2, 4, 2)])

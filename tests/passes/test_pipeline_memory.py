@@ -144,6 +144,38 @@ def test_zb_h1_holds_1f1b_peak_at_its_bubble(p):
         assert timing.step == 3 * m + p - 1
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_zb_v_holds_1f1b_first_rank_peak_on_every_rank(p):
+    """ZB-V's stages are half 1F1B's: a rank holds at most 2 min(p, m) of them (F run, W
+    not), and every rank 2p once m >= 2p - 1, the activations of 1F1B's first rank (p
+    micro-batches of a whole stage) on each rank, as Qi et al. (section 6) state."""
+    from schedc.passes.pipeline_gen import Request, Schedule, generate
+
+    for m in range(1, 3 * p + 2):
+        g = generate(Request(Schedule.ZB_V, p, m, 2))
+        held = [in_flight(g.programs[r]) for r in range(p)]
+        assert max(held) <= 2 * min(p, m)
+        assert m < 2 * p - 1 or held == [2 * p] * p
+
+
+def test_zb_v_ledger_holds_one_wte_and_two_stages_on_rank_0(capsys):
+    """The bundled ZB-V file: rank 0 holds s0 (embed) and s3 (head), so the tied wte once; the
+    V's turn (s1 -> s2 on rank 1) passes the activation locally, counted once; check says
+    the in-flight count."""
+    from schedc.cli.main import main
+
+    c = compile_file(REPO / "schedules/pipeline/tiny_pp2_zbv.sched")
+    assert c.pipeline is not None
+    cfg, ps = c.spec.model, c.spec.pipeline
+    for r, stages in ((0, (0, 3)), (1, (1, 2))):
+        held = {p.name for s in stages for layer in ps.stages[s].layers
+                for p in cfg.layer_params(layer)}  # fmt: skip
+        assert c.pipeline.memory[r].states == sum(cfg.param(n).numel for n in held) * 16
+    assert main(["check", str(REPO / "schedules/pipeline/tiny_pp2_zbv.sched")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  memory"))
+    assert line.count("(4 in flight)") == 2
+
+
 @pytest.mark.parametrize("block", ["fsdp { }", "ddp { }", ""])
 def test_one_rank_holding_embed_and_head_holds_one_wte(block):
     """Degree 1, two stages interleaved on one rank, two replicas: the tied wte is one

@@ -48,6 +48,7 @@ SCHEDULES: dict[str, Schedule | Written] = {
     "interleaved": Schedule.INTERLEAVED,
     "interleaved-1f1b": Schedule.INTERLEAVED,
     "zb-h1": Schedule.ZB_H1,
+    "zb-v": Schedule.ZB_V,
     "written": Written.PROGRAMS,  # the programs are written in the block
 }
 # what a pipeline schedule cannot take yet, and why (the graph, lowering and executor of
@@ -165,7 +166,7 @@ def _schedule(
             "missing-setting",
             "the pipeline block names no schedule",
             head,
-            hint="add `schedule 1f1b` (or gpipe, interleaved, zb-h1), or write every rank's "
+            hint="add `schedule 1f1b` (or gpipe, interleaved, zb-h1, zb-v), or write every rank's "
             "program: `program on rank 0 { F[s0]@mb0 ... }`",
         )
         return None
@@ -314,9 +315,10 @@ def _fits(
     settings: dict[str, PipeSetting],
     head: Span,
 ) -> bool:
-    """The stage count the schedule places on `degree` ranks: one a rank, or v >= 2 a rank
-    (interleaved); placement v only where a rank holds more than one. Written programs
-    take any whole number of stages a rank, in either placement."""
+    """The stage count the schedule places on `degree` ranks: one a rank, v >= 2 a rank
+    (interleaved) or two a rank (zb-v); and its placement: a V for zb-v, which needs it, a
+    loop for the others where a rank holds more than one. Written programs take any whole
+    number of stages a rank, in either placement."""
     if schedule is Written.PROGRAMS:
         if n % degree == 0:
             return True
@@ -330,31 +332,51 @@ def _fits(
         return False
     at = settings["schedule"].span
     if schedule is Schedule.INTERLEAVED and (n % degree or n < 2 * degree):
-        cx.err(
-            "stage-count",
-            f"interleaved runs v >= 2 stages on each of its {degree} "
-            f"ranks; {n} stages are not that",
-            at,
-            hint=f"declare {2 * degree} or {3 * degree} stages, or use 1f1b",
-            notes=(Note("the stages are in this block", head),),
+        wrong = (
+            f"interleaved runs v >= 2 stages on each of its {degree} ranks; {n} stages are not that"
         )
-        return False
-    if schedule is not Schedule.INTERLEAVED and n != degree:
-        cx.err(
-            "stage-count",
-            f"{schedule.value} runs one stage a rank: {n} stages on {degree} ranks",
-            at,
-            hint=f"declare {degree} stages, or use interleaved for v stages a rank",
-            notes=(Note("the stages are in this block", head),),
-        )
-        return False
-    if placement is Placement.V and n > degree:
+        hint = f"declare {2 * degree} or {3 * degree} stages, or use 1f1b"
+    elif schedule is Schedule.ZB_V and n != 2 * degree:
+        wrong = f"zb-v runs 2 stages on each of its {degree} ranks, in a V; {n} stages are not that"
+        hint = f"declare {2 * degree} stages, or use zb-h1 for one stage a rank"
+    elif schedule not in (Schedule.INTERLEAVED, Schedule.ZB_V) and n != degree:
+        wrong = f"{schedule.value} runs one stage a rank: {n} stages on {degree} ranks"
+        hint = f"declare {degree} stages, or use interleaved for v stages a rank"
+    else:
+        return _placed(cx, schedule, placement, degree, n, settings)
+    notes = (Note("the stages are in this block", head),)
+    cx.err("stage-count", wrong, at, hint=hint, notes=notes)
+    return False
+
+
+def _placed(
+    cx: Context,
+    schedule: Schedule,
+    placement: Placement,
+    degree: int,
+    n: int,
+    settings: dict[str, PipeSetting],
+) -> bool:
+    """zb-v's stages in a V, the other named schedules' in a loop ([conflict]; with one stage
+    a rank the two placements are the same)."""
+    if placement is schedule.placement or n == degree:
+        return True
+    if schedule is Schedule.ZB_V:
+        given = settings.get("placement")
         cx.err(
             "conflict",
-            "no named schedule places stages in a V yet: Megatron's "
-            "interleaved order assumes loop (with v, its warm-up waits on itself)",
-            settings["placement"].span,
-            hint="write `placement loop`",
+            "zb-v places its stages in a V (rank r holds stages r and "
+            f"{2 * degree - 1} - r), not in a {placement.value}"
+            + ("" if given else " (the default placement)"),
+            given.span if given else settings["schedule"].span,
+            hint="write `placement v` in the pipeline block",
         )
         return False
-    return True
+    cx.err(
+        "conflict",
+        f"{schedule.value} places its stages in a loop; of the named schedules only zb-v "
+        "runs a V (Megatron's interleaved order with v waits on itself in its warm-up)",
+        settings["placement"].span,
+        hint="write `placement loop`, or `schedule zb-v` for 2 stages a rank in a V",
+    )
+    return False
