@@ -10,12 +10,14 @@ evenly, each rank building only its own layers, initialised as the whole model).
 is `--model` (tiny) with `--layers` blocks (6: 8 layers, so PP 4 x v 2 has a layer a stage).
 Two layouts of the 4 ranks: PP 4, and PP 2 x DP 2 (pp-outermost, exec/pipeline.py
 make_comm). Per layout, schedule (gpipe, 1f1b, interleaved-1f1b with v = 2 stages a rank,
-loop placement) and round, each side runs `--steps` timed optimizer steps on the same global
-batches after one untimed warm-up step, the side going first alternating by round:
+loop placement, zb-v with 2 a rank in a V) and round, each side runs `--steps` timed
+optimizer steps on the same global batches after one untimed warm-up step, the side going
+first alternating by round:
 
 - schedc: `PipelineExecutor.step()` on the programs of `pipeline_gen.generate`, timed
   (`timed=True`: each item's start and end, analysis/pipeline_trace.py);
-- torch: `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` over one
+- torch: `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` /
+  `ScheduleZBVZeroBubble` over one
   `PipelineStage` per stage, each a RankModel of the stage's layers (the last stage emits
   logits, cross-entropy is the schedule's loss_fn; torch scales the gradients by 1/m,
   schedc the loss). With DP 2 each stage's gradients are averaged over its dp group after
@@ -55,11 +57,11 @@ from schedc.model.arch import SIZES
 
 WORLD = 4
 LAYOUTS = {"pp4": (4, 1), "pp2xdp2": (2, 2)}  # name -> (pp, dp)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 
 
 def _v(schedule: str) -> int:
-    return 2 if schedule == "interleaved-1f1b" else 1
+    return 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
 
 
 def _torch_update(models, optimizer, opt, lr, ends, group) -> None:
@@ -69,7 +71,10 @@ def _torch_update(models, optimizer, opt, lr, ends, group) -> None:
     named = [(n, p) for m in models for n, p in m.named_parameters()]
     tied = any(m.holds_tied_copy for m in models)
     wte = [p for n, p in named if n == "wte.weight"]
-    if wte and ends is not None:
+    if len(wte) == 2:  # a V: both copies here, summed here
+        wte[0].grad.add_(wte[1].grad)
+        wte[1].grad.copy_(wte[0].grad)
+    elif wte and ends is not None:
         dist.all_reduce(wte[0].grad, group=ends)
     counted = [p.grad for n, p in named if not (n == "wte.weight" and tied)]
     sq = torch.stack(torch._foreach_norm(counted)).square().sum().double().reshape(1)
@@ -115,7 +120,7 @@ def _schedc(args, ctx, schedule) -> tuple[float, list]:
     from schedc.passes.pipeline_gen import Request, Schedule, generate
 
     gen = generate(Request(Schedule(schedule), ctx["pp"], args.m, _v(schedule)))
-    ex = PipelineExecutor(ctx["job"](schedule), gen, ctx["comm"], timed=True)
+    ex = PipelineExecutor(ctx["job"](schedule), gen, ctx["comm"](schedule), timed=True)
     ms = _time(lambda s: ex.step(), args.steps)
     assert ex.spans is not None
     return ms, [s for s in ex.spans if s.step > 0]
@@ -127,14 +132,16 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
     )
 
     from schedc.exec.pipeline_model import RankModel
+    from schedc.ir.pipeline import Pipeline, Schedule
     from schedc.model.reference import make_adamw
 
-    job, comm, pp, dp = ctx["job"](schedule), ctx["comm"], ctx["pp"], ctx["dp"]
+    job, comm, pp, dp = ctx["job"](schedule), ctx["comm"](schedule), ctx["pp"], ctx["dp"]
     n = pp * _v(schedule)
-    mine = [s for s in range(n) if s % pp == comm.rank]  # loop placement
+    mine = Pipeline(pp, n, args.m, Schedule(schedule).placement).stages_of(comm.rank)
     models, stages = [], []
     for s in mine:
         model = RankModel(job.model, job.split[s], job.seed)
@@ -147,6 +154,8 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
 
     if schedule == "interleaved-1f1b":
         sched = ScheduleInterleaved1F1B(stages, args.m, loss_fn=loss_fn)
+    elif schedule == "zb-v":
+        sched = ScheduleZBVZeroBubble(stages, args.m, loss_fn=loss_fn)
     else:
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = kind(stages[0], args.m, loss_fn=loss_fn)
@@ -159,12 +168,10 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
             job.batches.micro_batch(s, comm.replica, j, micro, dp) for j in range(args.m)
         ]  # this replica's micro-batches, as schedc's replica reads them
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        if comm.rank == 0:
-            sched.step(x)
-        elif comm.rank == pp - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
+        ends = {"x": (x,)} if 0 in mine else {}
+        if n - 1 in mine:
+            ends |= {"target": y, "losses": []}
+        sched.step(*ends.pop("x", ()), **ends)
         if dp > 1:  # each stage's gradients averaged over dp, one flat bucket a stage
             for m in models:
                 grads = [p.grad for p in m.parameters()]
@@ -185,7 +192,7 @@ def _rank(rank: int, args, store_dir: str, out) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     from schedc.exec.pipeline_comm import make_comm
     from schedc.exec.pipeline_model import PipeJob, split_layers
-    from schedc.ir.pipeline import Pipeline
+    from schedc.ir.pipeline import Pipeline, Placement, Schedule
     from schedc.model.config import DataConfig, OptimConfig
     from schedc.model.data import load_batches
 
@@ -199,8 +206,11 @@ def _rank(rank: int, args, store_dir: str, out) -> None:
             split = split_layers(cfg, pp * _v(schedule))
             return PipeJob(cfg, split, batches, OptimConfig(lr=1e-3, warmup=1), args.steps + 1, 7)
 
-        comm = make_comm(rank, WORLD, Pipeline(pp, pp, args.m))
-        ctx = {"pp": pp, "dp": dp, "comm": comm, "job": job_of}
+        # a loop's tied pair is the first and last rank; a V's first and last stage are on
+        # rank 0, which sums its two wte copies itself (every rank makes both, in one order)
+        comms = {p: make_comm(rank, WORLD, Pipeline(pp, 2 * pp, args.m, p)) for p in Placement}
+        ctx = {"pp": pp, "dp": dp, "job": job_of}
+        ctx["comm"] = lambda sch, comms=comms: comms[Schedule(sch).placement]
         for r in range(args.rounds):
             for schedule in args.schedules:
                 sides = [("schedc", _schedc), ("torch", _torch)]
@@ -235,7 +245,7 @@ def _bubbles(args, spans) -> list[str]:
             v = _v(schedule)
             gen = generate(Request(Schedule(schedule), pp, args.m, v))
             graph = prove(gen.pipeline, gen.programs).graph
-            unit = simulate(graph, Costs(f=1 / v, b=2 / v)).bubble
+            unit = simulate(graph, Costs(f=1 / v, b=2 / v, i=1 / v, w=1 / v)).bubble
             keys = sorted({(r, s.step) for n, r, sch, s in spans if n == name and sch == schedule})
             got: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
             seen: list = []

@@ -9,6 +9,7 @@ file's):
 
     degree        every divisor p >= 2 of the world that leaves each stage a layer (dp = world / p)
     schedule      gpipe, 1f1b, zb-h1 (one stage a rank), interleaved-1f1b with v = 2 and 3
+                  (placement loop), zb-v (2 stages a rank in a V)
     microbatches  every m dividing a replica's sequences (batch / dp), up to 8 x the degree
     split         `even` (the layers by count, the earlier stages one more) and `balanced`
                   (contiguous stages minimising the slowest stage's F + B at the cost
@@ -66,6 +67,7 @@ SCHEDULES = (
     (Schedule.ZB_H1, 1),
     (Schedule.INTERLEAVED, 2),
     (Schedule.INTERLEAVED, 3),
+    (Schedule.ZB_V, 2),
 )
 MAX_MICROBATCHES = 8  # a rank's worth: m up to 8 x the degree (Megatron runs m >= 4p or so)
 
@@ -101,7 +103,7 @@ class PipeKnobs:
         lines += [
             f"  degree {self.degree}",
             f"  schedule {self.schedule.value}",
-            *(["  placement loop"] if self.v > 1 else []),
+            *([f"  placement {self.schedule.placement.value}"] if self.v > 1 else []),
             f"  microbatches {self.microbatches}",
             "}",
         ]

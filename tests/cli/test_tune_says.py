@@ -144,11 +144,3 @@ def test_compare_fits_the_step_it_draws_and_says_when_steps_vary(capsys, tmp_pat
         str(tmp_path / "c.dot"),
     )
     assert f"fitted to step 0 of {path}" in out and "step 0, drawn" in out
-
-
-def test_a_pipeline_schedule_is_refused_in_one_line(capsys):
-    """tune's space is data-parallel: a pipeline file was met with a [conflict] about a ddp
-    block at a line the user's file does not have (tune's own candidate text)."""
-    assert main(["tune", "schedules/pipeline/tiny_pp4_1f1b.sched"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "is a pipeline schedule: tune searches data-parallel" in err

@@ -48,7 +48,9 @@ def simulated_spans(path, costs: Costs | None = None, steps: int = 2) -> tuple:
     return c, spans, t
 
 
-COMPUTE = {(Kind.F, s): 1.0 + s / 4 for s in range(4)} | {(Kind.B, s): 2.0 + s / 2 for s in range(4)}
+COMPUTE = {(Kind.F, s): 1.0 + s / 4 for s in range(4)} | {
+    (Kind.B, s): 2.0 + s / 2 for s in range(4)
+}
 FREE = Costs.measured(COMPUTE)
 # transfers that take time, ranks that post at their own pace, the executor's gap
 TIMED = Costs.measured(COMPUTE, latency=0.5, post=0.05, gap=0.001, post_at={1: 0.2})

@@ -1,0 +1,184 @@
+"""`schedc tune` of a pipeline file (tune/pipeline.py): the balanced split is the optimal
+contiguous partition, every candidate is schedule text the compiler resolves to the knobs it
+was written from, the prediction adds up as its docstring says, the budget is the ledger's,
+and the CLI writes a file `schedc check` accepts. torch-free."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedc.analysis.cost import optimizer_time, ring_factor
+from schedc.cli.main import main
+from schedc.compiler import compile_text
+from schedc.ir.op import Kind as OpKind
+from schedc.ir.pipeline import Schedule
+from schedc.ir.spec import TIED, Strategy
+from schedc.lang.diagnostics import CompileError
+from schedc.tune.pipeline import (
+    PipeKnobs,
+    balanced_split,
+    candidates,
+    even_split,
+    layer_refs,
+    layer_times,
+    predict,
+    search_pipeline,
+)
+from schedc.tune.space import Base
+from tests.analysis.test_cost_terms import TRUE as CPU  # every term of the cost model set
+from tests.goldens import REPO
+
+DP2 = REPO / "schedules" / "pipeline" / "tiny_pp2_dp2.sched"
+PP2 = """\
+# two ranks, one pipeline: no replicas
+model tiny
+world 2
+batch 8 x 64
+steps 3
+seed 7
+data corpus
+optimizer adamw { lr = 1e-3 }
+pipeline {
+  stage s0 = embed, h.0 .. h.1
+  stage s1 = h.2 .. h.3, head
+  schedule 1f1b
+  microbatches 2
+}
+"""
+
+
+def brute(weights: list[float], stages: int) -> float:
+    """The least heaviest range over every cut of `weights` into `stages` contiguous ranges."""
+    n = len(weights)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=8), st.data())
+def test_the_balanced_split_is_the_best_contiguous_one(ws, data):
+    stages = data.draw(st.integers(1, len(ws)))
+    layers = tuple(f"l{i}" for i in range(len(ws)))
+    split = balanced_split(layers, dict(zip(layers, map(float, ws))), stages)
+    assert len(split) == stages and all(split) and sum(split, ()) == layers
+    heaviest = max(sum(ws[layers.index(x)] for x in s) for s in split)
+    assert heaviest == brute([float(w) for w in ws], stages)
+
+
+def test_the_even_split_is_the_executors():
+    layers = ("embed", "h.0", "h.1", "h.2", "h.3", "head")
+    assert even_split(layers, 4) == (("embed", "h.0"), ("h.1", "h.2"), ("h.3",), ("head",))
+    assert layer_refs(("embed", "h.0", "h.1", "h.3", "head")) == "embed, h.0 .. h.1, h.3, head"
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    base = Base.read(DP2)
+    return base, search_pipeline(base, CPU, None)
+
+
+def test_every_candidate_is_text_that_resolves_to_its_knobs(dp2):
+    base, res = dp2
+    assert res.considered == len(res.ranked) + sum(res.refused.values())
+    assert set(res.refused) == {"pp-microbatches"}  # 1f1b, zb-h1, interleaved with m < p
+    seen = set()
+    for c in res.ranked:
+        k, spec = c.knobs, c.spec
+        assert tuple(s.layers for s in spec.pipeline.stages) == k.split
+        assert spec.pipeline.degree == k.degree and spec.pipeline.schedule is k.schedule
+        assert spec.pipeline.placement is k.schedule.placement
+        assert c.compiled.pipeline.pipeline.microbatches == k.microbatches
+        assert spec.dp == 4 // k.degree and spec.micro * k.microbatches * spec.dp == spec.seqs
+        assert bool(spec.pipeline.units) == (k.sync == "fsdp")
+        seen.add((k.schedule, k.sync, k.balance))
+    assert {s for s, _, _ in seen} == set(Schedule)  # every named schedule ranks somewhere
+    assert {y for _, y, _ in seen} == {"ddp", "fsdp"} and {b for *_, b in seen} == {
+        "even",
+        "balanced",
+    }
+    assert [c.step for c in res.ranked] == sorted(c.step for c in res.ranked)
+
+
+def test_the_balanced_split_moves_layers_off_the_head():
+    """The head's projection onto the vocabulary and its loss outweigh a block of tiny:
+    balanced at 2 stages puts three layers before it where even puts two."""
+    spec = compile_text(DP2.read_text(), str(DP2)).spec
+    times = layer_times(spec, CPU, 1)
+    assert times["head"][0] > times["h.0"][0]
+    weights = {x: f + b for x, (f, b) in times.items()}
+    assert [len(s) for s in balanced_split(spec.model.layers, weights, 2)] == [4, 2]
+
+
+def test_gpipe_one_microbatch_adds_up(tmp_path):
+    """GPipe with one micro-batch runs every stage in turn: the step is every F and B, the
+    two transfers, the tied all-reduce, the norm's latency and the optimizer (no dp)."""
+    path = tmp_path / "pp2.sched"
+    path.write_text(PP2)
+    spec = compile_text(PP2, str(path)).spec
+    split = even_split(spec.model.layers, 2)
+    k = PipeKnobs(2, Schedule.GPIPE, 1, 1, split, "even")
+    c = compile_text(Base.read(path).pipeline_text(k.block(), None), str(path))
+    got = predict(c, k, CPU)
+    times = layer_times(c.spec, CPU, c.spec.micro)
+    compute = sum(f + b for f, b in times.values())
+    act = c.spec.micro * c.spec.seq_len * c.spec.model.n_embd * 4
+    hop = CPU.latency + act / CPU.bandwidth
+    wte = c.spec.model.param(TIED).numel
+    tied = CPU.latency + ring_factor(OpKind.ALLREDUCE, 2) * wte * 4 / CPU.bandwidth
+    s1 = sum(c.spec.model.layer_numel(x) for x in split[1]) + wte
+    s0 = sum(c.spec.model.layer_numel(x) for x in split[0])
+    opt = optimizer_time(Strategy.DDP, c.spec.optim.clip, max(s0, s1), CPU)
+    assert got.step == pytest.approx(compute + 2 * hop + tied + CPU.latency + opt)
+    assert got.comm == pytest.approx(tied)
+
+
+def test_the_budget_is_the_ledgers(dp2):
+    base, res = dp2
+    peaks = sorted({c.peak for c in res.ranked})
+    mid = peaks[len(peaks) // 2]
+    fits = search_pipeline(base, CPU, f"{mid} B")
+    assert fits.ranked and all(c.peak <= mid for c in fits.ranked)
+    assert {c.knobs for c in fits.ranked} == {c.knobs for c in res.ranked if c.peak <= mid}
+    assert fits.refused["memory-budget"] == sum(c.peak > mid for c in res.ranked)
+    nothing = search_pipeline(base, CPU, f"{peaks[0] - 1} B")
+    assert not nothing.ranked and isinstance(nothing.first_refusal, CompileError)
+
+
+def test_the_cli_writes_a_file_check_accepts(tmp_path, capsys):
+    out = tmp_path / "best.sched"
+    assert main(["tune", str(DP2), "--top", "3", "-o", str(out), "--write-top", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert "pipeline candidates considered" in said and "refused by the checker" in said
+    rows = [ln for ln in said.splitlines() if ln.lstrip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3
+    assert out.read_text().startswith("# Written by `schedc tune")
+    assert (
+        out.read_text().split("\n\n", 1)[1]
+        == (tmp_path / "1.sched").read_text().split("\n\n", 1)[1]
+    )
+    assert main(["check", str(out)]) == 0
+    assert f"{out}: ok" in capsys.readouterr().out
+
+
+def test_what_tune_does_not_do_for_a_pipeline_is_said_in_one_line(capsys):
+    assert main(["tune", str(DP2), "--measure", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tune measures data-parallel candidates only" in err
+
+
+def test_the_space_skips_what_no_rank_could_hold():
+    """No degree with fewer layers than stages; m divides a replica's sequences, at most 8p."""
+    cfg = compile_text(DP2.read_text(), str(DP2)).spec.model
+    space = candidates(cfg, 8, 64, {x: 1.0 for x in cfg.layers})
+    assert {k.degree for k in space} == {2, 4}  # 6 layers: no 8 stages
+    assert all(len(k.split) == k.degree * k.v <= 6 for k in space)
+    for k in space:
+        per_replica = 64 // (8 // k.degree)
+        assert per_replica % k.microbatches == 0 and k.microbatches <= 8 * k.degree
