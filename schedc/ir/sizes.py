@@ -3,6 +3,8 @@
     padded(numel, D)         a unit's flat length: a multiple of its shard group's ranks
     unit_numel, bucket_numel the parameters of a unit or a bucket
     op_bytes(spec, op)       what one collective moves per rank, in its dtype
+    weight_grad_stash(spec, layer)  what a split backward (I, then W) keeps between the two
+    above_weights(spec, layer)      and what its I frees
     layer_acts(spec, layer)  what autograd saves for one layer and micro-step, and the
                              transients of its forward and backward
 
@@ -107,6 +109,36 @@ def _block_acts(spec: Spec) -> LayerActs:
     c, s = spec.numerics.compute.nbytes, stream_bytes(spec)
     saved = N * (14 * C * c + (2 * C + 4) * s + H * FP32) + _weight_casts(spec, 12 * C * C)
     return LayerActs(saved, N * C * s, N * 2 * C * s, N * 10 * C * s)
+
+
+def weight_grad_stash(spec: Spec, layer: str) -> int:
+    """What a split backward's I keeps for its W beyond the saved tensors, in bytes for one
+    micro-step: the gradient at the output of every op that reads the layer's weights, where
+    the W starts (torch's stage_backward_input, exec/pipeline.py). A block: its four
+    matmuls' outputs (c_attn 3 C, attn.c_proj C, c_fc 4 C, mlp.c_proj C, in the compute
+    dtype) and its two LayerNorms' (2 C, in the stream's); the head: ln_f's (C) and the
+    logits' (V, in the compute dtype). Embed: none (its stage is the first, whose I has no
+    input to differentiate and whose W runs the whole backward). Measured on tiny_pp_zb's
+    middle rank: 2 micro-batches between I and W held 11 C x 4 bytes a token each. The
+    I frees what only the loss's side of the graph saved: `above_weights`."""
+    if layer == "embed":
+        return 0
+    cfg, N = spec.model, spec.micro * spec.seq_len
+    c, s = spec.numerics.compute.nbytes, stream_bytes(spec)
+    if layer == "head":
+        return N * (cfg.n_embd * s + cfg.vocab_size * c)
+    return N * cfg.n_embd * (9 * c + 2 * s)
+
+
+def above_weights(spec: Spec, layer: str) -> int:
+    """Of `layer_acts(spec, layer).saved`, what no weight's gradient needs: the tensors saved
+    above the last op that reads a weight, which a split backward's I frees (it lets go of
+    the loss, and nothing the W starts from reaches them). The head: log_softmax's output
+    (V x 4 bytes a token); a block: nothing (its last op before the residual add is
+    mlp.c_proj's matmul)."""
+    if layer != "head" or spec.numerics.loss_chunk is not None:
+        return 0
+    return spec.micro * spec.seq_len * spec.model.vocab_size * FP32
 
 
 def stream_bytes(spec: Spec) -> int:

@@ -22,7 +22,9 @@ the residual stream's bytes: fp32, or FSDP's gather dtype, ir/sizes.py `stream_b
   ddp block, a copy of its gradients in the reduce dtype, from its last B or W until the
   update waits for it.
 * activations of (stage s, micro-batch j), from F[s]@j to B[s]@j (or W[s]@j in a split
-  schedule: I keeps the graph for W): what autograd saves for the stage's layers
+  schedule: I keeps the graph for W, and past the first stage the gradients W starts from,
+  ir/sizes.py `weight_grad_stash`, from I to W, freeing what only the loss's side saved,
+  `above_weights`): what autograd saves for the stage's layers
   (ir/sizes.py `layer_acts`, the DP ledger's rule), and, but on the last stage, the
   stage's output N C x (kept for the backward; the next stage saves it as its input when
   it is on the same rank, so it is not counted twice).
@@ -48,7 +50,7 @@ from schedc.ir.pipeline import (
     Programs,
     last_grad_writers,
 )
-from schedc.ir.sizes import layer_acts, padded, stream_bytes
+from schedc.ir.sizes import above_weights, layer_acts, padded, stream_bytes, weight_grad_stash
 from schedc.ir.spec import TIED, Spec, rank_buckets
 from schedc.lang.diagnostics import Diagnostics
 from schedc.model.arch import FP32
@@ -161,12 +163,16 @@ class _RankLedger:
         saved = sum(layer_acts(self.spec, layer).saved for layer in layers)
         if s > 0 and self.pipe.local(s - 1, s):
             saved -= self.ncx  # its input is the local stage before's output, counted there
-        self.w.alloc(f"act[{key}]", Part.ACTS, saved)
+        above = sum(above_weights(self.spec, layer) for layer in layers)
+        self.w.alloc(f"act[{key}]", Part.ACTS, saved - above)
+        self.w.alloc(f"loss_side[{key}]", Part.ACTS, above)
         if s < self.pipe.stages - 1:
             self.w.alloc(f"out[{key}]", Part.ACTS, self.ncx)
 
     def backward(self, act: Action) -> None:
-        """B, or I (which keeps the graph for W): the input's gradient comes into being."""
+        """B, or I (which keeps the graph for W, and past the first stage the gradients W
+        starts from): the input's gradient comes into being."""
+        assert self.spec.pipeline is not None
         s, j = act.stage, act.mb
         if s + 1 < self.pipe.stages and self.pipe.local(s + 1, s):
             self.w.free(f"grad_in[s{s + 1}@mb{j}]")  # the local stage after's input gradient
@@ -174,11 +180,17 @@ class _RankLedger:
             self.weights(act)
         if s > 0:
             self.w.alloc(f"grad_in[s{s}@mb{j}]", Part.ACTS, self.ncx)
+        if act.kind is Kind.I and s > 0:
+            layers = self.spec.pipeline.stages[s].layers
+            stash = sum(weight_grad_stash(self.spec, layer) for layer in layers)
+            self.w.free(f"loss_side[s{s}@mb{j}]")
+            self.w.alloc(f"stash[s{s}@mb{j}]", Part.ACTS, stash)
 
     def weights(self, act: Action) -> None:
         """B or W: the stage's saved tensors go; its gradients exist from its first one."""
         key = f"s{act.stage}@mb{act.mb}"
-        for name in (f"act[{key}]", f"out[{key}]", f"recv_b[{key}]"):
+        names = ("act", "loss_side", "out", "recv_b", "stash")
+        for name in (f"{part}[{key}]" for part in names):
             self.w.free(name)
         if act.stage not in self.written:
             self.written.add(act.stage)
