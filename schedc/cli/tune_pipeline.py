@@ -12,7 +12,7 @@ from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.render import default_cost_note
 from schedc.errors import UserError
 from schedc.passes.memory import fmt_bytes
-from schedc.tune.pipeline import PipeCandidate, PipeResult, search_pipeline
+from schedc.tune.pipeline import PipeCandidate, PipeResult, own, search_pipeline
 from schedc.tune.search import Options
 from schedc.tune.space import Base
 
@@ -38,18 +38,24 @@ def tune_pipeline(args: argparse.Namespace, base: Base, opts: Options) -> int:
     if note := default_cost_note(args, args.file):
         print(note)
     print(table(res.ranked[: opts.top]))
+    mine = own(base, opts.cost, opts.budget_text)
+    if mine is not None:
+        place = next((i + 1 for i, c in enumerate(res.ranked) if c.step >= mine.step), None)
+        where = f"#{place} of {len(res.ranked)}" if place else "slower than every candidate"
+        print(f"schedc: the file's own pipeline, predicted the same way ({where}):")
+        print(table([mine], labels=["own"]))
     write(args, base, res, opts)
     return 0
 
 
-def table(cands: list[PipeCandidate]) -> str:
-    """One row a candidate: its place, the prediction (bubble: the idlest pipeline rank's
-    share of the pipeline part; comm: the slowest rank's dp and tied collectives), knobs."""
+def table(cands: list[PipeCandidate], labels: list[str] | None = None) -> str:
+    """One row a candidate: its place (or label), the prediction (bubble: the idlest pipeline
+    rank's share of the pipeline part; comm: the slowest rank's dp and tied collectives)."""
     rows = [["#", "step", "tokens/s", "peak", "comm", "bubble", "micro", "knobs"]]
     for i, c in enumerate(cands):
         rows.append(
             [
-                str(i + 1),
+                labels[i] if labels else str(i + 1),
                 fmt_time(c.step),
                 fmt_rate(c.tokens_per_s, ""),
                 fmt_bytes(c.peak),

@@ -81,7 +81,7 @@ class PipeKnobs:
     v: int  # stages a rank
     microbatches: int
     split: tuple[tuple[str, ...], ...]  # stage -> its layers, embed .. head in order
-    balance: str  # "even" | "balanced": how `split` was cut
+    balance: str  # "even" | "balanced": how `split` was cut ("as written": the file's own)
     sync: str = "ddp"  # how a stage's replicas sync: "ddp" | "fsdp" (one unit a stage)
     precision: str | None = None  # None: the file's numerics
 
@@ -361,6 +361,47 @@ class PipeResult:
         )
 
 
+def own(base: Base, cost: CostModel, budget: str | None) -> PipeCandidate | None:
+    """The file's own pipeline predicted the same way (None: it does not compile within the
+    budget, or its programs are written rather than named)."""
+    path = str(base.source.path)
+    try:
+        c = compile_text(base.unbudgeted_text() + (f"\nmemory {budget}\n" if budget else ""), path)
+    except CompileError:
+        return None
+    pipe = c.spec.pipeline
+    if pipe is None or not isinstance(pipe.schedule, Schedule) or c.pipeline is None:
+        return None
+    split = tuple(s.layers for s in pipe.stages)
+    knobs = PipeKnobs(
+        pipe.degree,
+        pipe.schedule,
+        len(split) // pipe.degree,
+        c.pipeline.pipeline.microbatches,
+        split,
+        "as written",
+        "fsdp" if pipe.units else "ddp",
+    )
+    return predict(c, knobs, cost)
+
+
+def _spec(base: Base) -> Spec:
+    """The model, world, batch and numerics the file fixes: resolved from its kept statements
+    as a data-parallel file (whatever its own pipeline block gets wrong, tune writes anew),
+    else from the file as written but for its `memory` (a batch that only a pipeline's dp
+    divides), whose error, located in the user's file, is the one raised."""
+    path = str(base.source.path)
+    assert base.pipeline is not None
+    try:
+        dp_only = (
+            base.kept_text(blank=True, extra=(base.pipeline,))
+            + "\nmicro 1\nddp { bucket_cap 25 MiB }\n"
+        )
+        return compile_text(dp_only, path).spec
+    except CompileError:
+        return compile_text(base.unbudgeted_text(), path).spec
+
+
 def search_pipeline(
     base: Base,
     cost: CostModel,
@@ -369,7 +410,7 @@ def search_pipeline(
     strategies: tuple[str, ...] = ("ddp", "fsdp"),
 ) -> PipeResult:
     """Every candidate compiled and predicted, fastest first (ties: the smaller peak)."""
-    spec = compile_text(base.unbudgeted_text(), str(base.source.path)).spec
+    spec = _spec(base)
     weights = {x: f + b for x, (f, b) in layer_times(spec, cost, 1).items()}
     space = candidates(spec.model, spec.world, spec.seqs, weights, precisions, strategies)
     res = PipeResult([], len(space))

@@ -25,6 +25,7 @@ from schedc.tune.pipeline import (
     even_split,
     layer_refs,
     layer_times,
+    own,
     predict,
     search_pipeline,
 )
@@ -158,6 +159,9 @@ def test_the_cli_writes_a_file_check_accepts(tmp_path, capsys):
     assert "pipeline candidates considered" in said and "refused by the checker" in said
     rows = [ln for ln in said.splitlines() if ln.lstrip()[:2] in ("1 ", "2 ", "3 ")]
     assert len(rows) == 3
+    assert "the file's own pipeline, predicted the same way (#" in said
+    own = [ln for ln in said.splitlines() if ln.startswith("own ")]
+    assert len(own) == 1 and own[0].endswith("1f1b pp2 m2 as written [3+3] ddp")
     assert out.read_text().startswith("# Written by `schedc tune")
     assert (
         out.read_text().split("\n\n", 1)[1]
@@ -182,3 +186,18 @@ def test_the_space_skips_what_no_rank_could_hold():
     for k in space:
         per_replica = 64 // (8 // k.degree)
         assert per_replica % k.microbatches == 0 and k.microbatches <= 8 * k.degree
+
+
+def test_the_files_own_pipeline_is_predicted_as_its_candidate_is(dp2):
+    """tiny_pp2_dp2's own block is the even 1f1b candidate at m 2: one prediction."""
+    base, res = dp2
+    mine = own(base, CPU, None)
+    assert mine is not None and mine.knobs.balance == "as written"
+    same = [
+        c
+        for c in res.ranked
+        if (c.knobs.schedule, c.knobs.microbatches, c.knobs.split, c.knobs.sync)
+        == (mine.knobs.schedule, 2, mine.knobs.split, "ddp")
+    ]
+    assert len(same) == 1 and same[0].step == pytest.approx(mine.step)
+    assert same[0].peak == mine.peak
