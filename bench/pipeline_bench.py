@@ -187,7 +187,11 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
 
 
 def _rank(rank: int, args, store_dir: str, out) -> None:
+    from schedc.exec.heap import keep_freed_memory
+
     torch.set_num_threads(1)
+    if args.keep_heap:  # as `schedc run` does on a CPU; both sides share this process
+        keep_freed_memory()
     store = dist.FileStore(os.path.join(store_dir, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     from schedc.exec.pipeline_comm import make_comm
@@ -284,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=128, help="tokens a sequence")
     ap.add_argument("--steps", type=int, default=4, help="timed steps a round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="both sides keep freed memory (glibc mallopt, exec/heap.py), as `schedc run` does "
+        "on a CPU; default: glibc's defaults, what a torch pipelining script runs with",
+    )
     ap.add_argument("--save", help="write the step times and every rank's item spans here")
     ap.add_argument("--replay", help="read a --save file and print its tables (runs nothing)")
     args = ap.parse_args(argv)
@@ -297,8 +307,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"replayed from {args.replay}")
     else:
         cfg, rows, spans = _run(args)
+    heap = "; freed memory kept (--keep-heap)" if getattr(args, "keep_heap", False) else ""
     print(f"{args.model} with {cfg.n_layer} blocks, m {args.m} x {args.micro} seqs x {args.seq} "
-          f"tokens a replica, {args.rounds} rounds x {args.steps} timed steps")  # fmt: skip
+          f"tokens a replica, {args.rounds} rounds x {args.steps} timed steps{heap}")  # fmt: skip
     print(
         "| layout | schedule | schedc step ms (median) | torch step ms (median) | schedc / torch |"
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 
 import torch
 
@@ -38,9 +37,9 @@ from schedc.exec.train import (
     TrainOptions,
     agree_at_startup,
     check_job,
-    cpu_threads,
     data_error,
     guarded,
+    set_up_host,
 )
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
@@ -65,7 +64,7 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     assert plan is not None, "run_pipeline runs pipeline schedules"
     device = torch.device("cpu")
     check_job(compiled, job, device)
-    threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = set_up_host(compiled, device)  # the threads, and the heap kept (exec/heap.py)
     comm = Comm.from_env("gloo", opts.timeout_s)
 
     def run() -> None:
