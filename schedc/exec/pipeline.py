@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from schedc.analysis.pipeline_trace import ItemSpan
 from schedc.errors import RunError
@@ -229,6 +228,10 @@ class PipelineExecutor:
         if act.stage == 0:
             flight.weights[key] = (out, grad)
             return
+        # imported here: torch.distributed.pipelining takes 0.8 s to import (sympy, its IR),
+        # which only a schedule with a split backward should pay
+        from torch.distributed.pipelining._backward import stage_backward_input
+
         grads = None if grad is None else [grad]
         _, groups = stage_backward_input([out], grads, [inp], iter(self._weights(act.stage)))
         self._keep_input_grad(key, inp, flight)
@@ -243,6 +246,8 @@ class PipelineExecutor:
             out, grad = kept
             torch.autograd.backward(out, grad, inputs=weights)
         else:
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
             stage_backward_weight(iter(weights), kept)
         self.sync.after_backward(act.stage)
 
