@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python bench/pipeline_bench.py                     # PP 4 and PP 2 x DP 2
     PYTHONPATH=$PWD python bench/pipeline_bench.py --config pp4 --steps 6 --rounds 5
-    PYTHONPATH=$PWD python bench/pipeline_bench.py --save run.json   # then --replay run.json
+    PYTHONPATH=$PWD python bench/pipeline_bench.py --save out/run.json  # --replay out/run.json
 
 Four CPU ranks (gloo, one thread each, started here with torch.multiprocessing and a
 FileStore) hold the same stages (exec/pipeline_model.py split_layers: embed .. head cut

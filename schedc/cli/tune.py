@@ -25,7 +25,7 @@ from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
 from schedc.lang.resolve import UNITS, size_bytes
 from schedc.passes.memory import fmt_bytes
-from schedc.tune.measure import Timing, error, measure, refit, repredict
+from schedc.tune.measure import error, measure, pick_vs_fastest, refit, repredict
 from schedc.tune.search import Candidate, Options, Result, fastest_absent, search
 from schedc.tune.space import Base, fmt_size
 
@@ -293,7 +293,8 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
         f"({100 * statistics.median(refit_errs):.1f}% with the cost model refitted to their "
         "traces)"
     )
-    _pick_vs_fastest(timings)
+    for line in pick_vs_fastest(timings):
+        print(line)
     order = sorted(range(len(cands)), key=lambda i: took[i])
     print("re-ranked by measurement: " + ", ".join(f"#{i + 1}" for i in order))
     for n in notes:
@@ -302,21 +303,3 @@ def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> 
     if args.fit:
         Path(args.fit).write_text(fitted.to_json())
         print(f"schedc: wrote {args.fit} (use: schedc tune ... --cost {args.fit})")
-
-
-def _pick_vs_fastest(timings: list[Timing]) -> None:
-    """How much slower the predicted best (#1) ran than the fastest measured."""
-    fastest = min(range(len(timings)), key=lambda i: timings[i].step)
-    pick, best = timings[0], timings[fastest]
-    print(
-        f"the pick by prediction (#1) measured {fmt_time(pick.step)}; the fastest measured "
-        f"(#{fastest + 1}) {fmt_time(best.step)}: the pick is "
-        f"{100 * (pick.step / best.step - 1):.1f}% slower"
-    )
-    if len(pick.rounds) > 1 and fastest != 0:
-        # the same round ran both, minutes apart at most: the ratio cancels the machine's drift
-        paired = sorted(a / b for a, b in zip(pick.rounds, best.rounds))
-        print(
-            f"paired by round, the pick took {paired[0]:.2f}-{paired[-1]:.2f}x the fastest's "
-            f"time (median {statistics.median(paired):.2f}x over {len(paired)} rounds)"
-        )

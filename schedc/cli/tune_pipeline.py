@@ -6,22 +6,25 @@ schedc tune schedules/pipeline/tiny_pp2_dp2.sched --cost params.json -o best.sch
 from __future__ import annotations
 
 import argparse
+import statistics
+import tempfile
 from pathlib import Path
 
 from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.render import default_cost_note
 from schedc.errors import UserError
 from schedc.passes.memory import fmt_bytes
+from schedc.tune.measure import error, measure, pick_vs_fastest
 from schedc.tune.pipeline import PipeCandidate, PipeResult, own, search_pipeline
 from schedc.tune.search import Options
 from schedc.tune.space import Base
 
 
 def tune_pipeline(args: argparse.Namespace, base: Base, opts: Options) -> int:
-    if args.measure:
+    if args.fit:
         raise UserError(
-            f"--measure {args.measure}: tune measures data-parallel candidates only; run a "
-            "written pipeline candidate with `schedc run` (--write-top DIR writes them)"
+            f"--fit {args.fit}: the cost model is fitted to data-parallel traces; a pipeline "
+            "run's trace times its items (`schedc render FILE --trace T --compare` draws it)"
         )
     res = search_pipeline(base, opts.cost, opts.budget_text, opts.precisions, opts.strategies)
     print(f"schedc: {args.file}: {res.counts()}")
@@ -44,14 +47,22 @@ def tune_pipeline(args: argparse.Namespace, base: Base, opts: Options) -> int:
         where = f"#{place} of {len(res.ranked)}" if place else "slower than every candidate"
         print(f"schedc: the file's own pipeline, predicted the same way ({where}):")
         print(table([mine], labels=["own"]))
-    write(args, base, res, opts)
+    files = write(args, base, res, opts)
+    if args.measure:
+        measured(args, res.ranked[: args.measure], files, opts)
     return 0
 
 
-def table(cands: list[PipeCandidate], labels: list[str] | None = None) -> str:
+def table(
+    cands: list[PipeCandidate],
+    labels: list[str] | None = None,
+    extra: list[list[str]] | None = None,
+    head: tuple[str, ...] = (),
+) -> str:
     """One row a candidate: its place (or label), the prediction (bubble: the idlest pipeline
-    rank's share of the pipeline part; comm: the slowest rank's dp and tied collectives)."""
-    rows = [["#", "step", "tokens/s", "peak", "comm", "bubble", "micro", "knobs"]]
+    rank's share of the pipeline part; comm: the slowest rank's dp and tied collectives),
+    the knobs, and `extra` columns under `head`."""
+    rows = [["#", "step", "tokens/s", "peak", "comm", "bubble", "micro", "knobs", *head]]
     for i, c in enumerate(cands):
         rows.append(
             [
@@ -63,16 +74,19 @@ def table(cands: list[PipeCandidate], labels: list[str] | None = None) -> str:
                 f"{100 * max(c.bubble.values()):.1f}%",
                 str(c.spec.micro),
                 c.knobs.describe(),
+                *(extra[i] if extra else []),
             ]
         )
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    last = len(widths) - 1
     return "\n".join(
         "  ".join(
-            x.ljust(w) if j == last else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))
+            x.ljust(w) if j == KNOBS else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))
         ).rstrip()
         for r in rows
     )
+
+
+KNOBS = 7  # the knobs' column: left-aligned
 
 
 def file_text(args, base: Base, c: PipeCandidate, rank: int, res: PipeResult, opts) -> str:
@@ -93,20 +107,50 @@ def file_text(args, base: Base, c: PipeCandidate, rank: int, res: PipeResult, op
     return "\n".join([*head, ""]) + text
 
 
-def write(args, base: Base, res: PipeResult, opts: Options) -> None:
-    """-o the best, --write-top the top N as DIR/1.sched, DIR/2.sched, ..."""
+def write(args, base: Base, res: PipeResult, opts: Options) -> list[Path]:
+    """-o the best, --write-top the top N as DIR/1.sched, DIR/2.sched, ... (for --measure, a
+    temporary folder when neither names one); the files written, best first."""
     top = res.ranked[: opts.top]
     texts = [file_text(args, base, c, i + 1, res, opts) for i, c in enumerate(top)]
     if args.output:
         Path(args.output).write_text(texts[0])
         print(f"schedc: wrote {args.output} (check it: schedc check {args.output})")
+    folder = Path(args.write_top) if args.write_top else None
+    if folder is None and args.measure:
+        folder = Path(tempfile.mkdtemp(prefix="schedc-tune-"))
+    if folder is None:
+        return []
+    folder.mkdir(exist_ok=True)
+    paths = [folder / f"{i + 1}.sched" for i in range(len(texts))]
+    for p, t in zip(paths, texts):
+        p.write_text(t)
     if args.write_top:
-        folder = Path(args.write_top)
-        folder.mkdir(exist_ok=True)
-        for i, t in enumerate(texts):
-            (folder / f"{i + 1}.sched").write_text(t)
         shown = " ".join(str(folder / f"{i + 1}.sched") for i in range(min(3, len(texts))))
         print(
             f"schedc: wrote {len(texts)} files to {folder}/ (side by side: schedc render "
             f"{shown} -o top.svg)"
         )
+    return paths
+
+
+def measured(args, cands: list[PipeCandidate], files: list[Path], opts: Options) -> None:
+    """Run the best K under torchrun, and set what they took beside what was predicted."""
+    _, timings = measure(cands, files[: len(cands)], args.steps, args.timeout, rounds=args.rounds)
+    took = [t.step for t in timings]
+    extra = [[fmt_time(m), f"{100 * error(c.step, m):+.1f}%"] for c, m in zip(cands, took)]
+    rounds = f", the median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
+    print(
+        "\npredicted vs measured (median step after the first, "
+        f"{args.steps} steps each{rounds}), in predicted order:"
+    )
+    print(table(cands, extra=extra, head=("measured", "error")))
+    errs = [abs(error(c.step, m)) for c, m in zip(cands, took)]
+    print(f"\nmedian |error| {100 * statistics.median(errs):.1f}% over {len(cands)} measured")
+    for line in pick_vs_fastest(timings):
+        print(line)
+    order = sorted(range(len(cands)), key=lambda i: took[i])
+    print("re-ranked by measurement: " + ", ".join(f"#{i + 1}" for i in order))
+    print(
+        "note: pipeline runs are not refitted (their traces time items, not the cost "
+        "model's terms); fit a cost model to a data-parallel run of this machine for --cost"
+    )

@@ -24,6 +24,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,8 +33,10 @@ from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
 from schedc.analysis.trace.schema import TraceError
 from schedc.analysis.trace.stream import load
+from schedc.analysis.units import fmt_time
 from schedc.compiler import compile_file
 from schedc.errors import UserError
+from schedc.tune.pipeline import PipeCandidate
 from schedc.tune.search import Candidate
 
 
@@ -72,7 +75,7 @@ def command(
 
 
 def measure(
-    cands: list[Candidate],
+    cands: Sequence[Candidate | PipeCandidate],
     files: list[Path],
     steps: int,
     timeout: float,
@@ -171,6 +174,25 @@ def refit(runs: list[Run], cost: CostModel) -> tuple[CostModel, list[str]]:
 
 def repredict(cands: list[Candidate], cost: CostModel) -> list[float]:
     return [simulate(c.checked, cost).end for c in cands]
+
+
+def pick_vs_fastest(timings: list[Timing]) -> list[str]:
+    """How much slower the predicted best (#1) ran than the fastest measured, in words."""
+    fastest = min(range(len(timings)), key=lambda i: timings[i].step)
+    pick, best = timings[0], timings[fastest]
+    out = [
+        f"the pick by prediction (#1) measured {fmt_time(pick.step)}; the fastest measured "
+        f"(#{fastest + 1}) {fmt_time(best.step)}: the pick is "
+        f"{100 * (pick.step / best.step - 1):.1f}% slower"
+    ]
+    if len(pick.rounds) > 1 and fastest != 0:
+        # the same round ran both, minutes apart at most: the ratio cancels the machine's drift
+        paired = sorted(a / b for a, b in zip(pick.rounds, best.rounds))
+        out.append(
+            f"paired by round, the pick took {paired[0]:.2f}-{paired[-1]:.2f}x the fastest's "
+            f"time (median {statistics.median(paired):.2f}x over {len(paired)} rounds)"
+        )
+    return out
 
 
 def error(predicted: float, measured: float) -> float:

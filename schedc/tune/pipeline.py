@@ -23,8 +23,9 @@ the cost model (analysis/cost.py), on every rank of one replica:
     pipeline   passes/pipeline_sim.py over the proven programs, at per-stage costs: a layer's
                forward overhead + FLOPs / rate, its backward 2 x FLOPs / rate + the
                gradient bytes it writes / grad_bandwidth (`compute_time`; a zero-bubble
-               schedule's I the FLOPs, W the FLOPs and the gradient bytes), summed over the
-               stage's layers; a transfer latency + one micro-batch's activations / bandwidth
+               schedule's I the FLOPs, W the FLOPs and the gradient bytes, each paying the
+               op's overhead), summed over the stage's layers; a transfer latency + one
+               micro-batch's activations / bandwidth
     dp         each stage's gradients over its dp replicas, one collective at a time on the
                rank's comm stream, each from its stage's last backward: DDP's all-reduce,
                FSDP's reduce-scatter (and FSDP's all-gather of every unit before step 0's
@@ -236,31 +237,32 @@ class PipeCandidate:
         return self.spec.seqs * self.spec.seq_len / self.step if self.step else 0.0
 
 
-def layer_times(spec: Spec, cost: CostModel, micro: int) -> dict[str, tuple[float, float]]:
-    """Each layer's (forward, backward) seconds for one micro-batch of `micro` sequences."""
+def layer_times(
+    spec: Spec, cost: CostModel, micro: int
+) -> dict[str, tuple[float, float, float, float]]:
+    """Each layer's (forward, backward, input half I, weight half W) seconds for one
+    micro-batch of `micro` sequences: a split backward pays the per-op overhead twice."""
     rate = cost.rate(spec.numerics)
     out = {}
     for layer in spec.model.layers:
         f = spec.model.layer_fwd_flops(layer, micro * spec.seq_len, spec.seq_len)
         g = layer_grad_bytes(spec.model, layer, spec.numerics.compile)
-        out[layer] = (compute_time(f, 0.0, rate, cost), compute_time(2 * f, g, rate, cost))
+        out[layer] = (
+            compute_time(f, 0.0, rate, cost),
+            compute_time(2 * f, g, rate, cost),
+            compute_time(f, 0.0, rate, cost),
+            compute_time(f, g, rate, cost),
+        )
     return out
 
 
 def stage_costs(spec: Spec, cost: CostModel, split) -> Costs:
     """The simulator's per-stage costs (seconds) and the P2P latency of one micro-batch."""
     times = layer_times(spec, cost, spec.micro)
-    rate = cost.rate(spec.numerics)
     means: dict[tuple[Kind, int], float] = {}
     for s, layers in enumerate(split):
-        flops = sum(
-            spec.model.layer_fwd_flops(x, spec.micro * spec.seq_len, spec.seq_len) for x in layers
-        )
-        grads = sum(layer_grad_bytes(spec.model, x, spec.numerics.compile) for x in layers)
-        means[(Kind.F, s)] = sum(times[x][0] for x in layers)
-        means[(Kind.B, s)] = sum(times[x][1] for x in layers)
-        means[(Kind.I, s)] = compute_time(flops, 0.0, rate, cost)
-        means[(Kind.W, s)] = compute_time(flops, grads, rate, cost)
+        for k, kind in enumerate((Kind.F, Kind.B, Kind.I, Kind.W)):
+            means[(kind, s)] = sum(times[x][k] for x in layers)
     act = spec.micro * spec.seq_len * spec.model.n_embd * stream_bytes(spec)
     return Costs.measured(means, latency=cost.latency + act / cost.bandwidth)
 
@@ -411,7 +413,7 @@ def search_pipeline(
 ) -> PipeResult:
     """Every candidate compiled and predicted, fastest first (ties: the smaller peak)."""
     spec = _spec(base)
-    weights = {x: f + b for x, (f, b) in layer_times(spec, cost, 1).items()}
+    weights = {x: t[0] + t[1] for x, t in layer_times(spec, cost, 1).items()}
     space = candidates(spec.model, spec.world, spec.seqs, weights, precisions, strategies)
     res = PipeResult([], len(space))
     for k in space:

@@ -6,6 +6,7 @@ and the CLI writes a file `schedc check` accepts. torch-free."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -113,7 +114,7 @@ def test_the_balanced_split_moves_layers_off_the_head():
     spec = compile_text(DP2.read_text(), str(DP2)).spec
     times = layer_times(spec, CPU, 1)
     assert times["head"][0] > times["h.0"][0]
-    weights = {x: f + b for x, (f, b) in times.items()}
+    weights = {x: t[0] + t[1] for x, t in times.items()}
     assert [len(s) for s in balanced_split(spec.model.layers, weights, 2)] == [4, 2]
 
 
@@ -128,7 +129,7 @@ def test_gpipe_one_microbatch_adds_up(tmp_path):
     c = compile_text(Base.read(path).pipeline_text(k.block(), None), str(path))
     got = predict(c, k, CPU)
     times = layer_times(c.spec, CPU, c.spec.micro)
-    compute = sum(f + b for f, b in times.values())
+    compute = sum(t[0] + t[1] for t in times.values())
     act = c.spec.micro * c.spec.seq_len * c.spec.model.n_embd * 4
     hop = CPU.latency + act / CPU.bandwidth
     wte = c.spec.model.param(TIED).numel
@@ -171,10 +172,32 @@ def test_the_cli_writes_a_file_check_accepts(tmp_path, capsys):
     assert f"{out}: ok" in capsys.readouterr().out
 
 
-def test_what_tune_does_not_do_for_a_pipeline_is_said_in_one_line(capsys):
-    assert main(["tune", str(DP2), "--measure", "1"]) == 1
+def test_fit_is_refused_for_a_pipeline_in_one_line(capsys, tmp_path):
+    fit = tmp_path / "fit.json"
+    assert main(["tune", str(DP2), "--measure", "1", "--fit", str(fit)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "tune measures data-parallel candidates only" in err
+    assert err.count("\n") == 0 and "is fitted to data-parallel traces" in err
+    assert not fit.exists()
+
+
+@pytest.mark.torch
+@pytest.mark.ranks
+def test_measure_runs_the_best_pipeline_under_torchrun(capsys, tmp_path):
+    """The best candidate of a world-2 pipeline file, run for real: its measured step beside
+    the prediction (at the CPU cost model's terms: the error is what it is, not a bound)."""
+    src = tmp_path / "pp2.sched"
+    src.write_text(PP2)
+    argv = ["tune", str(src), "--top", "1", "--measure", "1", "--steps", "2", "--cost"]
+    argv += [str(REPO / "docs" / "render" / "cpu_params.json"), "--strategy", "ddp"]
+    assert main([*argv, "--write-top", str(tmp_path / "top")]) == 0
+    out = capsys.readouterr().out
+    assert "schedc: measuring 1/1: python -m torch.distributed.run --standalone" in out
+    assert "predicted vs measured (median step after the first, 2 steps each)" in out
+    row = next(ln for ln in out.splitlines()[::-1] if ln.startswith("1 "))
+    measured, err = row.split()[-2:]
+    assert measured.endswith("ms") and err.endswith("%")
+    assert re.search(r"median \|error\| [\d.]+% over 1 measured", out)
+    assert (tmp_path / "top" / "1.log.jsonl").exists()
 
 
 def test_the_space_skips_what_no_rank_could_hold():
