@@ -212,3 +212,28 @@ def defaults(args: argparse.Namespace, **values) -> None:
     for name, value in values.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def write_candidates(args: argparse.Namespace, texts: list[str], view: str = "") -> list[Path]:
+    """`schedc tune`'s files, best first: -o the first; --write-top DIR every one as
+    DIR/1.sched, DIR/2.sched, ... (for --measure a temporary folder when neither names one,
+    as the runs need files). `view`: the render flags that draw the top three side by side."""
+    if args.output:
+        Path(args.output).write_text(texts[0])
+        print(f"schedc: wrote {args.output} (check it: schedc check {args.output})")
+    folder = Path(args.write_top) if args.write_top else None
+    if folder is None and args.measure:
+        folder = Path(tempfile.mkdtemp(prefix="schedc-tune-"))
+    if folder is None:
+        return []
+    folder.mkdir(exist_ok=True)
+    paths = [folder / f"{i + 1}.sched" for i in range(len(texts))]
+    for path, text in zip(paths, texts):
+        path.write_text(text)
+    if args.write_top:
+        shown = " ".join(str(p) for p in paths[:3])
+        print(
+            f"schedc: wrote {len(paths)} files to {folder}/ (side by side: schedc render "
+            f"{shown}{view} -o top.svg)"
+        )
+    return paths

@@ -14,11 +14,18 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import tempfile
 from pathlib import Path
 
 from schedc.analysis.units import fmt_rate, fmt_time
-from schedc.cli.common import COUNT, POSITIVE, check_distinct, check_output, defaults, require
+from schedc.cli.common import (
+    COUNT,
+    POSITIVE,
+    check_distinct,
+    check_output,
+    defaults,
+    require,
+    write_candidates,
+)
 from schedc.cli.render import add_cost_args, cost_from_args, default_cost_note
 from schedc.cli.tune_pipeline import tune_pipeline
 from schedc.errors import UserError
@@ -238,30 +245,9 @@ def file_text(args, base: Base, c: Candidate, rank: int, res: Result, opts: Opti
 
 
 def write(args, base: Base, res: Result, opts: Options) -> list[Path]:
-    """The written files, best first: -o and --write-top, and (for --measure) a temporary
-    folder when neither names one."""
+    """The written files, best first (cli/common.py `write_candidates`)."""
     texts = [file_text(args, base, c, i + 1, res, opts) for i, c in enumerate(res.ranked)]
-    if args.output:
-        Path(args.output).write_text(texts[0])
-        print(f"schedc: wrote {args.output} (check it: schedc check {args.output})")
-    folder = Path(args.write_top) if args.write_top else None
-    if folder is None and args.measure:
-        folder = Path(tempfile.mkdtemp(prefix="schedc-tune-"))
-    if folder is None:
-        return []
-    folder.mkdir(exist_ok=True)
-    paths = []
-    for i, t in enumerate(texts):
-        p = folder / f"{i + 1}.sched"
-        p.write_text(t)
-        paths.append(p)
-    if args.write_top:
-        shown = " ".join(str(p) for p in paths[:3])
-        print(
-            f"schedc: wrote {len(paths)} files to {folder}/ (side by side: schedc render "
-            f"{shown} --view timeline -o top.svg)"
-        )
-    return paths
+    return write_candidates(args, texts, " --view timeline")
 
 
 def measured(args, cands: list[Candidate], files: list[Path], opts: Options) -> None:

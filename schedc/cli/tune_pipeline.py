@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 
 from schedc.analysis.units import fmt_rate, fmt_time
+from schedc.cli.common import write_candidates
 from schedc.cli.render import default_cost_note
 from schedc.errors import UserError
 from schedc.passes.memory import fmt_bytes
@@ -108,29 +108,11 @@ def file_text(args, base: Base, c: PipeCandidate, rank: int, res: PipeResult, op
 
 
 def write(args, base: Base, res: PipeResult, opts: Options) -> list[Path]:
-    """-o the best, --write-top the top N as DIR/1.sched, DIR/2.sched, ... (for --measure, a
-    temporary folder when neither names one); the files written, best first."""
+    """The written files, best first (cli/common.py `write_candidates`)."""
     top = res.ranked[: opts.top]
-    texts = [file_text(args, base, c, i + 1, res, opts) for i, c in enumerate(top)]
-    if args.output:
-        Path(args.output).write_text(texts[0])
-        print(f"schedc: wrote {args.output} (check it: schedc check {args.output})")
-    folder = Path(args.write_top) if args.write_top else None
-    if folder is None and args.measure:
-        folder = Path(tempfile.mkdtemp(prefix="schedc-tune-"))
-    if folder is None:
-        return []
-    folder.mkdir(exist_ok=True)
-    paths = [folder / f"{i + 1}.sched" for i in range(len(texts))]
-    for p, t in zip(paths, texts):
-        p.write_text(t)
-    if args.write_top:
-        shown = " ".join(str(folder / f"{i + 1}.sched") for i in range(min(3, len(texts))))
-        print(
-            f"schedc: wrote {len(texts)} files to {folder}/ (side by side: schedc render "
-            f"{shown} -o top.svg)"
-        )
-    return paths
+    return write_candidates(
+        args, [file_text(args, base, c, i + 1, res, opts) for i, c in enumerate(top)]
+    )
 
 
 def measured(args, cands: list[PipeCandidate], files: list[Path], opts: Options) -> None:
