@@ -97,7 +97,8 @@ class PipeKnobs:
         )
 
     def block(self) -> str:
-        """The `pipeline { ... }` block of this candidate."""
+        """What this candidate writes after the file's kept statements: its `pipeline` block,
+        and its `precision` and `fsdp { }` where it chooses them."""
         lines = ["pipeline {"]
         for i, layers in enumerate(self.split):
             lines.append(f"  stage s{i} = {layer_refs(layers)}")
