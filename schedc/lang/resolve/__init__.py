@@ -31,7 +31,7 @@ from schedc.lang.resolve.activations import chunk_loss, resolve_recompute
 from schedc.lang.resolve.batch import MAX_OPS, bound_ops, ops_per_step, split_batch
 from schedc.lang.resolve.context import Context, Overrides, flag_place
 from schedc.lang.resolve.evaluation import resolve_evaluation
-from schedc.lang.resolve.mesh import resolve_mesh, resolve_stage_mesh
+from schedc.lang.resolve.mesh import resolve_mesh
 from schedc.lang.resolve.model import resolve_model
 from schedc.lang.resolve.numerics import resolve_numerics
 from schedc.lang.resolve.optimizer import resolve_optimizer
@@ -82,11 +82,7 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     # block's buckets) or shard them by its fsdp block, read with the stages: no DP strategy
     piped = pipeline is not None or "pipeline" in cx.seen
     strategy = None if piped else resolve_strategy(cx, model, split.world)
-    # a pipeline's mesh is its stages' dp replicas' (split.world is dp), taken by an fsdp block
-    if piped:
-        mesh = resolve_stage_mesh(cx, pipeline, split.world)
-    else:
-        mesh = resolve_mesh(cx, run.world, strategy)
+    mesh = resolve_mesh(cx, run.world, strategy, pipeline)  # a pipeline's: its stages' dp's
     hsdp = mesh is not None and mesh.replicate > 1
     # a sharded pipeline gathers its units: its precision may name a gather dtype
     gathers = FSDPSpec(()) if pipeline is not None and pipeline.units else strategy

@@ -16,10 +16,17 @@ from schedc.lang.syntax import MeshDecl
 
 
 def resolve_mesh(
-    cx: Context, world: int | None, strategy: DDPSpec | FSDPSpec | None
+    cx: Context,
+    world: int | None,
+    strategy: DDPSpec | FSDPSpec | None,
+    pipe: PipelineSpec | None = None,
 ) -> Mesh | None:
     """The declared mesh; None where none is declared (the strategy's flat one) or it is
-    wrong."""
+    wrong. In a pipeline file (`pipe`, None after an error in its block) it is the stages'
+    dp replicas' (`resolve_stage_mesh`)."""
+    if "pipeline" in cx.seen:
+        dp = None if pipe is None or world is None else world // pipe.degree
+        return resolve_stage_mesh(cx, pipe, dp)
     m = _declared(cx)
     if m is None:
         return None
