@@ -98,6 +98,9 @@ def test_ddp_buckets_per_stage_equal_reference_and_replicas_agree_bitwise(pool, 
 FSDP_X_PP = [replace(c, fsdp=True) for c in DP_X_PP] + [
     Case(Schedule.ONE_F_ONE_B, 4, 4, fsdp=True),
     Case(Schedule.INTERLEAVED, 1, 2, v=3, fsdp=True),
+    # mesh 2 x 1 (HSDP's corner, on the 4-rank pool): each unit whole on every rank, its
+    # gradient reduce-scattered over one rank and all-reduced over the 2 replicas
+    Case(Schedule.ZB_V, 2, 3, v=2, dp=2, fsdp=True, replicate=2),
 ]
 
 
