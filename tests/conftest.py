@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("faults"):
             item.add_marker(pytest.mark.torch)
         fixtures = set(getattr(item, "fixturenames", ()))
-        if "pool" in fixtures:
+        if "pool" in fixtures or "pool8" in fixtures:
             item.add_marker(pytest.mark.ranks)
             item.add_marker(pytest.mark.xdist_group("pool"))  # one pool, on one worker
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
@@ -101,6 +101,17 @@ def pool():
     from tests.pool import Pool
 
     p = Pool()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def pool8():
+    """Eight real gloo ranks, for the world-8 pipeline (HSDP per stage: degree 2 x replicate 2
+    x shard 2), started on first use, on the pool's worker (24 s to start on two cores)."""
+    from tests.pool import Pool
+
+    p = Pool(8)
     yield p
     p.close()
 

@@ -51,6 +51,7 @@ class Case:
     fsdp: bool = False  # each stage's parameters sharded over dp (one unit a stage)
     precision: tuple[str, str, str] = ("fp32", "fp32", "fp32")  # compute, gather, reduce
     buckets: int = 1  # DDP buckets a stage (a ddp block's, layers cut evenly); 1: the default
+    replicate: int = 1  # HSDP per stage (fsdp): the dp replicas as mesh R x dp / R; 1: no mesh
 
     @property
     def world(self) -> int:
@@ -63,6 +64,7 @@ class Case:
         dp = f"-{'fsdp' if self.fsdp else 'dp'}{self.dp}" if self.dp > 1 or self.fsdp else ""
         low = "-" + "-".join(self.precision) if self.low else ""
         dp += f"-b{self.buckets}" if self.buckets > 1 else ""
+        dp += f"-r{self.replicate}" if self.replicate > 1 else ""
         return (
             f"{self.schedule.value}{v}-pp{self.pp}{dp}-m{self.m}{cut}-{self.steps}steps{dtype}{low}"
         )
@@ -108,6 +110,13 @@ class Case:
         return OptimConfig(lr=self.lr, warmup=1, clip=self.clip)
 
     @property
+    def mesh(self):
+        """HSDP per stage: the dp replicas as replicate x shard; None: no mesh."""
+        from schedc.ir.spec import Mesh
+
+        return Mesh(self.replicate, self.dp // self.replicate) if self.replicate > 1 else None
+
+    @property
     def request(self) -> Request:
         return Request(self.schedule, self.pp, self.m, self.v)
 
@@ -149,7 +158,7 @@ def run_case(rank: int, groups, case: Case) -> list:
         buckets,
         **case.torch_dtypes(),
     )
-    comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp)
+    comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp, case.mesh)
     ex = PipelineExecutor(job, gen, comm, record=True)
     return [ex.step() for _ in range(case.steps)]
 
@@ -165,14 +174,14 @@ def stage_buckets(cfg: GPTConfig, split, n: int) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def pool_comm(rank: int, groups, pipe, world: int, dp: int):
+def pool_comm(rank: int, groups, pipe, world: int, dp: int, mesh=None):
     """This rank's PipeComm on the pool: one replica on the pool's groups, the tied pair the
     ranks of the first and last stage where they differ (no pair where one rank holds both,
     as on a V), or make_comm's groups for DP x PP."""
     from schedc.exec.pipeline_comm import PipeComm
 
     if dp > 1:
-        return dp_comm(rank, world, pipe)
+        return dp_comm(rank, world, pipe, mesh)
     first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
     return PipeComm(rank, groups[pipe.pp], groups.get(("ends", pipe.pp)) if first != last else None)
 
@@ -180,7 +189,7 @@ def pool_comm(rank: int, groups, pipe, world: int, dp: int):
 _COMMS: dict = {}
 
 
-def dp_comm(rank: int, world: int, pipe):
+def dp_comm(rank: int, world: int, pipe, mesh=None):
     """make_comm's groups, made once per layout in this worker: every rank of the pool gets
     the same jobs in the same order, so each makes the same groups in the same order (the
     pool's default group is its 4 ranks: a DP x PP case uses all of them)."""
@@ -189,9 +198,9 @@ def dp_comm(rank: int, world: int, pipe):
     from schedc.exec.pipeline_comm import make_comm
 
     assert world == dist.get_world_size(), "a DP x PP case takes the whole pool"
-    key = (rank, world, pipe.pp, pipe.rank_of(0), pipe.rank_of(pipe.stages - 1))
+    key = (rank, world, pipe.pp, pipe.rank_of(0), pipe.rank_of(pipe.stages - 1), mesh)
     if key not in _COMMS:
-        _COMMS[key] = make_comm(rank, world, pipe)
+        _COMMS[key] = make_comm(rank, world, pipe, mesh)
     return _COMMS[key]
 
 
@@ -291,7 +300,7 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     data = batches_of(spec)
     split = tuple(st.layers for st in spec.pipeline.stages)
     job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
-    comm = pool_comm(rank, groups, pipe, spec.world, spec.dp)
+    comm = pool_comm(rank, groups, pipe, spec.world, spec.dp, spec.declared_mesh)
     return PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=record)
 
 

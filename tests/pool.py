@@ -402,3 +402,8 @@ def describe(job: Job | Call, rank: int | None = None) -> str:
         f"--- schedule (world {job.world}, {job.steps} step(s), {job.dtype}{fault}) ---\n"
         f"{job.text.strip()}\n--- plan of rank {rank} ---\n{plan}"
     )
+
+
+def ranks_of(request, world: int):
+    """The session's pool that holds `world` ranks: the 4-rank pool, else the 8-rank one."""
+    return request.getfixturevalue("pool" if world <= POOL_SIZE else "pool8")

@@ -148,7 +148,7 @@ def pipeline_summary(c: Compiled) -> str:
         f"  split     dp {s.dp} x micro {s.micro} x {mbs} (the "
         f"{count(ps.degree, 'rank')} of a pipeline compute each micro-batch together)",
         f"  pipeline  {count(len(ps.stages), 'stage')}, {ps.schedule.value}, placement "
-        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s.dp, ps.units, ps)}; bubble per rank "
+        f"{ps.placement.value}, {mbs}, dp {s.dp}{_replicas(s, ps)}; bubble per rank "
         f"{bubble} "
         f"(simulated at {pp.cost_words})",
         *(
@@ -177,7 +177,17 @@ def _memory_lines(c: Compiled) -> list[str]:
             "the micro-batches in flight, transfers; passes/pipeline_memory.py)"]  # fmt: skip
 
 
-def _replicas(dp: int, units, ps) -> str:
+def _replicas(s: Spec, ps) -> str:
+    dp, units = s.dp, ps.units
+    m = s.stage_mesh
+    if units and m.replicate > 1:  # HSDP per stage
+        return (
+            f" (mesh {m} replicate x shard, rank = pp x {dp} + replicate x {m.shard} + shard; "
+            f"HSDP per stage: {count(len(units), 'unit')} sharded over {m.shard} ranks, "
+            "gathered once a step before the stage's first forward, gradients "
+            f"reduce-scattered after its last backward, then all-reduced over {m.replicate} "
+            f"ranks {m.shard} apart)"
+        )
     if units:
         return (
             f" (rank = pp x {dp} + replica; FSDP per stage: {count(len(units), 'unit')} "

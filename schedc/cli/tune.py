@@ -142,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
     require(args, NEEDS)
     defaults(args, steps=4, rounds=1, timeout=600)
     base = Base.read(args.file)
+    if base.mesh:  # a pipeline file's too: its candidates shard over all dp replicas
+        print(f"schedc: note: {args.file}: {NOT_SEARCHED.format(mesh=base.mesh)}")
     if base.pipeline:
         return tune_pipeline(args, base, options(args, base))
-    if base.mesh:
-        print(f"schedc: note: {args.file}: {NOT_SEARCHED.format(mesh=base.mesh)}")
     opts = options(args, base)
     res = search(base, opts)
     print(f"schedc: {args.file}: {res.counts()}")

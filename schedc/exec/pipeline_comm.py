@@ -1,13 +1,15 @@
 """Where a pipeline rank talks: its process groups and the P2P transfers it has in flight.
 
-    comm = make_comm(rank, world, pipe)   # PipeComm: pipeline rank, replica, the groups
+    comm = make_comm(rank, world, pipe, mesh)   # PipeComm: pipeline rank, replica, groups
     reads = awaited(program)              # per item, the receives it reads
     posted = Posted()                     # posted transfers, waited for lazily
 
 Ranks are laid out pp-outermost (global rank = pipeline rank x dp + replica, ir/spec.py
 PipelineSpec): each replica has its pipeline group (P2P and the norm) and the pair of its
 first and last stage's ranks (the tied embedding); each pipeline rank has its dp group, the
-ranks holding its stages in every replica.
+ranks holding its stages in every replica, or under HSDP per stage (a `mesh R x S` of the dp
+replicas) its shard groups and replicate groups, torchtitan's ["pp", "dp_replicate",
+"dp_shard"] with pp outermost.
 
 A transfer item is posted in the program's order and not waited for there: a receive is
 waited for just before the compute that reads it (`awaited`), a send is dropped once
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from schedc.ir.pipeline import Action, Item, Pipeline, actions, backward_kind, reader
+from schedc.ir.spec import REPLICATE, SHARD, Mesh
 
 
 @dataclass
@@ -43,40 +46,66 @@ class PipeComm:
     """This rank's place: its pipeline rank, its replica's pipeline group (P2P and the
     norm), the group of its replica's first and last stage's ranks (the tied embedding; None
     when one rank holds both) and, with dp > 1 replicas, the group of the ranks holding its
-    stages in every replica and the group of every rank (the loss and the norm)."""
+    stages in every replica and the group of every rank (the loss and the norm).
+
+    HSDP per stage (`mesh R x S` of the dp replicas, ir/spec.py Mesh): `dp` is then the
+    rank's shard group, the S replicas that shard its units (`shard` its index in it), and
+    `replicate` the R ranks holding the same shard, over which each gradient shard is
+    all-reduced; without a mesh the shard group is all dp replicas and R is 1."""
 
     rank: int  # pipeline rank
     group: dist.ProcessGroup | None = None  # None: the default group
     tied: dist.ProcessGroup | None = None
-    dp: dist.ProcessGroup | None = None  # None: one replica
+    dp: dist.ProcessGroup | None = None  # None: one replica (FSDP per stage: the shard group)
     replica: int = 0
     replicas: int = 1
     world: dist.ProcessGroup | None = None  # None: the default group
+    replicate: dist.ProcessGroup | None = None  # HSDP: the ranks holding this rank's shard
+    mesh: Mesh | None = None  # HSDP: the dp replicas as replicate x shard; None: 1 x dp
+
+    @property
+    def shards(self) -> int:
+        """The ranks a unit is sharded over (S; all dp replicas without a mesh)."""
+        return self.mesh.shard if self.mesh else self.replicas
+
+    @property
+    def shard(self) -> int:
+        """This rank's shard of each unit: its index in its shard group."""
+        return self.mesh.index(self.replica, SHARD) if self.mesh else self.replica
 
     def global_rank(self, r: int) -> int:
         """The global rank of pipeline rank `r` of this rank's replica."""
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
 
-def make_comm(rank: int, world: int, pipe: Pipeline) -> PipeComm:
+def make_comm(rank: int, world: int, pipe: Pipeline, mesh: Mesh | None = None) -> PipeComm:
     """Global `rank`'s PipeComm in a job of `world` = pp x dp ranks, pp-outermost. Every rank
     makes every group, in the same order (`dist.new_group` is collective over the default
-    group): each replica's pipeline group and tied pair, then each pipeline rank's dp group."""
+    group): each replica's pipeline group and tied pair, then each pipeline rank's dp group
+    or, under a `mesh` R x S of the dp replicas (HSDP per stage), its shard groups and then
+    its replicate groups (global rank = pp_index x dp + replicate_index x S + shard_index)."""
     dp = world // pipe.pp
     assert dp * pipe.pp == world, f"world {world} is not {pipe.pp} pipeline ranks x dp"
+    assert mesh is None or mesh.world == dp, f"mesh {mesh} is not the {dp} dp replicas"
     pp_rank, replica = divmod(rank, dp)
     first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
-    mine = PipeComm(pp_rank, replica=replica, replicas=dp)
+    hsdp = mesh is not None and mesh.replicate > 1
+    mine = PipeComm(pp_rank, replica=replica, replicas=dp, mesh=mesh if hsdp else None)
     for d in range(dp):
         ranks = [p * dp + d for p in range(pipe.pp)]
         group = dist.new_group(ranks) if dp > 1 else None
         tied = dist.new_group([ranks[first], ranks[last]]) if first != last else None
         if d == replica:
             mine.group, mine.tied = group, tied
+    # the dp replicas' groups along each dimension (one, all dp, without a mesh)
+    dims = [(SHARD, "dp"), (REPLICATE, "replicate")] if hsdp else [(SHARD, "dp")]
+    local = mesh if hsdp and mesh is not None else Mesh(1, dp)
     for p in range(pipe.pp if dp > 1 else 0):
-        group = dist.new_group([p * dp + d for d in range(dp)])
-        if p == pp_rank:
-            mine.dp = group
+        for dim, field in dims:
+            for members in local.groups(dim):
+                group = dist.new_group([p * dp + d for d in members])
+                if p == pp_rank and replica in members:
+                    setattr(mine, field, group)
     return mine
 
 

@@ -35,8 +35,13 @@ unit stays gathered through the step (reshard_after_forward=False), its micro-ba
 gradients accumulate in one unsharded buffer (folded into the reduce dtype when that is
 wider than the gather's: FSDP2's upcast), and after the stage's last B or W it is
 reduce-scattered (async, waited for before the update) and freed. AdamW steps the shards;
-the norm sums every rank's shards. The tied wte is a unit of its own on both ends, one
-layout, so the tied all-reduce sums the same slice on each replica's pair.
+the norm sums every rank's shards. Under HSDP per stage (a `mesh R x S` of the dp replicas,
+exec/pipeline_comm.py) a unit is sharded over the rank's S-rank shard group, gathered and
+reduce-scattered there, and each gradient shard is then summed over the R ranks holding the
+same shard (the DP executor's HSDP); AdamW steps the S-shard, and the norm counts the
+replicate group's first rank's shards (the others' are bitwise the same). The tied wte is
+a unit of its own on both ends, one layout, so the tied all-reduce sums the same slice on
+each replica's pair.
 
 Numerics (`PipeJob.gather/reduce`): units gathered in the gather dtype, dp reductions in
 the reduce dtype, each rank's share x / dp divided in the wider of its dtype and that.
@@ -56,7 +61,7 @@ from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.pipeline import Action, Item, last_grad_writers
 from schedc.ir.source import Span
-from schedc.ir.spec import UnitSpec, rank_buckets
+from schedc.ir.spec import REPLICATE, UnitSpec, rank_buckets
 from schedc.model.reference import adamw_groups, make_adamw
 
 
@@ -108,10 +113,12 @@ class StageSync:
         raise NotImplementedError
 
     def wait(self) -> None:
-        for work, land in self.reductions:
+        """Each reduction in launch order, then what lands it (which may launch one more,
+        HSDP's replicate all-reduce, waited for in turn)."""
+        while self.reductions:
+            work, land = self.reductions.pop(0)
             work.wait()
             land()
-        self.reductions = []
 
     def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients the update clips and steps, and those the norm counts."""
@@ -240,7 +247,8 @@ class ShardedStages(StageSync):
             self.buckets.setdefault(act, []).append(u)
 
     def _shard(self) -> list[FlatUnit]:
-        """This rank's units: each sharded over the replicas (replica d keeps shard d), the
+        """This rank's units: each sharded over the shard group (replica d keeps shard d; under
+        HSDP the S ranks of its replicate index, `PipeComm.shard` its index there), the
         fp32 shard its own, gathered in the gather dtype. Its own units are those whose
         parameters it holds: a stage's, and the tied wte's on the embed's and head's ranks
         (one layout, so shard d is the same slice of wte on both)."""
@@ -253,9 +261,8 @@ class ShardedStages(StageSync):
                 continue
             assert all(held), f"unit {i} ({', '.join(names)}) lies across ranks"
             spec = UnitSpec(f"u{i}", tuple(names), (), True, Span.point(1, 1), 0)
-            unit = FlatUnit(
-                spec, cfg, own, self.comm.replica, self.comm.replicas, self.job.gather, upcast
-            )
+            c = self.comm
+            unit = FlatUnit(spec, cfg, own, c.shard, c.shards, self.job.gather, upcast)
             out.append(unit)
         return out
 
@@ -273,7 +280,10 @@ class ShardedStages(StageSync):
 
     @property
     def counts_norm(self) -> bool:
-        return True  # every rank holds its own slice
+        """Every rank of a shard group holds its own slice; under HSDP the R ranks of a
+        replicate group hold the same (bitwise, after the all-reduce), counted once."""
+        m = self.comm.mesh
+        return m is None or m.index(self.comm.replica, REPLICATE) == 0
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -312,8 +322,11 @@ class ShardedStages(StageSync):
                 u.fold(0)
 
     def _reduce(self, done: list) -> None:
-        """Each unit's gradient reduce-scattered into this rank's shard (its share x / dp in
-        the reduce dtype) and its gathered weights freed."""
+        """Each unit's gradient reduce-scattered into this rank's shard over the shard group
+        (its share x / dp in the reduce dtype) and its gathered weights freed; under HSDP the
+        shard is then summed over the replicate group, as the DP executor's HSDP does
+        (exec/strategies.py `Sharded._replicate`): x / dp summed over S ranks and then over R
+        is the mean over all dp = R x S replicas."""
         for unit in done:
             grad = unit.take_grad(0)
             send = _share(grad, self.comm.replicas, self.reduce)
@@ -324,7 +337,21 @@ class ShardedStages(StageSync):
             def land(unit=unit, out=out):
                 unit.new_shard_grad().copy_(out)  # cast back into the fp32 gradient shard
 
-            self.reductions.append((work, land))
+            if self.comm.replicate is not None:  # launched once the reduce-scatter is done
+                self.reductions.append((work, self._replicate(out, land)))
+            else:
+                self.reductions.append((work, land))
+
+    def _replicate(self, out: torch.Tensor, land: Callable[[], None]) -> Callable[[], None]:
+        """HSDP: what lands a reduce-scatter: its output shard all-reduced (summed) in place
+        over the replicate group, async, landed once that is done."""
+        group = self.comm.replicate
+        assert group is not None
+
+        def launch() -> None:
+            self.reductions.append((CPUBackend.all_reduce(out)(group), land))
+
+        return launch
 
     def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients of this rank's shards (the optimizer's parameters), the tied wte's
@@ -350,7 +377,7 @@ class ShardedStages(StageSync):
             u.drop_shard_grad()
 
     def full_tensors(self, grad: bool) -> dict[str, torch.Tensor]:
-        """Each unit's shards all-gathered over the replicas, by parameter name."""
+        """Each unit's shards all-gathered over the shard group, by parameter name."""
         of_unit: Callable[[FlatUnit], torch.Tensor] = (
             (lambda u: u.live_shard_grad()) if grad else (lambda u: u.shard)
         )

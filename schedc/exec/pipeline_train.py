@@ -87,7 +87,8 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
     agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint())
     pipe = plan.pipeline
     stages = compiled.spec.pipeline.stages if compiled.spec.pipeline else ()
-    pipe_comm = make_comm(comm.rank, spec.world, pipe)  # every rank makes every group
+    # every rank makes every group; under HSDP per stage, the mesh's of the dp replicas
+    pipe_comm = make_comm(comm.rank, spec.world, pipe, spec.declared_mesh)
     job = PipeJob(
         spec.model,
         tuple(s.layers for s in stages),

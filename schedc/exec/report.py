@@ -31,6 +31,8 @@ def start_line(compiled: Compiled, device: torch.device, threads: str) -> str:
     if spec.pipeline is not None:  # `single` would say nothing of its stages
         p = spec.pipeline
         kind = f"pipeline ({p.schedule.value}, {len(p.stages)} stages, {p.placement.value})"
+        if p.units and spec.stage_mesh.replicate > 1:  # HSDP per stage: the replicas' mesh
+            kind += f", dp {spec.dp} as mesh {spec.stage_mesh} (replicate x shard)"
     return (
         f"schedc: {compiled.source.path}: {kind}, world {spec.world}"
         + (f" as mesh {spec.mesh} (replicate x shard), " if spec.hsdp else ", ")

@@ -393,7 +393,8 @@ class Spec:
     recompute: frozenset[str] = frozenset()
     evaluation: EvalConfig = field(default_factory=EvalConfig)  # measured, not trained
     where: dict[str, Span] = field(default_factory=dict, compare=False)
-    # replicate x shard; None (no `mesh` in the file): flat, the strategy's one dimension
+    # replicate x shard (in a pipeline file, of a stage's dp replicas: `stage_mesh`); None (no
+    # `mesh` in the file): flat, the strategy's one dimension
     declared_mesh: Mesh | None = None
     pipeline: PipelineSpec | None = None  # pipeline stages; None: every rank runs every layer
 
@@ -412,6 +413,17 @@ class Spec:
         if self.kind is Strategy.FSDP:
             return Mesh(1, self.world)
         return Mesh(self.world, 1)
+
+    @property
+    def stage_mesh(self) -> Mesh:
+        """A pipeline stage's dp replicas as replicate x shard: the declared mesh (HSDP per
+        stage: R x S = dp, rank = pp_index x dp + replicate_index x S + shard_index), else
+        FSDP per stage shards over all dp replicas (1 x dp) and DDP replicates over them."""
+        if self.declared_mesh is not None:
+            return self.declared_mesh
+        if self.pipeline is not None and self.pipeline.units:
+            return Mesh(1, self.dp)
+        return Mesh(self.dp, 1)
 
     @property
     def hsdp(self) -> bool:

@@ -74,9 +74,10 @@ CODES: dict[str, str] = {
     "double-cover": "a parameter in two buckets or two units",
     "tied-param": "the tied wte/lm_head weight sharded where its two users cannot both see it",
     "unit-contiguous": "a unit that is not kept gathered but is used by non-adjacent layers",
-    "mesh-size": "a mesh whose replicate x shard is not the world, or a pipeline degree "
-    "that does not divide it",
-    "mesh-ddp": "a mesh that shards a DDP schedule (DDP replicates over the whole world)",
+    "mesh-size": "a mesh whose replicate x shard is not the world (in a pipeline file, not a "
+    "stage's dp = world / degree replicas), or a pipeline degree that does not divide the world",
+    "mesh-ddp": "a mesh that shards a DDP schedule (DDP replicates over the whole world), or any "
+    "mesh in a pipeline file without an fsdp block",
     "memory-budget": "the predicted peak memory per rank exceeds the declared budget",
     # streams and events
     "cycle": "the dependency graph has a cycle",

@@ -13,9 +13,11 @@ the residual stream's bytes: fp32, or FSDP's gather dtype, ir/sizes.py `stream_b
 * states, fp32: 16 bytes a parameter of the rank's stages (parameter, gradient, Adam m and
   v; the tied wte once a rank: one parameter where one rank holds embed and head, a copy
   on each end otherwise). FSDP per stage keeps each unit's shard (the unit padded to a
-  multiple of dp, / dp) and its fp32 gradient shard from the unit's reduce-scatter to the
-  update; its full unit in the gather dtype lives from the rank's first item (the gathers
-  are launched together) until the stage's last B or W, and the stage's unsharded gradient
+  multiple of S, / S, S the shard group's ranks: dp, or under HSDP per stage a `mesh R x S`'s
+  S, whose replicate all-reduce sums the reduce-scatter's output in place, the DP ledger's
+  rule) and its fp32 gradient shard from the unit's reduce-scatter to the update; its full
+  unit in the gather dtype lives from the rank's first item (the gathers are launched
+  together) until the stage's last B or W, and the stage's unsharded gradient
   in the gather dtype from the stage's first B or W until the reduce-scatter that takes it
   is retired, before the update (what the collective sends lives as long).
 * DP with replicas (no fsdp block): the stage's flat bucket, or each of its buckets in the
@@ -110,12 +112,15 @@ class _RankLedger:
         self.numel = {p.name: p.numel for p in cfg.params}
         self.units = _units(spec, stages, self.numel)
         self.written: set[int] = set()  # stages whose gradients exist
-        dp = self.dp
+        # FSDP per stage shards over the shard group: all dp replicas, or S of a mesh R x S
+        # (HSDP: the replicate all-reduce sums the reduce-scatter's output in place, no
+        # buffer of its own, as in the DP ledger)
+        S = self.S = spec.stage_mesh.shard
         if self.units:
-            shard = sum(padded(n, dp) // dp for n in self.units.values())
+            shard = sum(padded(n, S) // S for n in self.units.values())
             self.w.alloc("states", Part.STATES, shard * 3 * FP32)  # parameter, m, v
             for name, n in self._named(None):
-                self.w.alloc(f"gathered[{name}]", Part.GATHERED, padded(n, dp) * self.g)
+                self.w.alloc(f"gathered[{name}]", Part.GATHERED, padded(n, S) * self.g)
         else:
             held = {p for s in stages for p in stage_params(spec, s)}
             self.w.alloc("states", Part.STATES, sum(self.numel[p] for p in held) * 4 * FP32)
@@ -195,7 +200,7 @@ class _RankLedger:
         if act.stage not in self.written:
             self.written.add(act.stage)
             for name, n in self._named(act.stage):
-                self.w.alloc(f"grad[{name}]", Part.GRADS, padded(n, self.dp) * self.g)
+                self.w.alloc(f"grad[{name}]", Part.GRADS, padded(n, self.S) * self.g)
 
     def synced(self, stage: int) -> None:
         """After the stage's last B or W: FSDP frees its gathered units and reduce-scatters
@@ -204,9 +209,7 @@ class _RankLedger:
         if self.units:
             for name, n in self._named(stage):
                 self.w.free(f"gathered[{name}]")
-                self.w.alloc(
-                    f"shard_grad[{name}]", Part.STATES, padded(n, self.dp) // self.dp * FP32
-                )
+                self.w.alloc(f"shard_grad[{name}]", Part.STATES, padded(n, self.S) // self.S * FP32)
         elif self.dp > 1:
             for k, params in enumerate(_buckets(self.spec, stage, self.stages)):
                 n = sum(self.numel[p] for p in params)

@@ -28,8 +28,10 @@ the cost model (analysis/cost.py), on every rank of one replica:
                micro-batch's activations / bandwidth
     dp         each stage's gradients over its dp replicas, one collective at a time on the
                rank's comm stream, each from its stage's last backward: DDP's all-reduce,
-               FSDP's reduce-scatter (and FSDP's all-gather of every unit before step 0's
-               first forward, which delays the whole pipeline by the slowest rank's)
+               FSDP's reduce-scatter (the file's own HSDP per stage: over a mesh's S
+               ranks, then its shard all-reduced over R), and FSDP's all-gather of every
+               unit before step 0's first forward, which delays the whole pipeline by the
+               slowest rank's
     tied       the wte copies of the first and last stage all-reduced once both are done
     optimizer  AdamW over the rank's parameters (FSDP: its shards), once every rank is
                done (the global norm is one all-reduce)
@@ -294,6 +296,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
     graph = prove(plan.pipeline, plan.programs).graph
     timing = simulate(graph, stage_costs(spec, cost, knobs.split))
     dp, fsdp, p = spec.dp, bool(spec.pipeline.units), plan.pipeline
+    S = spec.stage_mesh.shard if fsdp else dp  # FSDP shards over S (dp, or a mesh's shard)
     numel = held(spec, knobs.split, p)
     red = spec.numerics.reduce.nbytes
     sync = OpKind.REDUCESCATTER if fsdp else OpKind.ALLREDUCE
@@ -301,7 +304,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
     for r, program in plan.programs.items():
         t, spent = 0.0, 0.0
         for s in reversed(p.stages_of(r)):  # their last backwards come in this order
-            took = _collective(cost, sync, dp, numel[s] * red)
+            took = _collective(cost, sync, S, numel[s] * red) + _replicate(spec, cost, S, numel[s])
             t = max(t, _last_backward(timing, program, r, s)) + took
             spent += took
         finish[r], comm[r] = max(t, timing.ends[(r, len(program) - 1)]), spent
@@ -315,7 +318,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
         optimizer_time(
             kind,
             spec.optim.clip,
-            sum(padded(numel[s], dp) / dp if fsdp else numel[s] for s in p.stages_of(r)),
+            sum(padded(numel[s], S) / S if fsdp else numel[s] for s in p.stages_of(r)),
             cost,
         )
         for r in plan.programs
@@ -326,13 +329,26 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
     return PipeCandidate(knobs, c, step, timing.bubble, gather + max(comm.values()), peak)
 
 
+def _replicate(spec: Spec, cost: CostModel, S: int, numel: int) -> float:
+    """HSDP per stage: a stage's gradient shards all-reduced over the replicate group after
+    its reduce-scatter (nothing without a mesh of R > 1)."""
+    m = spec.stage_mesh
+    if not spec.pipeline or not spec.pipeline.units or m.replicate == 1:
+        return 0.0
+    red = spec.numerics.reduce.nbytes
+    return _collective(cost, OpKind.ALLREDUCE, m.replicate, padded(numel, S) / S * red)
+
+
 def _gathers(spec: Spec, cost: CostModel, numel: dict[int, int], fsdp: bool, p) -> float:
     """FSDP per stage: the slowest pipeline rank's all-gathers before its first forward."""
     if not fsdp:
         return 0.0
     nbytes = spec.numerics.gather.nbytes
     return max(
-        sum(_collective(cost, OpKind.ALLGATHER, spec.dp, numel[s] * nbytes) for s in p.stages_of(r))
+        sum(
+            _collective(cost, OpKind.ALLGATHER, spec.stage_mesh.shard, numel[s] * nbytes)
+            for s in p.stages_of(r)
+        )
         for r in range(p.pp)
     )
 

@@ -28,6 +28,7 @@ from schedc.lang.resources import pipeline_schedules
 from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
 from tests.oracle import Steps, assert_matches, reference_steps
 from tests.pipeline_ranks import Case, Merged, merged, reference, replicas
+from tests.pool import ranks_of
 from tests.strategies import examples, tally
 
 RUN = "tests.pipeline_ranks:run_case"
@@ -97,12 +98,32 @@ def test_ddp_buckets_per_stage_equal_reference_and_replicas_agree_bitwise(pool, 
 FSDP_X_PP = [replace(c, fsdp=True) for c in DP_X_PP] + [
     Case(Schedule.ONE_F_ONE_B, 4, 4, fsdp=True),
     Case(Schedule.INTERLEAVED, 1, 2, v=3, fsdp=True),
+    # mesh 2 x 1 (HSDP's corner, on the 4-rank pool): each unit whole on every rank, its
+    # gradient reduce-scattered over one rank and all-reduced over the 2 replicas
+    Case(Schedule.ZB_V, 2, 3, v=2, dp=2, fsdp=True, replicate=2),
 ]
 
 
 @pytest.mark.parametrize("case", FSDP_X_PP, ids=str)
 def test_fsdp_per_stage_equals_reference(pool, case):
     assert_matches(run(pool, case), reference(case))
+
+
+# HSDP per stage: 2 stages x dp 4 as mesh 2 x 2 on 8 ranks, each unit sharded over its 2-rank
+# shard group and its gradient shard averaged over the 2-rank replicate group; every replica
+# (both copies of a shard included) bitwise equal after each update (`replicas`), fp32 and
+# under a bf16 gather
+HSDP_X_PP = [
+    Case(Schedule.ONE_F_ONE_B, 2, 3, dp=4, fsdp=True, replicate=2),
+    Case(
+        Schedule.ONE_F_ONE_B, 2, 2, dp=4, fsdp=True, replicate=2, precision=("bf16", "bf16", "fp32")
+    ),
+]
+
+
+@pytest.mark.parametrize("case", HSDP_X_PP, ids=str)
+def test_hsdp_per_stage_equals_reference_and_shard_copies_agree_bitwise(pool8, case):
+    assert_matches(run(pool8, case), reference(case), case.tolerance)
 
 
 # precision policies (compute, gather, reduce), each held to its tolerance in tests/oracle.py:
@@ -122,7 +143,7 @@ def test_precision_policies_equal_reference_within_their_bounds(pool, case):
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
 @pytest.mark.parametrize("path", pipeline_schedules(), ids=lambda p: p.name)
-def test_every_bundled_pipeline_equals_reference(pool, path, precision):
+def test_every_bundled_pipeline_equals_reference(pool, request, path, precision):
     """Each file of schedules/pipeline/ on the pool as `schedc run` builds it, two steps, fp32
     and under `precision bf16` (compute and gather bf16, reduce fp32), against the reference
     of the same text. bf16's first step is held to its policy's tolerance (fp32's, but for
@@ -132,7 +153,8 @@ def test_every_bundled_pipeline_equals_reference(pool, path, precision):
     gradient on tiny_pp2_dp2, 1.6e-3 relative, beside 1.3e-4 for the DP executor at world 4
     on the same model; the tier is 2e-4)."""
     c = compile_file(path)
-    per_rank = pool.call(RUN_FILE, c.spec.world, str(path), precision, 2, timeout=60)
+    ranks = ranks_of(request, c.spec.world)  # world 8 (tiny_pp2_hsdp) on the 8-rank pool
+    per_rank = ranks.call(RUN_FILE, c.spec.world, str(path), precision, 2, timeout=60)
     got = merged(replicas(per_rank, Case(Schedule.GPIPE, c.spec.pipeline.degree, 1, dp=c.spec.dp)))
     ref = reference_steps(path.read_text() + (f"\nprecision {precision}\n" if precision else ""), 2)
     if precision is None:

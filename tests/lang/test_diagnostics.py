@@ -1159,6 +1159,29 @@ FAIL = [
         id="mesh-size-pipeline-degree",
     ),
     pytest.param(
+        PP.replace("world 2", "world 4 mesh 2 x 2").replace(
+            "schedule 1f1b", "schedule 1f1b\n  degree 2"
+        )
+        + "fsdp { }\n",
+        "mesh-size",
+        "mesh 2 x 2 is 4 ranks, but a stage's replicas are dp = world 4 / degree 2 = 2",
+        "mesh 2 x 2",
+        "replicate x shard must multiply to dp; for dp 2: 2 x 1, 1 x 2",
+        id="mesh-size-pipeline-hsdp",
+    ),
+    pytest.param(
+        PP.replace("world 2", "world 8 mesh 2 x 2")
+        .replace("batch 8", "batch 16")
+        .replace("schedule 1f1b", "schedule 1f1b\n  degree 2"),
+        "mesh-ddp",
+        "a pipeline without an fsdp block replicates each stage over its 4 dp ranks and shards "
+        "nothing: it takes no mesh 2 x 2",
+        "mesh 2 x 2",
+        "add `fsdp { }` to shard each stage's units over 2 ranks and all-reduce their gradient "
+        "shards over 2, or drop the mesh",
+        id="mesh-ddp-pipeline",
+    ),
+    pytest.param(
         PP.replace("micro 2", "accumulate 4").replace(
             "schedule 1f1b", "schedule 1f1b\n  microbatches 4"
         ),

@@ -28,6 +28,7 @@ def test_the_pipeline_bundle():
         "tiny_pp2_dp2.sched",
         "tiny_pp2_dp2_ddp.sched",
         "tiny_pp2_dp2_fsdp.sched",
+        "tiny_pp2_hsdp.sched",
         "tiny_pp2_interleaved.sched",
         "tiny_pp2_written.sched",
         "tiny_pp2_zbv.sched",
@@ -153,6 +154,10 @@ def test_a_dp_schedule_has_no_pipeline_to_dump(capsys):
 
 # -- broken copies of the bundled files, one rule each ----------------------------------------
 
+# tiny_pp2_hsdp's fsdp block, from its first line to the end of the file
+FSDP_BLOCK = (PIPELINE / "tiny_pp2_hsdp.sched").read_text().partition("\nfsdp {")[1:]
+FSDP_BLOCK = FSDP_BLOCK[0] + FSDP_BLOCK[1]
+
 MUTATIONS = {
     "tiny_pp4_1f1b.sched": [
         ("stage s2 = h.2\n", "", "uncovered"),
@@ -179,6 +184,12 @@ MUTATIONS = {
         ("reshard_after_forward off", "prefetch forward 2", "conflict"),
         ("unit tied = wte.weight ", "unit tied = wte.weight, wpe.weight ", "double-cover"),
         ("  degree 2\n", "  degree 3\n", "mesh-size"),
+    ],
+    "tiny_pp2_hsdp.sched": [
+        ("mesh 2 x 2", "mesh 2 x 4", "mesh-size"),  # 8 ranks, but dp is 4
+        ("mesh 2 x 2", "mesh 3 x 1", "mesh-size"),
+        ("fsdp {", "ddp { }\nfsdp {", "conflict"),  # both blocks
+        (FSDP_BLOCK, "", "mesh-ddp"),  # DDP per stage shards nothing
     ],
     "tiny_pp2_interleaved.sched": [
         ("microbatches 4", "microbatches 3", "batch-arithmetic"),

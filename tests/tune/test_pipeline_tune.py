@@ -224,3 +224,25 @@ def test_the_files_own_pipeline_is_predicted_as_its_candidate_is(dp2):
     ]
     assert len(same) == 1 and same[0].step == pytest.approx(mine.step)
     assert same[0].peak == mine.peak
+
+
+def test_hsdp_per_stage_is_priced_over_its_mesh(capsys):
+    """tiny_pp2_hsdp's own block: each unit's gradient shard all-reduced over the 2-rank
+    replicate group after its reduce-scatter (nothing for the same file sharded over all 4
+    replicas, no mesh), AdamW over half a unit, where the flat one steps a quarter; tune
+    says the mesh is not in its space."""
+    from schedc.ir.sizes import padded
+    from schedc.tune.pipeline import _collective, _replicate
+
+    path = REPO / "schedules" / "pipeline" / "tiny_pp2_hsdp.sched"
+    hsdp = own(Base.read(path), CPU, None)
+    assert hsdp is not None
+    flat = compile_text(path.read_text().replace("mesh 2 x 2", ""), "tiny_pp2_flat.sched")
+    n = hsdp.spec.model.layer_numel("h.0")
+    shard = padded(n, 2) / 2 * 4  # fp32 bytes
+    assert _replicate(hsdp.spec, CPU, 2, n) == _collective(CPU, OpKind.ALLREDUCE, 2, shard)
+    assert _replicate(flat.spec, CPU, 4, n) == 0.0
+    assert (hsdp.spec.stage_mesh.shard, flat.spec.stage_mesh.shard) == (2, 4)
+    assert predict(flat, hsdp.knobs, CPU).step < hsdp.step  # more to step, one more collective
+    assert main(["tune", str(path), "--top", "1"]) == 0
+    assert "`mesh 2 x 2` (HSDP) is not in its space" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def resolve(ast: Schedule, overrides: Overrides = Overrides()) -> tuple[Spec, li
     # block's buckets) or shard them by its fsdp block, read with the stages: no DP strategy
     piped = pipeline is not None or "pipeline" in cx.seen
     strategy = None if piped else resolve_strategy(cx, model, split.world)
-    mesh = resolve_mesh(cx, run.world, strategy)
+    mesh = resolve_mesh(cx, run.world, strategy, pipeline)  # a pipeline's: its stages' dp's
     hsdp = mesh is not None and mesh.replicate > 1
     # a sharded pipeline gathers its units: its precision may name a gather dtype
     gathers = FSDPSpec(()) if pipeline is not None and pipeline.units else strategy

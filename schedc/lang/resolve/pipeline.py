@@ -7,7 +7,8 @@ dp = world / degree replicas of the pipeline share the global batch (a degree th
 divide the world is [mesh-size]). Each stage's gradients are all-reduced over its dp
 replicas, one bucket a stage or in the buckets of a ddp block, each inside a stage
 (stage_buckets.py), or, with an fsdp block, sharded over them in units inside each stage
-(stage_units.py); the statements the pipeline executor and graph cannot honour yet are
+(stage_units.py), over a `mesh R x S` of the dp replicas (HSDP per stage: mesh.py); the
+statements the pipeline executor and graph cannot honour yet are
 refused by name ([conflict]), not ignored.
 """
 
@@ -31,7 +32,6 @@ from schedc.lang.resolve.stage_buckets import resolve_stage_buckets
 from schedc.lang.resolve.stage_units import resolve_stage_units
 from schedc.lang.resolve.values import LIMITS, int_of
 from schedc.lang.syntax import (
-    MeshDecl,
     Name,
     Num,
     OtherSetting,
@@ -54,7 +54,6 @@ SCHEDULES: dict[str, Schedule | Written] = {
 # what a pipeline schedule cannot take yet, and why (the graph, lowering and executor of
 # DP schedules run every layer on every rank)
 NOT_YET: dict[type, tuple[str, str, str]] = {  # statement -> (its keyword, what, why)
-    MeshDecl: ("mesh", "a mesh", "a pipeline's mesh is degree x dp, dp = world / degree"),
     Program: (
         "program",
         "a stream's program",
