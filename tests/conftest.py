@@ -72,9 +72,13 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("faults"):
             item.add_marker(pytest.mark.torch)
         fixtures = set(getattr(item, "fixturenames", ()))
-        if "pool" in fixtures or "pool8" in fixtures:
+        on = item.get_closest_marker("on_pool")
+        if "pool" in fixtures or "pool8" in fixtures or on is not None:
             item.add_marker(pytest.mark.ranks)
-            item.add_marker(pytest.mark.xdist_group("pool"))  # one pool, on one worker
+            # one pool, on one worker; the 8-rank pool's few tests on a worker of their own
+            # (starting 8 ranks takes 24 s on two cores: not on the 4-rank pool's long queue)
+            big = "pool8" in fixtures or (on is not None and on.args[0] > 4)
+            item.add_marker(pytest.mark.xdist_group("pool8" if big else "pool"))
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
             item.add_marker(pytest.mark.torch)
             item.add_marker(pytest.mark.xdist_group("real_trace"))  # written once

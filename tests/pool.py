@@ -407,3 +407,18 @@ def describe(job: Job | Call, rank: int | None = None) -> str:
 def ranks_of(request, world: int):
     """The session's pool that holds `world` ranks: the 4-rank pool, else the 8-rank one."""
     return request.getfixturevalue("pool" if world <= POOL_SIZE else "pool8")
+
+
+def on_pools(paths) -> list:
+    """Schedule files as test parameters, each marked with the pool its world needs
+    (`on_pool(4)` or `on_pool(8)`): tests/conftest.py runs each pool's tests on one worker."""
+    import pytest
+
+    from schedc.compiler import compile_file
+
+    return [
+        pytest.param(
+            p, marks=pytest.mark.on_pool(8 if compile_file(p).spec.world > POOL_SIZE else 4)
+        )
+        for p in paths
+    ]

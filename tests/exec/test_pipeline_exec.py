@@ -28,7 +28,7 @@ from schedc.lang.resources import pipeline_schedules
 from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
 from tests.oracle import Steps, assert_matches, reference_steps
 from tests.pipeline_ranks import Case, Merged, merged, reference, replicas
-from tests.pool import ranks_of
+from tests.pool import on_pools, ranks_of
 from tests.strategies import examples, tally
 
 RUN = "tests.pipeline_ranks:run_case"
@@ -142,8 +142,8 @@ def test_precision_policies_equal_reference_within_their_bounds(pool, case):
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
-@pytest.mark.parametrize("path", pipeline_schedules(), ids=lambda p: p.name)
-def test_every_bundled_pipeline_equals_reference(pool, request, path, precision):
+@pytest.mark.parametrize("path", on_pools(pipeline_schedules()), ids=lambda p: p.name)
+def test_every_bundled_pipeline_equals_reference(request, path, precision):
     """Each file of schedules/pipeline/ on the pool as `schedc run` builds it, two steps, fp32
     and under `precision bf16` (compute and gather bf16, reduce fp32), against the reference
     of the same text. bf16's first step is held to its policy's tolerance (fp32's, but for

@@ -18,14 +18,14 @@ import pytest
 
 from schedc.compiler import compile_file
 from schedc.lang.resources import pipeline_schedules
-from tests.pool import ranks_of
+from tests.pool import on_pools, ranks_of
 
 TOLERANCE = 0.10
 FILES = pipeline_schedules()
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
-def test_every_bundled_pipeline_peaks_as_predicted(pool, request, path):
+@pytest.mark.parametrize("path", on_pools(FILES), ids=lambda p: p.stem)
+def test_every_bundled_pipeline_peaks_as_predicted(request, path):
     c = compile_file(path)
     assert c.pipeline is not None
     ranks = ranks_of(request, c.spec.world)  # world 8 (tiny_pp2_hsdp) on the 8-rank pool
