@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
         if "pool" in fixtures or "pool8" in fixtures or on is not None:
             item.add_marker(pytest.mark.ranks)
             # one pool, on one worker; the 8-rank pool's few tests on a worker of their own
-            # (starting 8 ranks takes 24 s on two cores: not on the 4-rank pool's long queue)
+            # (its start-up, 8 ranks importing torch on two cores, off the 4-rank pool's queue)
             big = "pool8" in fixtures or (on is not None and on.args[0] > 4)
             item.add_marker(pytest.mark.xdist_group("pool8" if big else "pool"))
         if "real_trace" in fixtures:  # a trace that `schedc run` writes first (viz/conftest.py)
