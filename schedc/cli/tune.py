@@ -26,8 +26,8 @@ from schedc.cli.common import (
     require,
     write_candidates,
 )
-from schedc.cli.render import add_cost_args, cost_from_args, default_cost_note
-from schedc.cli.tune_pipeline import tune_pipeline
+from schedc.cli.render import add_cost_args, cost_from_args
+from schedc.cli.tune_pipeline import say_basis, tune_pipeline
 from schedc.errors import UserError
 from schedc.ir.spec import POLICIES
 from schedc.lang.resolve import UNITS, size_bytes
@@ -153,14 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if res.smallest_peak is None and res.first_refusal is not None:
             raise res.first_refusal  # the checker refused every one: say why, located
         raise UserError(nothing_fits(args.file, opts, res))
-    spec = res.ranked[0].spec
-    print(
-        f"schedc: model {spec.model_name}, world {spec.world}, batch {spec.seqs} x "
-        f"{spec.seq_len}; predicted with {opts.cost.describe(spec.numerics)}"
-        + (f"; budget {fmt_bytes(opts.budget)} per rank" if opts.budget else "")
-    )
-    if note := default_cost_note(args, args.file):
-        print(note)
+    say_basis(args, res.ranked[0].spec, opts)
     print(table(res.ranked))
     absent(base, opts, res)
     written = write(args, base, res, opts)

@@ -13,6 +13,7 @@ from schedc.analysis.units import fmt_rate, fmt_time
 from schedc.cli.common import write_candidates
 from schedc.cli.render import default_cost_note
 from schedc.errors import UserError
+from schedc.ir.spec import Spec
 from schedc.passes.memory import fmt_bytes
 from schedc.tune.measure import error, measure, pick_vs_fastest
 from schedc.tune.pipeline import PipeCandidate, PipeResult, own, search_pipeline
@@ -32,14 +33,7 @@ def tune_pipeline(args: argparse.Namespace, base: Base, opts: Options) -> int:
         if res.first_refusal is not None:
             raise res.first_refusal  # the checker refused every one: say why, located
         raise UserError(f"{args.file}: no pipeline candidate (the world has no degree >= 2)")
-    spec = res.ranked[0].spec
-    print(
-        f"schedc: model {spec.model_name}, world {spec.world}, batch {spec.seqs} x "
-        f"{spec.seq_len}; predicted with {opts.cost.describe(spec.numerics)}"
-        + (f"; budget {fmt_bytes(opts.budget)} per rank" if opts.budget else "")
-    )
-    if note := default_cost_note(args, args.file):
-        print(note)
+    say_basis(args, res.ranked[0].spec, opts)
     print(table(res.ranked[: opts.top]))
     mine = own(base, opts.cost, opts.budget_text)
     if mine is not None:
@@ -51,6 +45,17 @@ def tune_pipeline(args: argparse.Namespace, base: Base, opts: Options) -> int:
     if args.measure:
         measured(args, res.ranked[: args.measure], files, opts)
     return 0
+
+
+def say_basis(args: argparse.Namespace, spec: Spec, opts: Options) -> None:
+    """What a tune table was predicted for and with (both searches print it above theirs)."""
+    print(
+        f"schedc: model {spec.model_name}, world {spec.world}, batch {spec.seqs} x "
+        f"{spec.seq_len}; predicted with {opts.cost.describe(spec.numerics)}"
+        + (f"; budget {fmt_bytes(opts.budget)} per rank" if opts.budget else "")
+    )
+    if note := default_cost_note(args, args.file):
+        print(note)
 
 
 def table(
