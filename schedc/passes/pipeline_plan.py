@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from textwrap import indent
 
+import networkx as nx
+
 from schedc.ir.pipeline import (
     DEFAULT_COMM,
     Kind,
@@ -59,6 +61,9 @@ class PipelinePlan:
     bubble: dict[int, float]  # pipeline rank -> idle share of the step
     # pipeline rank -> its predicted memory (passes/pipeline_memory.py), set by the compiler
     memory: dict[int, MemoryReport] = field(default_factory=dict, compare=False)
+    # the proof's happens-before graph the bubble was timed over (as run), for whoever times
+    # the programs again at other costs (viz/pipeline.py, tune/pipeline.py)
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False, repr=False)
 
     @property
     def cost_words(self) -> str:
@@ -108,7 +113,9 @@ def plan_pipeline(spec: Spec, diag: Diagnostics) -> PipelinePlan | None:
         )
         return None
     timing = simulate(proof.graph, COSTS)
-    return PipelinePlan(gen.pipeline, gen.programs, COSTS, timing.step, timing.bubble)
+    return PipelinePlan(
+        gen.pipeline, gen.programs, COSTS, timing.step, timing.bubble, graph=proof.graph
+    )
 
 
 def _plan_written(
@@ -133,7 +140,7 @@ def _plan_written(
             diag.extend([_located(f, w.programs, title, lambda f: _spans(f, w, ps.span))])
         return None
     timing = simulate(proof.graph, COSTS)
-    return PipelinePlan(pipe, w.programs, COSTS, timing.step, timing.bubble)
+    return PipelinePlan(pipe, w.programs, COSTS, timing.step, timing.bubble, graph=proof.graph)
 
 
 def _communicators(programs: Programs) -> int:

@@ -60,7 +60,6 @@ from schedc.ir.sizes import padded, stream_bytes
 from schedc.ir.spec import TIED, Spec, Strategy
 from schedc.lang.diagnostics import CompileError
 from schedc.model.arch import GPTConfig
-from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_sim import Costs, Timing, simulate
 from schedc.tune.space import Base
 
@@ -293,8 +292,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
     """The step of a compiled candidate (see the module's docstring)."""
     spec, plan = c.spec, c.pipeline
     assert plan is not None and spec.pipeline is not None
-    graph = prove(plan.pipeline, plan.programs).graph
-    timing = simulate(graph, stage_costs(spec, cost, knobs.split))
+    timing = simulate(plan.graph, stage_costs(spec, cost, knobs.split))
     dp, fsdp, p = spec.dp, bool(spec.pipeline.units), plan.pipeline
     S = spec.stage_mesh.shard if fsdp else dp  # FSDP shards over S (dp, or a mesh's shard)
     numel = held(spec, knobs.split, p)

@@ -26,7 +26,6 @@ from schedc.analysis.pipeline_trace import Measured
 from schedc.compiler import Compiled
 from schedc.ir.op import Kind as OpKind
 from schedc.ir.pipeline import Action, Kind, backward_kind, producer
-from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_plan import PipelinePlan
 from schedc.passes.pipeline_sim import Costs, simulate
 from schedc.viz.dot import COLORS, attrs, q
@@ -97,7 +96,7 @@ def grid_of(compiled: Compiled, costs: Costs | None = None, said: str = "") -> G
     at the plan's unit costs or at `costs` (measured ones, in ms: then `said` says so)."""
     plan = compiled.pipeline
     assert plan is not None
-    timing = simulate(prove(plan.pipeline, plan.programs).graph, costs or plan.costs)
+    timing = simulate(plan.graph, costs or plan.costs)
     times = {k: (timing.starts[k], timing.ends[k]) for k in timing.starts}
     if costs is None:
         bubble = ", ".join(
