@@ -30,7 +30,7 @@
 # image: scripts/gpu_rehearsal.sh): the wheels installed the same way, the CUDA tests as
 # their CPU twins (SCHEDC_GPU_REHEARSAL=1: same code paths and tolerance logic, skipping what
 # needs a device), bench/gpu.py --smoke on the CPU with its real budget logic; each part's
-# timeout is four times the GPU machine's (world-4 twins on two cores).
+# timeout is four times the GPU machine's (rank twins on two cores; world 4 only on a GPU).
 #
 # Results (at most 8 files come back from the GPU machine): gpu_check.log (everything printed),
 # bench_gpu.json, benchmarks.md (docs/benchmarks.md with its GPU section rewritten) and

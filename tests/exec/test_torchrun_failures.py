@@ -90,11 +90,10 @@ def test_a_killed_rank_leaves_the_survivor_naming_its_instruction():
     assert f'File "{REPO / "schedc"}' not in err  # no traceback from schedc itself
 
 
-@pytest.mark.parametrize("timeout", [10, None], ids=["timeout-10", "default-timeout"])
-def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound(timeout):
-    """At --timeout 10 and at the default (300 s): a stopped rank beats no more, so its
-    watcher names it within seconds (exec/heartbeat.py), whatever the collectives wait."""
-    p = torchrun(timeout=timeout)
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound():
+    """At the default --timeout (300 s): a stopped rank beats no more, so its watcher names
+    it within seconds (exec/heartbeat.py), whatever the collectives wait."""
+    p = torchrun(timeout=None)
     pids = running(p)
     os.kill(pids[1], signal.SIGSTOP)  # alive, but answers nothing
     try:
@@ -103,7 +102,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_bound(timeout):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pids[1], signal.SIGKILL)
     assert p.returncode != 0
-    assert elapsed < BOUND_S, (elapsed, err)  # 10 s, 3 s of grace; not torchrun's 30 s
+    assert elapsed < BOUND_S, (elapsed, err)  # not the 300 s timeout, nor torchrun's 30 s
     lines = schedc_lines(err)
     assert any("rank 1 stopped answering" in x for x in lines), err
     assert any("rank 1 was stopped (SIGSTOP); sent SIGCONT" in x for x in lines), err
