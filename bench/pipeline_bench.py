@@ -160,7 +160,7 @@ def _torch(args, ctx, schedule) -> tuple[float, list]:
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = kind(stages[0], args.m, loss_fn=loss_fn)
     named = [(nm, p) for m in models for nm, p in m.named_parameters()]
-    optimizer = make_adamw(named, job.optim)
+    optimizer = make_adamw(named, job.optim, torch.optim.AdamW)
     micro = job.batches.global_seqs // (args.m * dp)
 
     def step(s: int) -> None:

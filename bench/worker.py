@@ -295,7 +295,7 @@ class TorchDDP:
         self.model = init_model(s.model, s.seed)
         self.ddp = DDP(self.model)
         self.named = list(self.model.named_parameters())
-        self.opt = make_adamw(self.named, s.optim)
+        self.opt = make_adamw(self.named, s.optim, torch.optim.AdamW)
         self.batches = load_batches(s.data, s.seq_len, s.seqs, s.model.vocab_size)
         self.index = 0
         self.buckets: list[list[str]] = []
@@ -396,7 +396,7 @@ class TorchFSDP2:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.named = list(self.model.named_parameters())
-        self.opt = make_adamw(self.named, s.optim)
+        self.opt = make_adamw(self.named, s.optim, torch.optim.AdamW)
         self.batches = load_batches(s.data, s.seq_len, s.seqs, s.model.vocab_size)
         self.index = 0
 

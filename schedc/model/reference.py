@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call
+from torch.optim.adam import adam
 
 from schedc.model.arch import GPTConfig
 from schedc.model.batching import micro_steps
@@ -60,22 +61,105 @@ def init_model(config: GPTConfig, seed: int, dtype: torch.dtype = torch.float32,
     return GPT(config, seed=seed, **options).to(dtype)
 
 
+def _undecorated(method):
+    """torch's own body of an Optimizer method that torch._disable_dynamo wraps (the wrapper
+    imports torch._dynamo on first call); the method itself where a torch has no such body."""
+    return getattr(method, "__wrapped__", method)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's fused AdamW, without the 1.3 s torch.optim spends importing torch._dynamo.
+
+    torch.optim's step wrapper imports torch._dynamo to mark a graph break, and its
+    bookkeeping methods import it to disable it: 1.3 s of CPU in every process that builds
+    an optimizer, a third of a small run's start on each rank, for a compiler schedc never
+    runs on an optimizer. Here `step` calls torch's functional fused AdamW (the kernel
+    `torch.optim.AdamW.step` reaches) on the same state, made the same way on first use (a
+    float32 `step` scalar on the parameter's device, zero moments), honouring `found_inf` and
+    `grad_scale` as torch's step does; the bookkeeping methods are torch's bodies called
+    directly. `tests/model/test_reference.py` holds it bitwise to torch.optim.AdamW, state
+    dict included, and checks that a process using it never imports torch._dynamo.
+    """
+
+    def __init__(self, params, **kwargs) -> None:
+        if not kwargs.get("fused") or kwargs.get("amsgrad") or kwargs.get("maximize"):
+            raise ValueError("schedc's AdamW is torch's fused one, without amsgrad or maximize")
+        super().__init__(params, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        _undecorated(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def state_dict(self):
+        return _undecorated(torch.optim.Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict) -> None:
+        _undecorated(torch.optim.Optimizer.load_state_dict)(self, state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _undecorated(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "schedc's AdamW takes no closure"
+        for group in self.param_groups:
+            params, grads, avgs, sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            beta1, beta2 = group["betas"]
+            adam(
+                params,
+                grads,
+                avgs,
+                sqs,
+                [],
+                steps,
+                fused=True,
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+        return None
+
+
 def make_adamw(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]], opt: OptimConfig
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    opt: OptimConfig,
+    kind: type[torch.optim.AdamW] = AdamW,
 ) -> torch.optim.AdamW:
     """AdamW with two groups, decay (dim >= 2) then no decay, each in the order given.
 
     The order fixes the layout of the optimizer state, so callers that pass parameters in
-    the same order (arch.py's) get comparable optimizers.
+    the same order (arch.py's) get comparable optimizers. `kind`: schedc's AdamW, or the
+    benchmarks' baselines' torch.optim.AdamW (the same kernel, as users run it).
     """
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for _, p in named_params:
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return adamw_groups(decay, no_decay, opt)
+    return adamw_groups(decay, no_decay, opt, kind)
 
 
-def adamw_groups(decay: list, no_decay: list, opt: OptimConfig) -> torch.optim.AdamW:
+def adamw_groups(
+    decay: list, no_decay: list, opt: OptimConfig, kind: type[torch.optim.AdamW] = AdamW
+) -> torch.optim.AdamW:
     """AdamW over explicit groups: `decay` gets opt.weight_decay, `no_decay` none.
 
     FSDP's flat shards are 1-D whatever they hold, so it names its groups itself.
@@ -84,7 +168,7 @@ def adamw_groups(decay: list, no_decay: list, opt: OptimConfig) -> torch.optim.A
         {"params": decay, "weight_decay": opt.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
+    return kind(
         [g for g in groups if g["params"]],
         lr=opt.lr,
         betas=(opt.beta1, opt.beta2),
