@@ -3,7 +3,8 @@
 #
 #   scripts/docs_images.sh            the predicted pictures (needs Graphviz's dot/neato)
 #   scripts/docs_images.sh measured   also train tiny_ddp_overlap on 2 CPU ranks for a trace,
-#                                     fit the cost model to it and draw the measured step
+#                                     fit the cost model to it and draw the measured step;
+#                                     and trace tiny_pp2_interleaved for its measured grid
 #   FORMATS="svg png" scripts/docs_images.sh    each picture in several formats
 #
 # Each line below is the exact command README.md shows next to its picture.
@@ -39,5 +40,10 @@ if [ "${1:-}" = "measured" ]; then
   for f in ${FORMATS:-svg}; do
     schedc render schedules/tiny_ddp_overlap.sched --trace out/t.json -o $D/measured_tiny_ddp_overlap.$f
     schedc render schedules/tiny_ddp_overlap.sched --trace out/t.json --compare --cost $D/cpu_params.json --unfold -o $D/measured_vs_predicted_tiny_ddp_overlap.$f
+  done
+  # interleaved 1F1B on 2 ranks: its last step, the prediction at its measured costs above
+  OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m schedc run schedules/pipeline/tiny_pp2_interleaved.sched --steps 3 --trace out/pp.json
+  for f in ${FORMATS:-svg}; do
+    schedc render schedules/pipeline/tiny_pp2_interleaved.sched --trace out/pp.json --compare -o $D/pipeline_interleaved_measured.$f
   done
 fi
