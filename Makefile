@@ -6,7 +6,7 @@ PY ?= python3
 WORKERS ?= 2
 RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
-.PHONY: demo test tiers test-without-torch gpu-rehearsal typecheck docs
+.PHONY: demo test test-without-torch gpu-rehearsal typecheck docs
 demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
 	PYTHON=$(PY) scripts/install.sh
 	mkdir -p out
@@ -17,20 +17,14 @@ test:  ## install with the test tools, lint, check the layers, run the whole sui
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
-	$(MAKE) --no-print-directory tiers VENVS=$$(mktemp -d)
-
-# make test's tiers; the last two's venvs made under VENVS while the torch tier runs
-tiers:
-	PYTHON=$(PY) scripts/ci_venvs.sh start $(VENVS)
 	scripts/tier.sh torch $(PY) -m pytest -q -m torch -n $(WORKERS) --dist loadgroup
-	scripts/tier.sh venvs scripts/ci_venvs.sh wait $(VENVS)
 	$(MAKE) --no-print-directory --output-sync=target -j3 test-without-torch gpu-rehearsal typecheck
 
 test-without-torch:  ## the torch-free tier, in a fresh venv without torch
-	PYTHON=$(PY) scripts/tier.sh torch-free scripts/test_without_torch.sh $(if $(VENVS),$(VENVS)/notorch)
+	PYTHON=$(PY) scripts/tier.sh torch-free scripts/test_without_torch.sh
 
 gpu-rehearsal:  ## scripts/gpu_check.sh rehearsed on this CPU (what a lent GPU will run)
-	PYTHON=$(PY) scripts/tier.sh gpu-rehearsal scripts/gpu_rehearsal.sh $(if $(VENVS),$(VENVS)/gpu)
+	PYTHON=$(PY) scripts/tier.sh gpu-rehearsal scripts/gpu_rehearsal.sh
 
 typecheck:  ## mypy over the whole package (configuration: pyproject.toml [tool.mypy])
 	scripts/tier.sh typecheck $(PY) -m mypy

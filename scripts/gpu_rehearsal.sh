@@ -2,10 +2,8 @@
 # The GPU check rehearsed on a CPU, as CI runs it (make test): proof that the rare GPU call
 # will import the compiler and run every part of scripts/gpu_check.sh.
 #
-#   scripts/gpu_rehearsal.sh [VENV_DIR]                (default: a temporary directory)
-#   scripts/gpu_rehearsal.sh --venv-only VENV_DIR      only make the venv (scripts/ci_venvs.sh)
+#   scripts/gpu_rehearsal.sh [VENV_DIR]      (default: a temporary directory)
 #
-# A VENV_DIR this script made already (its .ready) is used as it is.
 # 1. a venv made like the GPU machine's image: torch, pytest, hypothesis, networkx,
 #    tiktoken and numpy, and no lark, no graphviz (and a `dot` that fails first on PATH:
 #    the GPU machine has none);
@@ -16,28 +14,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV_ONLY=0
-if [ "${1:-}" = "--venv-only" ]; then
-  VENV_ONLY=1
-  shift
-fi
 TMP=$(mktemp -d)
 VENV=${1:-$TMP/gpu-image}
 start=$(date +%s)
 
-if [ ! -f "$VENV/.ready" ]; then
-  # no byte-compiling: the venv takes about 35 s instead of 70 (torch is 1 GB)
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile \
-    "torch==2.13.0" pytest hypothesis networkx tiktoken numpy
-  if "$VENV/bin/python" -c "import lark" 2>/dev/null ||
-    "$VENV/bin/python" -c "import graphviz" 2>/dev/null; then
-    echo "gpu_rehearsal: lark or graphviz is importable in $VENV; this rehearses nothing" >&2
-    exit 1
-  fi
-  touch "$VENV/.ready"
+# no byte-compiling: the venv takes about 35 s instead of 70 (torch is 1 GB)
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile \
+  "torch==2.13.0" pytest hypothesis networkx tiktoken numpy
+if "$VENV/bin/python" -c "import lark" 2>/dev/null ||
+  "$VENV/bin/python" -c "import graphviz" 2>/dev/null; then
+  echo "gpu_rehearsal: lark or graphviz is importable in $VENV; this rehearses nothing" >&2
+  exit 1
 fi
-[ "$VENV_ONLY" = 1 ] && exit 0
 mkdir -p "$TMP/bin"
 printf '#!/bin/sh\necho "dot: not on the GPU machine (rehearsal)" >&2\nexit 127\n' >"$TMP/bin/dot"
 chmod +x "$TMP/bin/dot"

@@ -2,33 +2,21 @@
 # The torch-free tier (README, "Testing"): in a fresh venv that has everything schedc needs
 # except torch, the compiler, the pictures and the CLI import and pass their tests.
 #
-#   scripts/test_without_torch.sh [VENV_DIR]               (default: a temporary directory)
-#   scripts/test_without_torch.sh --venv-only VENV_DIR     only make the venv (scripts/ci_venvs.sh)
-#
-# A VENV_DIR this script made already (its .ready) is used as it is.
+#   scripts/test_without_torch.sh [VENV_DIR]     (default: a temporary directory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV_ONLY=0
-if [ "${1:-}" = "--venv-only" ]; then
-  VENV_ONLY=1
-  shift
-fi
 VENV=${1:-$(mktemp -d)/schedc-notorch}
-if [ ! -f "$VENV/.ready" ]; then
-  "$PY" -m venv "$VENV"
-  pip() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
-  # schedc's dependencies without torch (pyproject.toml), then schedc itself without its deps
-  pip "lark>=1.1.9" "networkx>=3.0" "graphviz>=0.20" "tiktoken>=0.7" "numpy>=1.24" \
-      "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "import-linter>=2.0"
-  pip --no-deps -e .
-  if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    echo "test_without_torch: torch is importable in $VENV; this tier proves nothing" >&2
-    exit 1
-  fi
-  touch "$VENV/.ready"
+"$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+# schedc's dependencies without torch (pyproject.toml), then schedc itself without its deps
+pip "lark>=1.1.9" "networkx>=3.0" "graphviz>=0.20" "tiktoken>=0.7" "numpy>=1.24" \
+    "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "import-linter>=2.0"
+pip --no-deps -e .
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "test_without_torch: torch is importable in $VENV; this tier proves nothing" >&2
+  exit 1
 fi
-[ "$VENV_ONLY" = 1 ] && exit 0
 "$VENV/bin/python" -c "import schedc.passes.check, schedc.compiler, schedc.viz.timeline, \
 schedc.cli.main; print('schedc imports without torch')"
 # two workers: beside the GPU rehearsal and mypy (make test -j3), one process left a core idle
