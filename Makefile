@@ -2,7 +2,8 @@
 PY ?= python3
 # pytest-xdist workers for the torch tier: its tests wait on ranks, sleeps and timeouts as
 # much as they compute, so two workers on two cores overlap the waits (tests of one rank
-# pool or one written trace share a worker: tests/conftest.py)
+# pool or one written trace share a worker: tests/conftest.py); one thread each, as ranks
+# that share the cores run (the workers' own torch, and what they start, unless a test says)
 WORKERS ?= 2
 RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
@@ -17,7 +18,7 @@ test:  ## install with the test tools, lint, check the layers, run the whole sui
 	$(PY) -m ruff check schedc tests bench
 	$(PY) -m ruff format --check schedc tests bench
 	lint-imports
-	scripts/tier.sh torch $(PY) -m pytest -q -m torch -n $(WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 scripts/tier.sh torch $(PY) -m pytest -q -m torch -n $(WORKERS) --dist loadgroup
 	$(MAKE) --no-print-directory --output-sync=target -j3 test-without-torch gpu-rehearsal typecheck
 
 test-without-torch:  ## the torch-free tier, in a fresh venv without torch
