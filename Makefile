@@ -1,5 +1,10 @@
 # The two commands of the README's quick start.
 PY ?= python3
+# Python caches compiled modules (__pycache__) for the processes the suite starts (about 170
+# in the torch tier, each importing schedc, and the rehearsal's torch, installed uncompiled),
+# where the machine's environment says not to (PYTHONDONTWRITEBYTECODE=1 here): each would
+# compile them again
+unexport PYTHONDONTWRITEBYTECODE
 # pytest-xdist workers for the torch tier: its tests wait on ranks, sleeps and timeouts as
 # much as they compute, so two workers on two cores overlap the waits (tests of one rank
 # pool or one written trace share a worker: tests/conftest.py); one thread each, as ranks
