@@ -12,7 +12,7 @@ Activations are not buffers of the executor's (autograd saves them); the heap te
 them against the ledger (test_memory_measured.py).
 
 Every bundled schedule (at its own world, its HSDP mesh included, when the pool has the
-ranks; else at the world-1 variant of its shape), and 50 generated ones: DDP and FSDP at
+ranks; else at the world-1 variant of its shape), and 30 generated ones: DDP and FSDP at
 worlds 1-4, every precision policy, recompute, no_sync's upcast, HSDP meshes, the chunked
 loss.
 """
@@ -123,7 +123,7 @@ def generated(draw):
     return case
 
 
-@settings(max_examples=50)
+@settings(max_examples=30)
 @given(case=generated())
 def test_generated_schedules_free_what_their_lifetimes_say(pool6, case):  # noqa: F811
     check(pool6, case.text(), case.world)
