@@ -193,7 +193,7 @@ class Loop:
         self.compiled = compile
         self.tf32 = bf16 and device.type == "cuda"  # build-nanogpt: precision 'high'
         self.model = init_model(spec.model, spec.seed).to(device)
-        # fused AdamW on CUDA (build-nanogpt's use_fused), foreach on a CPU
+        # torch's own AdamW, fused (build-nanogpt's use_fused), as its users run it
         self.opt = make_adamw(self.model.named_parameters(), spec.optim, torch.optim.AdamW)
         self.forward = torch.compile(self.model, backend=backend) if compile else self.model
         self.index = 0
