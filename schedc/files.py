@@ -1,15 +1,16 @@
 """Reading files safely: regular files only, never more than a limit.
 
 The schedule reader (lang/read.py) and the data loader (model/data.py) both read through
-`read_limited`, so a FIFO, a device or /dev/zero named by mistake is refused before a byte is
-read, and a size limit holds on the bytes actually read. The bottom of the package: it
-imports nothing of schedc.
+`read_limited`, and the HellaSwag reader a line at a time through `open_regular`, so a FIFO,
+a device or /dev/zero named by mistake is refused before a byte is read, and a size limit
+holds on the bytes actually read. The bottom of the package: it imports nothing of schedc.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from typing import BinaryIO
 
 
 class NotRegularFile(OSError):
@@ -54,17 +55,31 @@ def read_limited(path: str | os.PathLike[str], limit: int) -> bytes:
 
     A result longer than `limit` means the file is over the limit: the limit holds on the
     bytes actually read, not on st_size, which is 0 for /dev/zero, a FIFO or a /proc file.
+    Anything but a regular file raises NotRegularFile before a byte is read (`open_regular`).
+    Other failures raise the OSError of the call that failed.
+    """
+    with open_regular(path) as f:
+        return f.read(limit + 1)  # a buffered read loops until limit + 1 bytes or EOF
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """The regular file `path` opened for reading in binary, for a reader that reads it a
+    piece at a time (and bounds each piece itself).
+
     Anything but a regular file raises NotRegularFile before a byte is read; the type is
     taken with fstat of the open descriptor, so a path swapped for a FIFO or a device after
     the first look is still caught (the stat before opening only spares devices an open).
-    Other failures raise the OSError of the call that failed.
     """
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
         raise NotRegularFile(path, mode)
     fd = os.open(path, _OPEN_FLAGS)
-    with os.fdopen(fd, "rb", closefd=True) as f:  # closes fd on every path out
+    f = os.fdopen(fd, "rb", closefd=True)  # owns fd: closing f closes it
+    try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFile(path, mode)
-        return f.read(limit + 1)  # a buffered read loops until limit + 1 bytes or EOF
+    except BaseException:
+        f.close()
+        raise
+    return f
