@@ -12,13 +12,14 @@ one chunk per rank of an item, tiling it, each stored in a record the size of it
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
 import os
 import zipfile
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import IO, Any
 
 import torch
@@ -87,8 +88,10 @@ def check_metadata(md: Any, where: Path, sizes: dict[str, int], world: int) -> N
 
 
 def _problem(md: Any, sizes: dict[str, int], world: int) -> str | None:
-    """The first thing wrong with the metadata, in the order below, or None."""
-    if type(md) is not Metadata:
+    """The first thing wrong with the metadata, in the order below, or None. Every field is
+    checked for its type before it is used: the unpickler admits the classes, not what
+    their fields hold (an int where an offset's Size belongs), nor that BUILD set them."""
+    if not _is(md, Metadata):
         return f"a {type(md).__name__}, not DCP Metadata"
     items = md.state_dict_metadata
     if type(items) is not dict or not items:
@@ -109,6 +112,11 @@ def _first(problems: Iterable[str | None]) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
+def _is(obj: Any, cls: type) -> bool:
+    """`obj` is exactly a `cls` with every field set (NEWOBJ without BUILD sets none)."""
+    return type(obj) is cls and all(hasattr(obj, f.name) for f in dataclasses.fields(cls))
+
+
 # -- each declared item: a tensor schedc writes, cut into chunks that tile it -------------------
 
 
@@ -127,14 +135,22 @@ def _item_name(k: Any, v: Any, world: int) -> str | None:
 
 
 def _item_tensor(k: str, v: Any, world: int) -> str | None:
-    if type(v) is not TensorStorageMetadata:
+    if not _is(v, TensorStorageMetadata):
         return f"item {k} is a {type(v).__name__}, not a tensor; schedc writes tensors only"
     return None
 
 
 def _item_properties(k: str, v: TensorStorageMetadata, world: int) -> str | None:
     p = v.properties
-    if type(p) is not TensorProperties or p.dtype not in DTYPES or p.layout is not torch.strided:
+    if not (
+        _is(p, TensorProperties)
+        and type(p.dtype) is torch.dtype
+        and p.dtype in DTYPES
+        and p.layout is torch.strided
+        and p.memory_format is torch.contiguous_format
+        and type(p.requires_grad) is bool
+        and type(p.pin_memory) is bool
+    ):
         return f"item {k} has tensor properties schedc never writes"
     return None
 
@@ -142,7 +158,7 @@ def _item_properties(k: str, v: TensorStorageMetadata, world: int) -> str | None
 def _item_shape(k: str, v: TensorStorageMetadata, world: int) -> str | None:
     def chunk(c: Any) -> bool:
         return (
-            type(c) is ChunkStorageMetadata
+            _is(c, ChunkStorageMetadata)
             and _shape(c.offsets, len(v.size))
             and _shape(c.sizes, len(v.size))
         )
@@ -187,11 +203,23 @@ def _header(md: Metadata) -> str | None:
         return "malformed planner_data"
     if md.version is not None and type(md.version) is not str:
         return "malformed version"
-    if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
+    if md.storage_meta is not None and not _storage_meta(md.storage_meta):
         return "malformed storage_meta"
     if type(md.storage_data) is not dict:
         return "no storage_data"
     return None
+
+
+def _storage_meta(sm: Any) -> bool:
+    """What DCP's save records of itself: ids (strings; the checkpoint's a path) and the
+    modules it saved (a list of strings)."""
+    return (
+        _is(sm, StorageMeta)
+        and (sm.checkpoint_id is None or type(sm.checkpoint_id) in (str, PosixPath))
+        and all(x is None or type(x) is str for x in (sm.save_id, sm.load_id))
+        and type(sm.modules) is list
+        and all(type(m) is str for m in sm.modules)
+    )
 
 
 def _planner_data(pd: Any) -> bool:
@@ -206,13 +234,27 @@ def _planner_data(pd: Any) -> bool:
 
 
 def _stored_item(idx: Any, info: Any, items: dict, sizes: dict[str, int]) -> str | None:
-    if type(idx) is not MetadataIndex or idx.fqn not in items:
+    if not _is(idx, MetadataIndex) or type(idx.fqn) is not str or idx.fqn not in items:
         return f"storage for an undeclared item {str(getattr(idx, 'fqn', idx))[:60]!r}"
     return None
 
 
+def _stored_index(idx: MetadataIndex, info: Any, items: dict, sizes: dict[str, int]) -> str | None:
+    """The entry's key: the offset of a chunk of its item (a Size of the item's dimensions;
+    None only for a tensor of none), and an index hint that is a number or None."""
+    at, dims = idx.offset, len(items[idx.fqn].size)
+    if not ((at is None and dims == 0) or _shape(at, dims)) or not (
+        idx.index is None or type(idx.index) is int
+    ):
+        return (
+            f"storage of {idx.fqn} has offset {str(at)[:60]} and index "
+            f"{str(idx.index)[:20]}; a chunk of its {dims} dimensions has a Size"
+        )
+    return None
+
+
 def _stored_info(idx: MetadataIndex, info: Any, items: dict, sizes: dict[str, int]) -> str | None:
-    if type(info) is not _StorageInfo:
+    if not _is(info, _StorageInfo):
         return f"storage of {idx.fqn} is a {type(info).__name__}"
     return None
 
@@ -241,7 +283,8 @@ def _stored_bounds(
 def _stored_plain(
     idx: MetadataIndex, info: _StorageInfo, items: dict, sizes: dict[str, int]
 ) -> str | None:
-    if info.transform_descriptors:
+    td = info.transform_descriptors
+    if not (td is None or (type(td) in (list, tuple) and not td)):
         return f"item {idx.fqn} asks for stream transforms, which schedc never writes"
     return None
 
@@ -263,6 +306,7 @@ def _stored_chunk(
 # each check runs only once every check before it passed for that entry
 _STORAGE_CHECKS: tuple[Callable[[Any, Any, dict, dict[str, int]], str | None], ...] = (
     _stored_item,
+    _stored_index,
     _stored_info,
     _stored_file,
     _stored_bounds,
