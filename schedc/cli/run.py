@@ -298,5 +298,5 @@ def _init_dir(args: argparse.Namespace, spec) -> str | None:
     directory = parse_init(args.init)
     config = read_config(directory)
     check_config(config, directory / CONFIG, spec.model, spec.model_name)
-    weights_file(directory)  # there, or said now
+    weights_file(directory, spec.model)  # there, a regular file, of a size the model can have
     return str(directory)

@@ -13,7 +13,9 @@ unpickler builds tensors, containers and numbers and refuses any other global, s
 that would call os.system is refused before anything is called; a zip archive whose entries
 are compressed, or declare more bytes than the model can hold, is refused before torch
 inflates it (the rule of checkpoint records, exec/checkpoint/dcp_metadata.py). The file is
-bounded by the model's size before a byte is read.
+bounded by the model's size (stat) before a byte is read or hashed. A symbolic link is
+followed, as Hugging Face's cache needs (snapshots/REV/model.safetensors -> ../../blobs/SHA),
+to a regular file only: never a FIFO or a device.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from pathlib import Path
 import torch
 
 from schedc.errors import UserError
-from schedc.exec.checkpoint.files import open_regular
 from schedc.model.arch import GPTConfig
 from schedc.model.hf import (
     CONFIG,
@@ -36,6 +37,7 @@ from schedc.model.hf import (
     TIED,
     HFError,
     check_config,
+    check_weights,
     export_config,
     hf_name,
     hf_shape,
@@ -52,12 +54,13 @@ from schedc.model.hf import (
 def source(directory: Path) -> str:
     """What every rank must agree on before step 1: the directory and a hash of its config
     and weights, so ranks on nodes with different copies disagree (read_config and
-    weights_file say what is missing, as a user error)."""
+    weights_file say what is missing, as a user error). The weights' size was bounded by
+    the schedule's model before (cli/run.py: weights_file with the model), so what is
+    hashed here is at most what a model of its sizes holds."""
     read_config(directory)
     h = hashlib.sha256()
     for path in (directory / CONFIG, weights_file(directory)):
-        fd = open_regular(path)
-        with os.fdopen(fd, "rb") as f:
+        with os.fdopen(_open(path), "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return f"hf:{directory.resolve()} (sha256 {h.hexdigest()[:16]})"
@@ -65,16 +68,34 @@ def source(directory: Path) -> str:
 
 def load(directory: Path, model: GPTConfig, name: str) -> dict[str, torch.Tensor]:
     """The weights of DIR as schedc's parameters, by name, in schedc's shapes; config.json
-    is checked against the schedule's model (`name`) before the weights are read."""
+    is checked against the schedule's model (`name`) before the weights are read, and the
+    weights' size before a byte of them is."""
     check_config(read_config(directory), directory / CONFIG, model, name)
-    path = weights_file(directory)
-    fd = open_regular(path)  # a regular file, never a link, FIFO or device
-    size = os.fstat(fd).st_size
-    os.close(fd)
-    if size > max_weight_bytes(model):
-        raise HFError(f"{path}: {size} bytes, more than a GPT-2 of the schedule's sizes holds")
+    path = weights_file(directory, model)
+    fd = _open(path)
+    try:  # again, of what was opened: the file may have been replaced since
+        check_weights(path, os.fstat(fd), model)
+    finally:
+        os.close(fd)
     tensors = _read_safetensors(path) if path.name == SAFETENSORS else _read_pickle(path, model)
     return _to_schedc(tensors, model, path)
+
+
+def _open(path: Path) -> int:
+    """A descriptor of the regular file `path` names. A link is followed: a model directory
+    is the user's, not a checkpoint (whose files must lie inside it), and Hugging Face's
+    cache is links to blobs. O_NONBLOCK keeps the open of a FIFO from waiting for a
+    writer; fstat then refuses anything but a regular file (a FIFO, /dev/zero)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise HFError(f"{path}: cannot be opened: {e.strerror or e}") from None
+    try:
+        check_weights(path, os.fstat(fd), None)
+    except HFError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

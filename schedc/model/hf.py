@@ -17,11 +17,13 @@ weights and are skipped.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from schedc.errors import UserError
-from schedc.files import read_limited
+from schedc.files import file_kind, read_limited
 from schedc.model.arch import GPT2_VOCAB, GPTConfig
 
 SCHEME = "hf:"
@@ -143,11 +145,17 @@ def check_config(config: dict[str, Any], path: Path, model: GPTConfig, name: str
             )
 
 
-def weights_file(directory: Path) -> Path:
-    """The file of weights: model.safetensors, else pytorch_model.bin."""
+def weights_file(directory: Path, model: GPTConfig | None = None) -> Path:
+    """The file of weights: model.safetensors, else pytorch_model.bin. A symbolic link is
+    followed (Hugging Face's cache links snapshots/REV/model.safetensors to ../../blobs/SHA);
+    what it names must be a regular file (never a FIFO, device or directory), and with
+    `model`, no larger than a GPT-2 of the model can be: told by stat alone, before a byte
+    is read or hashed (a sparse 32 GiB file costs nothing to make)."""
     for name in (SAFETENSORS, PICKLE):
-        if (directory / name).exists():
-            return directory / name
+        path = directory / name
+        if os.path.lexists(path):
+            check_weights(path, _stat(path), model)
+            return path
     sharded = [p.name for p in sorted(directory.glob("*.index.json"))]
     if sharded:
         raise HFError(
@@ -155,6 +163,30 @@ def weights_file(directory: Path) -> Path:
             f"not read; save them as one file (save_pretrained(..., max_shard_size='100GB'))"
         )
     raise HFError(f"--init hf:{directory}: neither {SAFETENSORS} nor {PICKLE} is there")
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return os.stat(path)  # follows a link
+    except FileNotFoundError:
+        if not path.is_symlink():
+            raise HFError(f"{path}: missing") from None
+        target = os.readlink(path)
+        raise HFError(f"{path}: a symbolic link to {target}, which is missing") from None
+    except OSError as e:
+        raise HFError(f"{path}: cannot be read: {e.strerror or e}") from None
+
+
+def check_weights(path: Path, st: os.stat_result, model: GPTConfig | None) -> None:
+    """A weights file's stat: a regular file, and with `model`, of a size the model can
+    have."""
+    if not stat.S_ISREG(st.st_mode):
+        raise HFError(f"{path}: {file_kind(st.st_mode)}, not a regular file")
+    if model is not None and st.st_size > max_weight_bytes(model):
+        raise HFError(
+            f"{path}: {st.st_size} bytes, more than a GPT-2 of the schedule's sizes holds "
+            f"({max_weight_bytes(model)} at most)"
+        )
 
 
 def max_weight_bytes(model: GPTConfig) -> int:

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -27,12 +30,16 @@ import pytest
 import torch
 
 from schedc.cli.main import main
+from schedc.exec import hf
 from schedc.exec.checkpoint import store
 from schedc.exec.checkpoint.dcp_metadata import SafeReader, check_metadata, check_records
 from schedc.exec.checkpoint.layout import CheckpointError
 from schedc.exec.checkpoint.meta_json import verify
+from schedc.model.arch import SIZES
+from schedc.model.hf import HFError, export_config, weights_file
 from tests.exec.test_checkpoint_tamper import STEP, meta_of, rehash, saved  # noqa: F401
 from tests.goldens import REPO
+from tests.ranks import python
 
 TINY = REPO / "schedules" / "tiny_1gpu.sched"
 GIB32 = 32 << 30
@@ -47,6 +54,94 @@ def copy_of(saved, tmp_path: Path) -> Path:  # noqa: F811 - the fixture's value
 def one_line(err: str) -> str:
     (line,) = err.strip().splitlines()
     return line
+
+
+# -- --init hf: a sparse 32 GiB weights file ----------------------------------------------------
+
+
+@pytest.fixture
+def sparse_dir(tmp_path) -> Path:
+    """config.json of the tiny model beside a 32 GiB model.safetensors of holes (no disk)."""
+    d = tmp_path / "sparse"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(export_config(SIZES["tiny"], "float32")))
+    with open(d / "model.safetensors", "wb") as f:
+        f.truncate(GIB32)
+    return d
+
+
+def test_a_sparse_32_gib_weights_file_is_refused_by_its_size(sparse_dir):
+    """The check that runs before anything hashes or reads the file: stat alone."""
+    with pytest.raises(HFError, match=rf"model.safetensors: {GIB32} bytes, more than"):
+        weights_file(sparse_dir, SIZES["tiny"])
+
+
+def test_schedc_run_refuses_the_sparse_file_before_the_ranks_start(sparse_dir):
+    """As a user meets it: refused while the flags are checked (`schedc: error:`, not a
+    rank's error after every rank hashed 32 GiB, which took 90 s here)."""
+    r = python(
+        "-m", "schedc", "run", str(TINY), "--steps", "1", "--init", f"hf:{sparse_dir}", timeout=600
+    )
+    assert r.returncode == 1, r.stderr
+    line = one_line(r.stderr)
+    assert line.startswith(f"schedc: error: {sparse_dir / 'model.safetensors'}: {GIB32} bytes")
+
+
+# -- --init hf: Hugging Face's hub cache, whose files are links ---------------------------------
+
+
+@pytest.fixture
+def hub_cache(saved, tmp_path) -> Path:  # noqa: F811
+    """The saved checkpoint exported, laid out as huggingface_hub's cache lays out a download:
+    models--NAME/snapshots/REV/{config.json,model.safetensors} -> ../../blobs/SHA256."""
+    out = tmp_path / "export"
+    hf.export(str(saved.base / "plain"), out)
+    repo = tmp_path / "hub" / "models--schedc--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        sha = hashlib.sha256((out / name).read_bytes()).hexdigest()
+        shutil.move(out / name, repo / "blobs" / sha)
+        (snap / name).symlink_to(Path("..", "..", "blobs", sha))
+    return snap
+
+
+def test_init_reads_weights_through_the_hub_caches_links(saved, hub_cache):  # noqa: F811
+    model = SIZES["tiny"]
+    assert weights_file(hub_cache, model) == hub_cache / "model.safetensors"
+    assert hf.source(hub_cache).startswith(f"hf:{hub_cache.resolve()} (sha256 ")
+    got = hf.load(hub_cache, model, "tiny")
+    assert got.keys() == saved.params.keys()
+    assert all(torch.equal(got[k], saved.params[k]) for k in got)
+
+
+def test_schedc_run_starts_from_the_hub_cache(hub_cache):
+    r = python("-m", "schedc", "run", str(TINY), "--steps", "1", "--init", f"hf:{hub_cache}")
+    assert r.returncode == 0, r.stderr
+    assert f"schedc: weights of step 0 from hf:{hub_cache}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero", "directory", "missing"])
+def test_a_link_to_anything_but_a_regular_file_is_still_refused(hub_cache, tmp_path, target):
+    """Following links keeps what refusing them guarded: no FIFO (a read that waits for a
+    writer forever), no device (/dev/zero never ends), each one line naming the file."""
+    weights = hub_cache / "model.safetensors"
+    weights.unlink()
+    if target == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    elif target == "directory":
+        (tmp_path / "directory").mkdir()
+    weights.symlink_to(target if target.startswith("/") else tmp_path / target)
+    for check in (
+        lambda: weights_file(hub_cache, SIZES["tiny"]),
+        lambda: hf.source(hub_cache),
+        lambda: hf.load(hub_cache, SIZES["tiny"], "tiny"),
+    ):
+        with pytest.raises(HFError) as e:
+            check()
+        assert str(e.value).startswith(f"{weights}: "), e.value
+        assert "\n" not in str(e.value)
 
 
 # -- a DCP .metadata of the allowed classes, with fields of the wrong types ---------------------
