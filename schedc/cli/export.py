@@ -11,6 +11,7 @@ the verb runs.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from schedc.cli.common import check_distinct, check_output
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _outside(args.output, args.checkpoint)
     check_output("-o", args.output, directory=True)
     check_distinct(
         ("-o", args.output),
@@ -66,3 +68,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--checkpoint-key {e}") from None
     print(export(args.checkpoint, Path(args.output), key))
     return 0
+
+
+def _outside(output: str, checkpoint: str) -> None:
+    """-o must not lie inside the checkpoint directory it exports (nor be it): the files
+    would be written into the checkpoint. Told from the resolved paths (a link to inside
+    it is inside it), before anything is written there, check_output's probe included."""
+    try:
+        out, ck = Path(os.path.realpath(output)), Path(os.path.realpath(checkpoint))
+    except (OSError, ValueError):  # a NUL, a name too long: check_output says which
+        return
+    if out == ck or ck in out.parents:
+        raise UserError(
+            f"-o {output}: inside the checkpoint {checkpoint}, which an export must leave as "
+            "it is; write elsewhere"
+        )

@@ -20,11 +20,14 @@ to a regular file only: never a FIFO or a device.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -218,18 +221,38 @@ def export(checkpoint: str, out: Path, key: bytes | None = None) -> str:
 
 
 def write(out: Path, tensors: dict[str, torch.Tensor], config: str) -> list[str]:
-    """DIR/config.json and DIR/model.safetensors, each written whole or not at all."""
+    """DIR/config.json and DIR/model.safetensors, each written whole or not at all: into a
+    temporary file beside it, renamed over it; a failure removes the temporary file. Each
+    gets the mode a new file gets under the umask (safetensors itself writes 0600)."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise UserError("schedc export writes safetensors: pip install safetensors") from None
     try:
         out.mkdir(exist_ok=True)
-        tmp = out / f".{SAFETENSORS}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})  # transformers asks for "pt"
-        os.replace(tmp, out / SAFETENSORS)
-        (out / f".{CONFIG}.tmp").write_text(config)
-        os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
     except OSError as e:
         raise UserError(f"-o {out}: cannot write: {e.strerror or e}") from None
+    _write_whole(
+        out,
+        SAFETENSORS,
+        lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),  # transformers': pt
+    )
+    _write_whole(out, CONFIG, lambda tmp: tmp.write_text(config))
     return [CONFIG, SAFETENSORS]
+
+
+def _write_whole(out: Path, name: str, write: Callable[[Path], object]) -> None:
+    """out/name written by `write` into .name.tmp, given a new file's mode, renamed."""
+    tmp = out / f".{name}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)  # a crashed export's
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 less the umask, as any new file
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, out / name)
+    except OSError as e:
+        raise UserError(f"-o {out}: cannot write {name}: {e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(OSError):  # renamed: nothing is left to remove
+            tmp.unlink()

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,48 @@ def test_the_reader_refuses_what_the_checks_refuse_from_the_file(saved, tmp_path
     int_offset(ck / STEP)
     with pytest.raises(CheckpointError, match=r"\.metadata: refused: .*offset"):
         SafeReader(ck / STEP).read_metadata()
+
+
+# -- schedc export: where it writes, what it leaves, the modes ----------------------------------
+
+
+@pytest.mark.parametrize("where", [".", STEP, f"{STEP}/hf", "hf/inner"])
+def test_export_into_the_checkpoint_is_refused(saved, tmp_path, capsys, where):  # noqa: F811
+    ck = copy_of(saved, tmp_path)
+    before = sorted(p.relative_to(ck) for p in ck.rglob("*"))
+    out = ck / where
+    assert main(["export", str(ck), "-o", str(out)]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"schedc: error: -o {out}: inside the checkpoint {ck}"), line
+    assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
+
+
+def test_export_of_one_step_into_its_save_directory_is_refused(saved, tmp_path, capsys):  # noqa: F811
+    ck = copy_of(saved, tmp_path)
+    assert main(["export", str(ck / STEP), "-o", str(ck / STEP / "hf")]) == 1
+    assert "inside the checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("blocked", ["model.safetensors", "config.json"])
+def test_a_failed_export_leaves_no_temporary_file(saved, tmp_path, capsys, blocked):  # noqa: F811
+    """A directory where a file is to go: the rename fails after the bytes are written."""
+    out = tmp_path / "out"
+    (out / blocked).mkdir(parents=True)
+    assert main(["export", str(saved.base / "plain"), "-o", str(out)]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"schedc: error: -o {out}: cannot write {blocked}: "), line
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        {blocked} | ({"model.safetensors"} if blocked == "config.json" else set())
+    )
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_exported_files_get_the_mode_the_umask_gives(saved, tmp_path, umask, mode):  # noqa: F811
+    out = tmp_path / "out"
+    old = os.umask(umask)
+    try:
+        assert main(["export", str(saved.base / "plain"), "-o", str(out)]) == 0
+    finally:
+        os.umask(old)
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == mode, name
