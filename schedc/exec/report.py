@@ -295,6 +295,15 @@ def report_memory(compiled: Compiled, ex: Executor) -> None:
         ("gathered units (peak)", pred.gathered_peak, meas["gathered_peak"]),
         ("unsharded grads (peak)", pred.grads_peak, meas["grads_peak"]),
     ]
+    if "states" not in ex.mem:  # measured at every step's update: no step ran (a resumed
+        # finished run), and a measurement of nothing would read as a claim ("0 B measured")
+        text = "; ".join(f"{name} {fmt_bytes(p)} predicted" for name, p, _ in rows if p)
+        print(
+            f"schedc: memory per rank: {text}; no step ran, so nothing was measured",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     text = "; ".join(
         f"{name} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured" for name, p, m in rows if p or m
     )

@@ -339,3 +339,18 @@ def test_exported_files_get_the_mode_the_umask_gives(saved, tmp_path, umask, mod
         os.umask(old)
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE((out / name).stat().st_mode) == mode, name
+
+
+# -- resuming a finished run --------------------------------------------------------------------
+
+
+def test_resuming_a_finished_run_claims_no_measurement(saved, tmp_path):  # noqa: F811
+    ck = copy_of(saved, tmp_path)
+    assert meta_of(ck / STEP)["step"] == 1
+    r = python("-m", "schedc", "run", str(TINY), "--steps", "1", "--resume", str(ck))
+    assert r.returncode == 0, r.stderr
+    assert "nothing to run (resumed at step 1 of 1)" in r.stdout, r.stdout
+    assert "0 B measured" not in r.stderr, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("schedc: memory per rank:")]
+    assert line.endswith("no step ran, so nothing was measured"), line
+    assert " measured" not in line.removesuffix("nothing was measured"), line
