@@ -10,7 +10,9 @@ each rank's program and step, named by its IR text (`F[s1]@mb0`, `SEND_F[s0]@mb1
 `pid` the global rank, `ts`/`dur` in microseconds of the host's monotonic clock (one clock
 for the ranks of one host), `args` {step, item, pp_rank, replica}; `otherData` {format:
 "schedc-pipeline", schedule, pp, dp}. A compute item's span starts once the receive it reads
-has arrived, so its duration is compute alone; a transfer item's is its posting.
+has arrived, so its duration is compute alone; a transfer item's is its posting. It is read
+by the trace file's one reader (analysis/trace/stream.py `read`, bounded as for a DP trace)
+into `_Items`, which checks each span against the programs.
 
 The measured bubble is the simulator's (passes/pipeline_sim.py): a step runs from the
 earliest first item to the latest last item over the pipeline ranks of one replica, and a
@@ -19,20 +21,30 @@ rank's bubble is the share of that it was not computing. Nothing here imports to
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from statistics import fmean, median
 
-from schedc.errors import UserError
+from schedc.analysis.trace.read import judge
+from schedc.analysis.trace.schema import (
+    MAX_RANK,
+    TraceError,
+    check_envelope,
+    check_object,
+    check_span,
+    printable,
+    shown,
+)
+from schedc.analysis.trace.stream import read
 from schedc.ir.pipeline import Kind, Programs, actions, backward_kind, format_item, reader
 from schedc.passes.pipeline_sim import Costs
 
 FORMAT = "schedc-pipeline"
 
 
-class PipeTraceError(UserError):
-    """The trace cannot be read, or is not of the pipeline it is drawn with."""
+class PipeTraceError(TraceError):
+    """The trace is not of the pipeline it is drawn with (TraceError: it cannot be read)."""
 
 
 @dataclass(frozen=True)
@@ -84,61 +96,90 @@ class PipeTrace:
 
 def load(path: str, programs: Programs, dp: int) -> PipeTrace:
     """The trace at `path`, every span checked against `programs` (the item at its index
-    must be the one named), or PipeTraceError naming the first thing that is not."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise PipeTraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    except ValueError as e:
-        raise PipeTraceError(f"{path}: not JSON: {e}") from None
-    return validate(data, path, programs, dp)
+    must be the one named), or a TraceError naming the first thing that is not. Read by the
+    trace file's one reader (analysis/trace/stream.py): a regular file of bounded size,
+    streamed, its JSON's depth and numbers bounded, each failure one line naming the file."""
+    return read(path, lambda: _Items(str(Path(path)), programs, dp))
 
 
 def validate(data, path: str, programs: Programs, dp: int) -> PipeTrace:
-    other = data.get("otherData") if isinstance(data, dict) else None
-    if not isinstance(other, dict) or other.get("format") != FORMAT:
-        raise PipeTraceError(
-            f"{path}: not a pipeline trace (otherData.format is not {FORMAT!r}); was it "
+    """`data` (parsed JSON) as a PipeTrace, or a TraceError naming the first bad field."""
+    return judge(data, path, _Items(path, programs, dp))
+
+
+class _Items:
+    """A pipeline trace's events, as the trace reader gives them (analysis/trace/read.py
+    `Events`): otherData names the pipeline the trace is of; each "X" event is a span (the
+    schema's `check_span`: rank, times, step) of an item of `programs`, named by its text."""
+
+    def __init__(self, path: str, programs: Programs, dp: int):
+        self.path, self.programs, self.dp = path, programs, dp
+        self.schedule: str | None = None  # None until otherData names a pipeline trace
+        self.spans: list[ItemSpan] = []
+
+    def other(self, other) -> None:
+        check_object(other, f"{self.path}: otherData")
+        if other.get("format") != FORMAT:
+            raise self._not_pipeline()
+        pp = len(self.programs)
+        if (other.get("pp"), other.get("dp")) != (pp, self.dp):
+            raise PipeTraceError(
+                f"{self.path}: a trace of {shown(other.get('pp'))} pipeline ranks x dp "
+                f"{shown(other.get('dp'))}, drawn with a schedule of {pp} x dp {self.dp}"
+            )
+        schedule = other.get("schedule", "")
+        self.schedule = schedule if isinstance(schedule, str) else ""
+
+    def add(self, i: int, e, where: str) -> None:
+        at = f"{self.path}: {where}[{i}]"
+        check_envelope(e, at)
+        if e["ph"] == "X":
+            check_span(e, at)
+            self.spans.append(self._span(e, at))
+
+    def _span(self, e: dict, at: str) -> ItemSpan:
+        args = e["args"] if isinstance(e.get("args"), dict) else {}
+        rank, step, item = e["pid"], _index(args, "step", at), _index(args, "item", at)
+        pp_rank = rank // self.dp
+        program = self.programs.get(pp_rank)
+        if program is None or item >= len(program):
+            raise PipeTraceError(f"{at}: rank {rank} has no item {item} in the schedule")
+        want = format_item(program[item])
+        if e.get("name") != want:
+            raise PipeTraceError(
+                f"{at}.name: {_said(e.get('name'))}, but item {item} of pipeline rank {pp_rank} "
+                f"is {want}; was the trace recorded from another schedule?"
+            )
+        start = float(e["ts"]) / 1e6
+        return ItemSpan(rank, step, item, start, start + float(e["dur"]) / 1e6)
+
+    def trace(self) -> PipeTrace:
+        if self.schedule is None:
+            raise self._not_pipeline()
+        if not self.spans:
+            raise PipeTraceError(f"{self.path}: no item spans")
+        return PipeTrace(self.schedule, len(self.programs), self.dp, self.spans)
+
+    def _not_pipeline(self) -> PipeTraceError:
+        return PipeTraceError(
+            f"{self.path}: not a pipeline trace (otherData.format is not {FORMAT!r}); was it "
             "written by `schedc run --trace` of a pipeline schedule?"
         )
-    pp = len(programs)
-    if (other.get("pp"), other.get("dp")) != (pp, dp):
-        raise PipeTraceError(
-            f"{path}: a trace of {other.get('pp')} pipeline ranks x dp {other.get('dp')}, "
-            f"drawn with a schedule of {pp} x dp {dp}"
-        )
-    spans = []
-    for k, e in enumerate(data.get("traceEvents") or []):
-        if not isinstance(e, dict) or e.get("ph") != "X":
-            continue
-        spans.append(_span(e, f"{path}: traceEvents[{k}]", programs, dp))
-    if not spans:
-        raise PipeTraceError(f"{path}: no item spans")
-    return PipeTrace(str(other.get("schedule", "")), pp, dp, spans)
 
 
-def _span(e: dict, where: str, programs: Programs, dp: int) -> ItemSpan:
-    args = e["args"] if isinstance(e.get("args"), dict) else {}
-    rank, ts, dur = e.get("pid"), e.get("ts"), e.get("dur")
-    step, item = args.get("step"), args.get("item")
-    for name, v in (("pid", rank), ("args.step", step), ("args.item", item)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PipeTraceError(f"{where}.{name}: expected an integer >= 0, got {v!r}")
-    for name, v in (("ts", ts), ("dur", dur)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise PipeTraceError(f"{where}.{name}: expected a finite number >= 0, got {v!r}")
-    assert isinstance(rank, int) and isinstance(item, int) and isinstance(step, int)
-    program = programs.get(rank // dp)
-    if program is None or item >= len(program):
-        raise PipeTraceError(f"{where}: rank {rank} has no item {item} in the schedule")
-    if e.get("name") != format_item(program[item]):
-        raise PipeTraceError(
-            f"{where}.name: {e.get('name')!r}, but item {item} of pipeline rank {rank // dp} "
-            f"is {format_item(program[item])}; was the trace recorded from another schedule?"
-        )
-    start = float(ts) / 1e6  # type: ignore[arg-type]
-    return ItemSpan(rank, step, item, start, start + float(dur) / 1e6)  # type: ignore[arg-type]
+def _index(args: dict, key: str, at: str) -> int:
+    """args.step or args.item: an integer >= 0."""
+    v = args.get(key)
+    if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_RANK):
+        raise PipeTraceError(f"{at}.args.{key}: expected an integer >= 0, got {shown(v)}")
+    return v
+
+
+def _said(name) -> str:
+    """An event's name as a message quotes it: its repr, clipped."""
+    if not isinstance(name, str):
+        return "no name"
+    return printable(repr(name if len(name) <= 60 else name[:40] + "..."))
 
 
 @dataclass(frozen=True)
@@ -206,8 +247,9 @@ class Measured:
         ]
         return median(gaps) if gaps else 0.0
 
-    @property
+    @cached_property
     def _back(self) -> Kind:
+        """The programs' backward kind, found once (`reader` asks it for every receive)."""
         return backward_kind(a for p in self.programs.values() for a in actions(p))
 
     def calibrated(self) -> Costs:

@@ -19,6 +19,7 @@ measured grid draws each item from its traced start to its end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,7 +270,10 @@ def _transfer(cv: GridCanvas, t: Transfer, sc: Scale, top: dict[int, float]) -> 
 
 def _axis(cv: GridCanvas, sc: Scale, step: float, y: float, unit: str) -> float:
     cv.box(LEFT, y, step * sc.points, 1.0, fill=INK)
-    every = next(k for k in (1, 2, 5, 10, 20, 50, 100, 1000) if step / k <= 24)
+    every = next((k for k in (1, 2, 5, 10, 20, 50, 100, 1000) if step / k <= 24), 0.0)
+    if not every:  # a measured step of minutes (or a trace's clock of years): 1, 2 or 5 x 10^n
+        tens = 10.0 ** math.floor(math.log10(step / 24))
+        every = next(k * tens for k in (1, 2, 5, 10) if step / (k * tens) <= 24)
     t = 0.0
     while t <= step + 1e-9:
         cv.box(sc.x(t) - 0.5, y, 1.0, 4.0, fill=INK)

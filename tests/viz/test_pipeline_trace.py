@@ -95,7 +95,7 @@ def test_a_trace_of_another_schedule_is_refused(tmp_path):
     data["traceEvents"][-1]["name"] = "F[s9]@mb0"
     with pytest.raises(PipeTraceError, match=r"traceEvents\[\d+\]\.name: 'F\[s9\]@mb0'"):
         validate(data, "t.json", plan.programs, 1)
-    (tmp_path / "t.json").write_text("{}")
+    (tmp_path / "t.json").write_text('{"traceEvents": []}')
     with pytest.raises(PipeTraceError, match="not a pipeline trace"):
         load(str(tmp_path / "t.json"), plan.programs, 1)
 

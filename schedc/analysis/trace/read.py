@@ -1,9 +1,13 @@
 """Events in, a Trace out: `validate` judges parsed JSON, `Reader` each event as it comes
-(the streaming reader, trace/stream.py, feeds it the same events one at a time)."""
+(the streaming reader, trace/stream.py, feeds it the same events one at a time).
+
+`judge` is the envelope's reading for any `Events`: a pipeline trace (analysis/
+pipeline_trace.py) is the same file format, read by the same reader into its own events."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol, TypeVar
 
 from schedc.analysis.trace.schema import (
     PROBE,
@@ -17,17 +21,34 @@ from schedc.analysis.trace.schema import (
 )
 from schedc.ir.op import Op, OpSyntaxError
 
+T = TypeVar("T", covariant=True)
+
+
+class Events(Protocol[T]):
+    """What a trace's events are read into: otherData, each event in order, then the result.
+    Each method raises TraceError (or a subclass) at the first thing it does not take."""
+
+    def other(self, other) -> None: ...
+
+    def add(self, i: int, e, where: str) -> None: ...
+
+    def trace(self) -> T: ...
+
 
 def validate(data, path: str) -> Trace:
     """`data` (parsed JSON) as a Trace, or TraceError naming the first bad field."""
-    reader = Reader(path)
+    return judge(data, path, Reader(path))
+
+
+def judge(data, path: str, reader: Events[T]) -> T:
+    """`data` (parsed JSON) read into `reader`: otherData first, then every event."""
     events, where = _events_of(data, path, reader)
     for i, e in enumerate(events):
         reader.add(i, e, where)
     return reader.trace()
 
 
-def _events_of(data, path: str, reader: Reader) -> tuple[list, str]:
+def _events_of(data, path: str, reader: Events) -> tuple[list, str]:
     """The events of a trace and where they are (`traceEvents`, or "" for a bare list);
     the envelope's otherData goes to `reader`."""
     if isinstance(data, list):  # Chrome's JSON Array Format: the events alone

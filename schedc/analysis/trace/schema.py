@@ -56,16 +56,9 @@ PROBE = "probe"  # the category of probe events, the only "X" events kept whatev
 
 def check_event(e, at: str, op: Callable[[dict], Op | None] | None = None) -> None:
     """Check one event; `op(e)` is its op, or None (a name that is no op's)."""
-    check_object(e, at)
-    if not isinstance(e.get("ph"), str):
-        raise TraceError(
-            f'{at}.ph: expected a string (the event type, "X" or "M"), got '
-            f"{shown(e['ph']) if 'ph' in e else 'nothing'}"
-        )
-    if "name" in e and not isinstance(e["name"], str):
-        raise TraceError(f"{at}.name: expected a string, got {shown(e['name'])}")
+    check_envelope(e, at)
     if e["ph"] == "X" and (op or _op)(e) is not None:
-        _check_span(e, at)
+        check_span(e, at)
     elif e["ph"] == "M" and e.get("name") == "thread_name":
         _rank(e, "pid", at)
         _thread(e, at, required=True)
@@ -74,8 +67,22 @@ def check_event(e, at: str, op: Callable[[dict], Op | None] | None = None) -> No
         _name(args.get("name"), f"{at}.args.name", present="name" in args)
 
 
-def _check_span(e: dict, at: str) -> None:
-    """An op span: its rank, thread, times, and the step and stream in its args."""
+def check_envelope(e, at: str) -> None:
+    """What every event must be, whoever reads it: an object, `ph` a string, `name` (if
+    present) a string."""
+    check_object(e, at)
+    if not isinstance(e.get("ph"), str):
+        raise TraceError(
+            f'{at}.ph: expected a string (the event type, "X" or "M"), got '
+            f"{shown(e['ph']) if 'ph' in e else 'nothing'}"
+        )
+    if "name" in e and not isinstance(e["name"], str):
+        raise TraceError(f"{at}.name: expected a string, got {shown(e['name'])}")
+
+
+def check_span(e: dict, at: str) -> None:
+    """A span (an op's, or a pipeline item's): its rank, thread, times, and the step and
+    stream in its args."""
     _rank(e, "pid", at)
     _thread(e, at)
     check_time(e, "ts", at)

@@ -9,13 +9,15 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
-from schedc.analysis.trace.read import Reader, validate
+from schedc.analysis.trace.read import Events, Reader, judge
 from schedc.analysis.trace.schema import MAX_BYTES, Trace, TraceError
 
 CHUNK = 4 << 20  # bytes read at a time by the streaming reader
+T = TypeVar("T")
 
 
 def load(path: str | Path) -> Trace:
@@ -27,10 +29,17 @@ def load(path: str | Path) -> Trace:
     kept (`Reader`), so memory follows the spans, not the text. A file the stream cannot
     take in its stride (a syntax error, a schema error, an unusual envelope) is read again
     whole and judged by `validate`, so every message is the same as for the parsed JSON."""
+    name = str(Path(path))
+    return read(path, lambda: Reader(name))
+
+
+def read(path: str | Path, events: Callable[[], Events[T]]) -> T:
+    """The file at `path` read as `load` reads it, into `events()` (a fresh one for the
+    reading whole): every reader of a trace file, of whatever events, is bounded alike."""
     path = Path(path)
     with _open(path) as f:
         try:
-            return _Stream(f, str(path)).trace()
+            return _Stream(f, str(path)).read(events())
         except _Unstreamable:
             f.seek(0)
             raw = f.read(MAX_BYTES + 1)
@@ -44,7 +53,7 @@ def load(path: str | Path) -> Trace:
         ) from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of thousands of digits
         raise TraceError(f"{path}: not JSON: {e}") from None
-    return validate(data, str(path))
+    return judge(data, str(path), events())
 
 
 def _open(path: Path) -> IO[bytes]:
@@ -85,7 +94,9 @@ class _Stream:
         self.want = CHUNK
 
     def trace(self) -> Trace:
-        reader = Reader(self.name)
+        return self.read(Reader(self.name))
+
+    def read(self, reader: Events[T]) -> T:
         try:
             first = self._peek()
             if first == "[":
@@ -97,10 +108,10 @@ class _Stream:
             if self._peek() != "":  # extra data after the top value
                 raise _Unstreamable
             return reader.trace()
-        except (ValueError, RecursionError, TraceError):  # judged again, whole, by validate
+        except (ValueError, RecursionError, TraceError):  # judged again, whole, by `judge`
             raise _Unstreamable from None
 
-    def _envelope(self, reader: Reader) -> None:
+    def _envelope(self, reader: Events) -> None:
         self.pos += 1
         keys: set[str] = set()
         if self._peek() == "}":
@@ -118,7 +129,7 @@ class _Stream:
         if "traceEvents" not in keys:
             raise _Unstreamable
 
-    def _member(self, reader: Reader, key: str) -> None:
+    def _member(self, reader: Events, key: str) -> None:
         """The value of the envelope's `key`: the events, otherData, or one skipped."""
         if key == "traceEvents":
             if self._peek() != "[":
@@ -129,7 +140,7 @@ class _Stream:
         else:
             self._value()
 
-    def _events(self, reader: Reader, where: str) -> None:
+    def _events(self, reader: Events, where: str) -> None:
         self.pos += 1
         if self._peek() == "]":
             self.pos += 1
