@@ -5,13 +5,19 @@ Sources, as `DataConfig.source` names them:
     "corpus"        the embedded text (assets/corpus.txt.gz), tokenized once per process
     a text file     UTF-8, tokenized with GPT-2's BPE
     a token file    GPT-2 ids as uint16: nanoGPT's raw `.bin`, llm.c's `.bin` (1 KiB header),
-                    or a build-nanogpt `.npy` shard; memory-mapped, never read whole
+                    or a build-nanogpt `.npy` shard; never read whole into memory
 
 Nothing is downloaded: the BPE ranks ship in assets/gpt2.tiktoken, and
 `tiktoken.get_encoding` (which fetches them from the network) is never called.
 
 Which sequences a step, rank and micro-step see is fixed by `schedc.model.batching`;
 `GlobalBatches` maps those global sequence ids onto the token stream.
+
+A token file is opened as a memory map (`load_tokens`: its shape, at no cost), but
+`GlobalBatches` reads it with pread, a batch's rows at a time (model/token_files.py): a
+file cut short under a run is then a DataError naming it, where a page of a map past the
+new end is SIGBUS. Ranks agree on a fingerprint of every byte they may read: sha256 over
+the whole stream, in order, read once per machine for a large file (`TokenFile.scan`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import gzip
 import hashlib
 import os
 import stat
+import weakref
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -31,11 +38,11 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
-from schedc.errors import UserError
 from schedc.files import NotRegularFile, file_kind, read_limited
 from schedc.model.arch import GPT2_VOCAB
 from schedc.model.batching import sequence_ids
 from schedc.model.config import TOKEN_SUFFIXES, DataConfig, is_glob
+from schedc.model.token_files import DataError, TokenFile, stream_hash
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
@@ -51,15 +58,12 @@ _LLMC_MAGIC, _LLMC_HEADER_BYTES = 20240520, 1024
 
 # A text source is read whole and tokenized in memory (the ids as Python ints on the way:
 # about 36 bytes per token, 9 bytes per byte of text), so its size is bounded; a token file
-# is memory-mapped and has no limit.
+# is read a batch at a time and has no limit.
 MAX_TEXT_BYTES = 64 << 20
+_OPEN_FILES = 8  # token files a GlobalBatches keeps open (a run reads them in order)
 
 CORPUS = "corpus"
 KINDS = ("auto", "text", "tokens")
-
-
-class DataError(UserError):
-    """A data source that cannot be used; the message starts with the file it is about."""
 
 
 # -- tokenizer ---------------------------------------------------------------------------
@@ -203,9 +207,18 @@ def _read_npy(path: Path) -> np.ndarray:
         )
     if tokens.size == 0:
         raise DataError(f"{path}: holds no tokens")
-    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
-        raise DataError(f"{path}: holds negative token ids")
+    if np.issubdtype(tokens.dtype, np.signedinteger):
+        if _extent(tokens, TokenFile.of(tokens, str(path)))[0] < 0:
+            raise DataError(f"{path}: holds negative token ids")
     return tokens
+
+
+def _extent(tokens: np.ndarray, f: TokenFile | None) -> tuple[int, int]:
+    """The smallest and largest id: a token file's from its scan (read with pread, once)."""
+    if f is None:
+        return int(tokens.min()), int(tokens.max())
+    _, lo, hi = f.scan()
+    return lo, hi
 
 
 # -- global batches ----------------------------------------------------------------------
@@ -220,14 +233,16 @@ class GlobalBatches:
     `schedc.model.batching.sequence_ids` assigns it. The position in the stream is the
     step, so a run resumed at step s reads what the run that was not stopped read.
 
-    Several shards (arrays, each memory-mapped) are one stream in their order: each holds
-    ``(len - 1) // T`` sequences and none crosses into the next, as build-nanogpt's loader
-    moves to the next shard when the rest of one cannot fill a batch row.
+    Several shards (arrays, each a token file's memory map or in memory) are one stream in
+    their order: each holds ``(len - 1) // T`` sequences and none crosses into the next, as
+    build-nanogpt's loader moves to the next shard when the rest of one cannot fill a batch
+    row. A token file is read with pread (`TokenFile`), never through its map.
 
     Ids >= `vocab_size` are folded to ``id % vocab_size`` only for models whose vocabulary
-    is smaller than GPT-2's (the tiny CPU sizes); for a full vocabulary they are an error:
-    a single array is checked whole when it is opened, shards as each batch reads them
-    (a multi-GB shard is never read whole at start-up).
+    is smaller than GPT-2's (the tiny CPU sizes); for a full vocabulary they are an error,
+    and a negative id always is: a single array is checked whole when it is opened, every
+    row as a batch reads it, in the shard's own dtype (a uint64 id past 2**63 is no
+    negative int64).
     """
 
     def __init__(
@@ -257,22 +272,19 @@ class GlobalBatches:
                     f"{seq_len} (it needs {seq_len + 1}: the targets are shifted by one)"
                 )
         full_vocab = vocab_size >= GPT2_VOCAB
-        if len(shards) == 1:
-            (t,) = shards
-            if int(t.min()) < 0:
-                raise DataError(f"{origins[0]}: holds negative token ids")
-            top = int(t.max())
-            if full_vocab and top >= vocab_size:
-                raise DataError(
-                    f"{origins[0]}: token id {top} is outside the model's vocabulary of "
-                    f"{vocab_size}"
-                )
-        self._check_rows = len(shards) > 1 and full_vocab
+        # a token file is read through its TokenFile, never through its map
+        self._files = [TokenFile.of(t, name) for t, name in zip(shards, origins, strict=True)]
+        self._open: dict[int, int] = {}  # shard: descriptor, the last _OPEN_FILES read
+        weakref.finalize(self, _close_all, self._open)
+        self._fingerprint: str | None = None
+        self.full_vocab = full_vocab
         self.shards = shards
         self.origins = origins
+        self.vocab_size = vocab_size
+        if len(shards) == 1:
+            self._check(0, *_extent(shards[0], self._files[0]))
         self.seq_len = seq_len
         self.global_seqs = global_seqs
-        self.vocab_size = vocab_size
         self.origin = origins[0] if len(origins) == 1 else f"{len(origins)} shards"
         counts = np.array([(t.size - 1) // seq_len for t in shards], dtype=np.int64)
         self._first = np.concatenate([[0], np.cumsum(counts)])  # each shard's first sequence
@@ -301,14 +313,23 @@ class GlobalBatches:
         return self.global_seqs * self.seq_len
 
     def fingerprint(self) -> str:
-        """Every shard's content, in order: ranks (and a resumed run) must read the same
-        stream in the same order, whatever the files are called."""
-        if len(self.shards) == 1:
-            return fingerprint(self.shards[0])
-        h = hashlib.sha256(b"shards")
-        for t in self.shards:
-            h.update(fingerprint(t).encode())
-        return h.hexdigest()[:16]
+        """Every shard's content, every byte, in order: ranks (and a resumed run) must read
+        the same stream in the same order, whatever the files are called. Computed once (the
+        ranks agree on it, and each checkpoint records it): a full read of every token file,
+        where no scan of it is kept (`TokenFile.scan`)."""
+        if self._fingerprint is None:
+            each = [
+                f.scan()[0] if f is not None else fingerprint(t)
+                for t, f in zip(self.shards, self._files, strict=True)
+            ]
+            if len(each) == 1:
+                self._fingerprint = each[0]
+            else:
+                h = hashlib.sha256(b"shards")
+                for one in each:
+                    h.update(one.encode())
+                self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     def micro_batch(
         self, step: int, rank: int, micro: int, B: int, D: int
@@ -333,18 +354,58 @@ class GlobalBatches:
         rows = np.empty((len(d), T + 1), dtype=np.int64)
         for i in np.unique(shard):
             mine = shard == i
-            window = (d[mine] - self._first[i])[:, None] * T + np.arange(T + 1)
-            got = self.shards[i][window].astype(np.int64)  # each a sequence and its next token
-            if self._check_rows and int(got.max()) >= self.vocab_size:
-                raise DataError(
-                    f"{self.origins[i]}: token id {int(got.max())} is outside the model's "
-                    f"vocabulary of {self.vocab_size}"
-                )
+            got = self._read(int(i), d[mine] - self._first[i])  # each a sequence and its next
+            self._check(int(i), int(got.min()), int(got.max()))
+            if self._fold:  # in the file's dtype: uint64 ids past 2**63 are numbers still
+                got = got % got.dtype.type(self.vocab_size)
             rows[mine] = got
-        if self._fold:
-            rows %= self.vocab_size
         out = torch.from_numpy(rows)
         return out[:, :-1].contiguous(), out[:, 1:].contiguous()  # x, y: (n, T) each
+
+    def _read(self, i: int, seqs: np.ndarray) -> np.ndarray:
+        """Sequences `seqs` of shard i, each with the token after it: (n, T + 1), the
+        shard's dtype. A token file is read with one pread per run of consecutive ones."""
+        T = self.seq_len
+        window = np.arange(T + 1)
+        f = self._files[i]
+        if f is None:
+            return self.shards[i][seqs[:, None] * T + window]
+        fd = self._descriptor(i, f)
+        cuts = np.flatnonzero(np.diff(seqs) != 1) + 1
+        parts = []
+        for run in np.split(seqs, cuts):
+            first, n = int(run[0]), len(run)
+            span = f.read(fd, first * T, (first + n) * T + 1)
+            parts.append(span[np.arange(n)[:, None] * T + window])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _descriptor(self, i: int, f: TokenFile) -> int:
+        """Shard i's open descriptor: the last _OPEN_FILES shards read stay open (a run
+        reads its shards in order; a thousand of them would not all fit the fd limit)."""
+        fd = self._open.pop(i, None)
+        if fd is None:
+            fd = f.open()
+            if len(self._open) >= _OPEN_FILES:
+                os.close(self._open.pop(next(iter(self._open))))  # the least recently read
+        self._open[i] = fd
+        return fd
+
+    def _check(self, i: int, lo: int, hi: int) -> None:
+        """Ids of shard i as small as `lo` and as large as `hi`: none negative, and for a
+        full vocabulary none outside it (a smaller one folds them)."""
+        if lo < 0:
+            raise DataError(f"{self.origins[i]}: holds negative token ids")
+        if self.full_vocab and hi >= self.vocab_size:
+            raise DataError(
+                f"{self.origins[i]}: token id {hi} is outside the model's vocabulary of "
+                f"{self.vocab_size}"
+            )
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
 
 
 SPLITS = ("train", "val")
@@ -406,17 +467,13 @@ def load_batches(
 
 
 def fingerprint(tokens: np.ndarray) -> str:
-    """A short hash of a token array, to prove every rank reads the same data.
-
-    Exact for arrays up to 4M tokens; beyond, it hashes the length, the first and last
-    64K tokens and an even stride of 4M tokens (so a multi-GB shard costs milliseconds).
-    """
-    h = hashlib.sha256(str(len(tokens)).encode())
-    a = np.ascontiguousarray(tokens)
-    if len(a) <= 1 << 22:
-        h.update(a.tobytes())
-    else:
-        h.update(a[: 1 << 16].tobytes())
-        h.update(a[-(1 << 16) :].tobytes())
-        h.update(np.ascontiguousarray(a[:: len(a) // (1 << 22)]).tobytes())
+    """A short hash of every token of an array, to prove every rank reads the same data:
+    sha256 of the count, then the ids as stored (as it always was up to 4M tokens, which
+    keeps a checkpoint's record of such data valid). A token file's memory map is read with
+    pread (`TokenFile.scan`), never through the map."""
+    f = TokenFile.of(tokens)
+    if f is not None:
+        return f.scan()[0]
+    h = stream_hash(len(tokens))
+    h.update(np.ascontiguousarray(tokens))
     return h.hexdigest()[:16]
