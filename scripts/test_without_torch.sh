@@ -9,9 +9,19 @@ PY=${PYTHON:-python3}
 VENV=${1:-$(mktemp -d)/schedc-notorch}
 "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
-# schedc's dependencies without torch (pyproject.toml), then schedc itself without its deps
-pip "lark>=1.1.9" "networkx>=3.0" "graphviz>=0.20" "tiktoken>=0.7" "numpy>=1.24" \
-    "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "import-linter>=2.0"
+# schedc's dependencies without torch and the test runner's, as pyproject.toml pins them
+# (read from there: one list), then schedc itself without its deps
+mapfile -t REQS < <("$PY" - <<'PY'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+runner = ("pytest", "pytest-xdist", "hypothesis", "import-linter")
+name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group()
+for req in project["dependencies"] + project["optional-dependencies"]["test"]:
+    if name(req) != "torch" and (req in project["dependencies"] or name(req) in runner):
+        print(req)
+PY
+)
+pip "${REQS[@]}"
 pip --no-deps -e .
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "test_without_torch: torch is importable in $VENV; this tier proves nothing" >&2

@@ -57,10 +57,40 @@ def pytest_ignore_collect(collection_path: Path, config):
     return None
 
 
+class GroupsTook:
+    """Under `--dist loadgroup` a test of an xdist_group must carry its group in its id (how
+    pytest-xdist's scheduler keeps a group on one worker): where a pytest and pytest-xdist
+    pairing loses it (pytest 9.2 with pytest-xdist 3.8), the tests would be scattered over
+    the workers (a rank pool started on each, per-process counts split) without a word.
+    Each such test fails instead, saying why, before it runs."""
+
+    def __init__(self):
+        self.lost: set[str] = set()
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's, which writes the group into the id
+    def pytest_collection_modifyitems(self, config, items):
+        if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+            self.lost = {
+                item.nodeid
+                for item in items
+                if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+            }
+
+    def pytest_runtest_setup(self, item):
+        if item.nodeid in self.lost:
+            pytest.fail(
+                f"its xdist_group {item.get_closest_marker('xdist_group').args[0]!r} did not "
+                "reach its id, so pytest-xdist does not keep the group on one worker (pytest "
+                "and pytest-xdist disagree on a node's id: see pyproject.toml's pin on pytest)",
+                pytrace=False,
+            )
+
+
 def pytest_configure(config):
     from tests.strategies import SummaryPlugin  # the generated cases' tally, printed at the end
 
     config.pluginmanager.register(SummaryPlugin(), "schedc-summary")
+    config.pluginmanager.register(GroupsTook(), "schedc-groups")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the xdist_group marks added here

@@ -39,7 +39,6 @@ from schedc.lang.diagnostics import CODES, CompileError
 from tests.strategies import (
     DDP,
     FSDP,
-    TALLY,
     TIED,
     Case,
     Line,
@@ -736,8 +735,22 @@ def test_a_broken_rule_is_rejected_with_its_code(name):
             compile_text(m.text, "mutant.sched")
         assert m.code in e.value.codes, f"expected [{m.code}], got:\n{e.value.render()}"
         tally("mutation", m.code)
+        rejected.append(m.code)
 
+    rejected: list[str] = []
     prop()
+    # enough cases of its own (not a share of a session-wide count, which would depend on
+    # which xdist worker ran which test): hypothesis's filters and dedup may drop some
+    assert len(rejected) >= floor(n), (name, len(rejected), examples(n))
+
+
+def floor(n: int) -> int:
+    """Cases a mutation must produce of its `n` examples: half (10x under long)."""
+    return max(1, examples(n) // 2)
+
+
+# every mutation at its floor still makes 200 cases (10x under long)
+assert sum(floor(n) for _, n in MUTATIONS.values()) >= examples(200)
 
 
 # -- rules across ranks (found by this suite, enforced since) -----------------------------------
@@ -1031,35 +1044,3 @@ def test_edited_schedules_give_diagnostics_never_a_traceback(text):
                     assert 0 <= d.span.start <= d.span.end <= len(text), d
     tally("fuzz", outcome)
     assert time.perf_counter() - t0 < FUZZ_LIMIT_S
-
-
-# -- the counts the issue asks for -------------------------------------------------------------
-
-
-def test_the_ci_profile_ran_enough_mutation_cases(request):
-    """At least 200 mutation cases (10x under long), every mutation represented."""
-    ran = {item.name for item in request.session.items}
-    wanted = {f"test_a_broken_rule_is_rejected_with_its_code[{n}]" for n in MUTATIONS}
-    if not wanted <= ran:
-        pytest.skip("not every mutation was selected in this session")
-    mut = {k[1]: n for k, n in TALLY.items() if k[0] == "mutation"}
-    assert sum(mut.values()) >= examples(200), mut
-    codes = {
-        "uncovered",
-        "double-cover",
-        "spmd",
-        "early-reduce",
-        "use-after-free",
-        "memory-budget",
-        "batch-arithmetic",
-        "context-length",
-        "tied-param",
-        "layer-range",
-        "unknown-name",
-        "nosync-comm",
-        "optimizer-wait",
-        "deadlock",
-        "cycle",
-        "missing-op",
-    }
-    assert codes <= set(mut), sorted(codes - set(mut))
