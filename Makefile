@@ -10,13 +10,12 @@ unexport PYTHONDONTWRITEBYTECODE
 # pool or one written trace share a worker: tests/conftest.py); one thread each, as ranks
 # that share the cores run (the workers' own torch, and what they start, unless a test says)
 WORKERS ?= 2
-RUN = OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2
 
 .PHONY: demo test test-without-torch gpu-rehearsal typecheck docs
-demo:  ## install, then train the default schedule (tiny_ddp_overlap) on 2 CPU ranks
+demo:  ## install, then train the default schedule (tiny_ddp_overlap) on the 2 ranks it names
 	PYTHON=$(PY) scripts/install.sh
 	mkdir -p out
-	$(RUN) -m schedc run --trace out/trace.json
+	$(PY) -m schedc run --trace out/trace.json
 
 test:  ## install with the test tools, lint, check the layers, run the whole suite: the torch tests here, then side by side the rest in a venv without torch, the GPU check rehearsed in a venv like the GPU machine's (each test once) and the type checker
 	PYTHON=$(PY) scripts/tier.sh install scripts/install.sh test

@@ -8,6 +8,7 @@ per rank where ranks share the machine (OMP_NUM_THREADS=1 when N >= 2), unless t
 `env` says otherwise.
 
     python(*argv)             `python ARGV`, finished (text output)
+    start_python(*argv)       the same, running (`schedc run` of a world-N file: its launcher)
     torchrun(n, *args)        `schedc run ARGS` on n CPU ranks under torchrun, finished
     start_torchrun(n, *args)  the same, running: read its steps as they come
     start_ranks(per_rank)     `schedc run ARGS[r]` per rank with torchrun's environment but
@@ -108,6 +109,16 @@ def start_torchrun(
     )
 
 
+def start_python(
+    *argv: str, ranks: int = 1, env: Mapping[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.Popen[str]:
+    """`python ARGV` running, its output unbuffered: `schedc run` of a `ranks`-rank schedule
+    starts its ranks itself (exec/launcher.py), as children of this process."""
+    return _start(
+        [sys.executable, *argv], child_env({"PYTHONUNBUFFERED": "1", **(env or {})}, ranks), cwd
+    )
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for MASTER_PORT (pytest-xdist runs two suites)."""
     with socket.socket() as s:
@@ -177,7 +188,8 @@ def wait_for_step(p: subprocess.Popen[str], step: int, timeout: float = 180) -> 
 
 
 def workers(p: subprocess.Popen[str]) -> dict[int, int]:
-    """{local rank: pid} of a running torchrun's workers (Linux: pgrep and /proc)."""
+    """{local rank: pid} of a running launcher's workers, torchrun's or `schedc run`'s
+    (Linux: pgrep and /proc)."""
     ranks = {}
     children = subprocess.run(
         ["pgrep", "-P", str(p.pid)], capture_output=True, check=False, text=True

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from schedc.cli import calibrate, check, export, render, run, tune
 from schedc.errors import RunError, UserError
+from schedc.exec.launcher import tell_launcher, under_launcher, watch_launcher
 from schedc.lang.diagnostics import CompileError
 
 EXIT_USER, EXIT_INTERNAL = 1, 2
@@ -56,11 +57,6 @@ def _report(e: UserError) -> str:
     return f"schedc: error: {e}"
 
 
-def _under_torchrun() -> bool:
-    """torchrun gives each rank a file for its error (schedc/exec/launcher.py)."""
-    return bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is a user error like any other: exit 1, not argparse's 2
     (2 means a bug in schedc). Subparsers are built from this class too."""
@@ -68,9 +64,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.print_usage(sys.stderr)
         text = f"{self.prog}: error: {message}"
-        if self.prog.endswith(" run") and _under_torchrun():
-            from schedc.exec.launcher import tell_launcher  # torch: `run` under torchrun only
-
+        if self.prog.endswith(" run") and under_launcher():
             tell_launcher(text)
         self.exit(EXIT_USER, text + "\n")
 
@@ -104,8 +98,10 @@ def _refuse_blank(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.command == "run" and _under_torchrun()):
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `run` starts its ranks with
+    if not (args.command == "run" and under_launcher()):
         return _verb(args)[0]
+    watch_launcher()  # from the rank's first second: a killed launcher cannot end it
     # under torchrun: a crash prints its stack (as torch's ErrorHandler would have it), the
     # schedule is compiled before torch is imported (a static error is said at once, not
     # after 14 s of imports), the same error is said once a node, not once a rank, and its
@@ -113,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()
     code, text, stack = _verb(args, once=True)
     if code:
-        from schedc.exec.launcher import tell_launcher
-
         tell_launcher(text, stack)
     return code
 

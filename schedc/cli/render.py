@@ -92,8 +92,7 @@ def default_cost_note(args: argparse.Namespace, file: str) -> str | None:
     return (
         "schedc: note: priced with the default cost model, an H100-class GPU's; for CPU "
         f"ranks or another GPU, fit one to a run: `schedc run {file} --trace t.json "
-        "--probe` (under torchrun for several ranks), `schedc calibrate t.json -o fit.json`, "
-        "then --cost fit.json"
+        "--probe`, `schedc calibrate t.json -o fit.json`, then --cost fit.json"
     )
 
 

@@ -1,4 +1,5 @@
-"""`schedc run`: train a schedule under torchrun (world 1: alone).
+"""`schedc run`: train a schedule. On one node it starts the file's ranks itself
+(exec/launcher.py); under torchrun (several nodes) each rank runs it; world 1 runs alone.
 
 Only the flags live here; the executor (schedc/exec/) is imported when the verb runs, so
 building the parser for any verb never imports torch.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 from schedc.cli.common import (
     COUNT,
@@ -25,7 +27,7 @@ from schedc.errors import UserError
 from schedc.lang.resources import default_schedule
 from schedc.model.hf import CONFIG, check_config, parse_init, read_config, weights_file
 
-HELP = "train: run a schedule under torchrun (world 1: alone)"
+HELP = "train: run a schedule (its ranks started here, or under torchrun)"
 
 # (flag, the flag it needs, what it does): alone, it would be silently ignored
 NEEDS = [
@@ -194,10 +196,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    # flag values first (the number types above checked the numbers), before any work: a bad
-    # --trace or --log-json path fails before training, not after it
-    ov = overrides(args)
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flag values first (the number types above checked the numbers), before any work: a bad
+    --trace or --log-json path fails before training, not after it."""
     for flag, value in (
         ("--resume", args.resume),
         ("--checkpoint-key", args.checkpoint_key),
@@ -209,10 +210,9 @@ def run(args: argparse.Namespace) -> int:
     require(args, NEEDS)
     defaults(args, save_every=100, keep=2)
     _check_outputs(args)
-    compiled = compile_file(args.file or str(default_schedule()), ov)
-    if compiled.pipeline is not None:
-        refuse_for_pipeline(args, compiled)
-    init = _init_dir(args, compiled.spec)
+
+
+def _need_torch() -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -220,6 +220,20 @@ def run(args: argparse.Namespace) -> int:
             "`schedc run` trains with torch, which is not installed here; "
             "scripts/install.sh installs it (check and render need no torch)"
         ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    ov = overrides(args)
+    _check_flags(args)
+    compiled = compile_file(args.file or str(default_schedule()), ov)
+    if compiled.pipeline is not None:
+        refuse_for_pipeline(args, compiled)
+    init = _init_dir(args, compiled.spec)
+    _need_torch()
+    from schedc.exec.launcher import start_ranks
+
+    if compiled.spec.world > 1 and "RANK" not in os.environ:  # not a rank: start them
+        return start_ranks(compiled.spec.world, args.argv)
     from schedc.exec.checkpoint.files import read_key
     from schedc.exec.checkpoint.layout import CheckpointError
     from schedc.exec.options import RunOptions

@@ -9,9 +9,9 @@ then ends the job. A rank that torchrun terminates reports in one line where it 
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -21,8 +21,8 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from schedc.exec.executor import Executor
-from schedc.exec.heartbeat import STALE_S, Heartbeat
-from schedc.exec.launcher import tell_launcher
+from schedc.exec.heartbeat import STALE_S, Heartbeat, LocalPeer
+from schedc.exec.launcher import launcher_gone, leave, tell_launcher
 from schedc.exec.options import Comm
 from schedc.ir.plan import Action, Plan
 
@@ -45,22 +45,22 @@ phase = Phase()
 _report = threading.Lock()  # one report per rank: fail()'s or the SIGTERM one, never both
 
 
-def start_heartbeat(comm: Comm, timeout_s: float) -> Heartbeat:
-    """Beat, and watch the next rank's beats: one that stops is named, and fails the job."""
+def join(backend: str, timeout_s: float) -> tuple[Comm, Heartbeat]:
+    """Start beating, so that this rank is watched from here on, then the job's rendezvous
+    (Comm.from_env): a rank stopped or lost at start-up is named as one lost later is."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    comm = Comm(rank, world, timeout=datetime.timedelta(seconds=timeout_s))
     beats = Heartbeat(
-        comm.rank,
-        comm.world,
+        rank,
+        world,
         min(STALE_S, timeout_s),
         lambda: plan_position(phase.ex),
-        lambda peer, quiet, at: fail(
-            comm,
-            f"rank {peer} has sent no heartbeat for {quiet:.0f}s, last at {at}: it is stopped "
-            "or its host is gone (a slow rank still beats)",
-            phase.where,
-        ),
+        lambda what: fail(comm, what, phase.where),
     )
     beats.start()
-    return beats
+    comm = Comm.from_env(backend, timeout_s)
+    beats.joined()
+    return comm, beats
 
 
 def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) -> NoReturn:
@@ -71,6 +71,8 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
     torchrun the SIGTERM that ends the job may arrive during the grace below: then
     `terminated` reports instead, in one line, with this failure in it.
     """
+    if launcher_gone():  # a peer left for that reason first, and broke this rank's collective
+        leave()
     # the SIGTERM line names the instruction already: of a PlanError it needs the cause only
     phase.failing = (
         (f"{type(cause).__name__}: {cause}" if cause else what).strip().split("\n")[0][:200]
@@ -89,7 +91,7 @@ def fail(comm: Comm, what: str, where: str, cause: BaseException | None = None) 
         lines.append(
             f"schedc: rank {comm.rank}: rank{'s' if len(woken) > 1 else ''} "
             f"{', '.join(map(str, woken))} {'were' if len(woken) > 1 else 'was'} "
-            "stopped (SIGSTOP); sent SIGCONT so that torchrun's SIGTERM can end "
+            "stopped (SIGSTOP); sent SIGCONT so that the launcher's SIGTERM can end "
             f"{'them' if len(woken) > 1 else 'it'} now"
         )
     for r, text in sorted(heard.items()):
@@ -108,6 +110,8 @@ def _hear_from_others(comm: Comm, mine: str) -> tuple[list[int], dict[int, str],
     woken from a stop)."""
     others = [r for r in range(comm.world) if r != comm.rank]
     heard: dict[int, str] = {}
+    if not dist.is_initialized():  # failing at start-up, before the job's rendezvous
+        return [], {}, wake_stopped(others)
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"schedc/failed/{comm.rank}", mine)
@@ -123,9 +127,9 @@ def _hear_from_others(comm: Comm, mine: str) -> tuple[list[int], dict[int, str],
             if not silent or time.monotonic() > deadline:
                 break  # a rank that never wrote is the answer
             time.sleep(0.05)
-        return silent, heard, wake_stopped(store, silent)
+        return silent, heard, wake_stopped(silent)
     except Exception:  # noqa: BLE001 - the store is gone too (its host died)
-        return others, {}, []
+        return others, {}, wake_stopped(others)
 
 
 # -- a rank that torchrun terminates ------------------------------------------------------------
@@ -141,15 +145,9 @@ def _hear_from_others(comm: Comm, mine: str) -> tuple[list[int], dict[int, str],
 
 
 def watch_sigterm(comm: Comm) -> None:
-    """Answer SIGTERM with `terminated()`; publish this rank's host and pid for `fail()`."""
+    """Answer SIGTERM with `terminated()`."""
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers belong to the main thread (schedc's CLI is the main thread)
-    try:
-        dist.distributed_c10d._get_default_store().set(
-            f"schedc/pid/{comm.rank}", f"{socket.gethostname()} {os.getpid()}"
-        )
-    except Exception:  # noqa: BLE001, S110 - only wake_stopped needs it, and only as a courtesy
-        pass
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread below reports
@@ -200,7 +198,7 @@ def terminated(comm: Comm) -> NoReturn:
             if store.check([f"schedc/failed/{r}"]):
                 heard[r] = store.get(f"schedc/failed/{r}").decode()
         answered.append(True)
-        woken.extend(wake_stopped(store, [r for r in others if r not in heard]))
+        woken.extend(wake_stopped([r for r in others if r not in heard]))
 
     asker = threading.Thread(target=ask, name="schedc-sigterm-store", daemon=True)
     asker.start()
@@ -234,31 +232,10 @@ def _heard(others: list[int], got: dict[int, str], answered: bool, woken: list[i
     return f"; {told}"
 
 
-def wake_stopped(store, silent: list[int]) -> list[int]:
-    """SIGCONT the silent ranks that are stopped (SIGSTOP, ^Z) processes beside this one.
-
-    torchrun ends a job by SIGTERM, then waits 30 s (its --shutdown-timeout) before
-    SIGKILL; a stopped process cannot act on SIGTERM, so one stopped rank made every such
-    job take 30 s more. Continued, it takes the pending SIGTERM at once (and reports where
-    it was), or fails on its own on its dead peer. Only a process that is stopped ('T' in
-    /proc/PID/stat, not traced) and a sibling of this one (same parent: the same torchrun
-    agent, or the same launcher) on this host is signalled, so a reused pid is never touched;
-    SIGCONT does nothing to a running process anyway. Returns the ranks woken.
-    """
-    woken = []
-    for r in silent:
-        try:
-            key = f"schedc/pid/{r}"
-            if not store.check([key]):
-                continue
-            host, pid = store.get(key).decode().split()
-            if host != socket.gethostname():
-                continue
-            with open(f"/proc/{int(pid)}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            if state == "T" and int(ppid) == os.getppid():
-                os.kill(int(pid), signal.SIGCONT)
-                woken.append(r)
-        except Exception:  # noqa: BLE001, S112 - best effort: torchrun's timeout is the fallback
-            continue
-    return woken
+def wake_stopped(silent: list[int]) -> list[int]:
+    """SIGCONT the silent ranks that are stopped (SIGSTOP, ^Z) processes beside this one
+    (exec/heartbeat.py `LocalPeer`: a sibling under the same launcher, of the same job).
+    torchrun ends a job by SIGTERM, then waits 30 s (its --shutdown-timeout) before SIGKILL;
+    a stopped process cannot act on SIGTERM, so one stopped rank made every such job take
+    30 s more. Returns the ranks woken."""
+    return [r for r in silent if LocalPeer(r).wake()]

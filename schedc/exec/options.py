@@ -128,11 +128,34 @@ TORCH_DTYPES = {Dtype.FP32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.FP1
 
 
 def pick_device(device: Device | str) -> torch.device:
+    """The rank's device: `auto` is its own GPU (LOCAL_RANK's) when this node has one for
+    every rank it runs, else the CPU (`auto_note` says why)."""
     device = Device(device)
     if device is Device.AUTO:
-        device = Device.CUDA if torch.cuda.is_available() else Device.CPU
+        device = Device.CUDA if gpus_for_every_rank() else Device.CPU
     if device is Device.CUDA:
         if not torch.cuda.is_available():
             raise RunError("--device cuda, but torch sees no CUDA device")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def local_world() -> int:
+    """The ranks this node runs (torchrun's LOCAL_WORLD_SIZE; 1 alone)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpus_for_every_rank() -> bool:
+    return torch.cuda.is_available() and local_world() <= torch.cuda.device_count()
+
+
+def auto_note(asked: Device | str, device: torch.device) -> str:
+    """Why `--device auto` trains on the CPU of a node that has GPUs: fewer than its ranks
+    (a one-GPU machine running a world-2 schedule), which NCCL cannot share."""
+    if Device(asked) is not Device.AUTO or device.type != "cpu" or not torch.cuda.is_available():
+        return ""
+    n = torch.cuda.device_count()
+    return (
+        f"--device auto: cpu, as this node runs {local_world()} ranks and has {n} "
+        f"GPU{'s' if n != 1 else ''} (--device cuda needs one a rank)"
+    )

@@ -27,7 +27,7 @@ import torch
 from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
-from schedc.exec.failures import phase
+from schedc.exec.failures import join, phase
 from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipelineExecutor
 from schedc.exec.pipeline_comm import make_comm
@@ -65,7 +65,7 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     device = torch.device("cpu")
     check_job(compiled, job, device)
     threads = set_up_host(compiled, device)  # the threads, and the heap kept (exec/heap.py)
-    comm = Comm.from_env("gloo", opts.timeout_s)
+    comm, beats = join("gloo", opts.timeout_s)
 
     def run() -> None:
         ex = _start(compiled, plan, comm, timed=bool(job.trace))
@@ -74,7 +74,7 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
         if job.trace:
             _write_trace(job.trace, compiled, ex, comm)
 
-    return guarded(compiled, comm, opts.timeout_s, run)
+    return guarded(compiled, comm, beats, run)
 
 
 def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> PipelineExecutor:

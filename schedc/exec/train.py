@@ -30,9 +30,10 @@ from schedc.errors import RunError, UserError
 from schedc.exec.backends import nccl_launch_order
 from schedc.exec.evaluate import Evaluations
 from schedc.exec.executor import Executor, PlanError, collective_streams
-from schedc.exec.failures import fail, phase, start_heartbeat, watch_sigterm
+from schedc.exec.failures import fail, join, phase, watch_sigterm
 from schedc.exec.heap import keep_freed_memory
-from schedc.exec.options import Comm, RunOptions, pick_device
+from schedc.exec.heartbeat import Heartbeat
+from schedc.exec.options import Comm, RunOptions, auto_note, local_world, pick_device
 from schedc.exec.report import (
     Records,
     RunClock,
@@ -205,30 +206,32 @@ def run_main(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int:
     device = pick_device(opts.device)
     check_job(compiled, job, device)
     threads = set_up_host(compiled, device)
-    comm = Comm.from_env("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
+    comm, beats = join("nccl" if device.type == "cuda" else "gloo", opts.timeout_s)
 
     def run() -> None:
         batches, val, hellaswag = agree(compiled, comm, opts, job, device)
         ex = start_executor(compiled, comm, opts, job, batches)
         log(comm, start_line(compiled, device, threads))
+        if note := auto_note(opts.device, device):
+            log(comm, f"schedc: {note}")
         if note := batches.fold_note():
             log(comm, f"schedc: data: {note}")
         clock = run_steps(ex, comm, job, device, Evaluations(ex, val, hellaswag))
         finish(compiled, ex, opts, job, device, clock)
 
-    return guarded(compiled, comm, opts.timeout_s, run)
+    return guarded(compiled, comm, beats, run)
 
 
-def guarded(compiled: Compiled, comm: Comm, timeout_s: float, run: Callable[[], None]) -> int:
+def guarded(compiled: Compiled, comm: Comm, beats: Heartbeat, run: Callable[[], None]) -> int:
     """`run` (start-up and steps) under the protocol every run of a rank shares: SIGTERM
-    watched, a heartbeat; a user error said in one line (and, in a larger job, to every
-    rank, so no rank waits on it), any other failure reported with the phase it happened in;
-    then the executor and the process groups let go while the interpreter is whole."""
+    watched, `join`'s heartbeat beating; a user error said in one line (and, in a larger job,
+    to every rank, so no rank waits on it), any other failure reported with the phase it
+    happened in; then the executor and the process groups let go while the interpreter is
+    whole."""
     from schedc.exec.checkpoint.layout import CheckpointError
 
     phase.where, phase.ex = "start-up", None
     watch_sigterm(comm)
-    beats = start_heartbeat(comm, timeout_s)
     try:
         run()
     except (CheckpointError, RunError) as e:
@@ -250,7 +253,7 @@ def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> No
     CUDA, this rank's GPU becomes the current device."""
     spec = compiled.spec
     if device.type == "cuda":
-        check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+        check_gpus(local_world(), torch.cuda.device_count())
         torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # timeouts end the job
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -277,7 +280,7 @@ def set_up_host(compiled: Compiled, device: torch.device) -> str:
     the heap, on CUDA NCCL's launch order. Returns the threads' note for the start line."""
     threads = ""
     if device.type == "cpu":
-        threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        threads = cpu_threads(local_world())
         keep_freed_memory()  # else page faults cost a fifth of a CPU step (exec/heap.py)
     if device.type == "cuda":  # before the first NCCL communicator exists
         nccl_launch_order(len(collective_streams(compiled.plan(int(os.environ.get("RANK", 0))))))

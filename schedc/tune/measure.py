@@ -8,19 +8,19 @@
     refit(runs, cost)                  -> the cost model fitted to every trace at once
 
 Each candidate is its written schedule run as its own job, one after another (they would
-otherwise compete for the same cores):
+otherwise compete for the same cores), its ranks started by `schedc run` itself:
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=W \\
-        -m schedc run FILE --steps S --trace T --log-json J
+    OMP_NUM_THREADS=1 python -m schedc run FILE --steps S --trace T --log-json J
 
-(world 1: `python -m schedc run ...`, no launcher). Nothing here imports torch; the runs do.
+A run past --timeout is ended as a user's Ctrl-C would end it: SIGTERM to the launcher,
+which ends its ranks, then SIGKILL if it is still there (a rank whose launcher is killed
+leaves by itself: exec/launcher.py). Nothing here imports torch; the runs do.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -68,10 +68,27 @@ def command(
     run += ["--trace", str(trace), "--log-json", str(log)]
     if probe and world > 1:
         run.append("--probe")
-    if world == 1:
-        return [sys.executable, *run]
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    return [sys.executable, *launch, *run]
+    return [sys.executable, *run]
+
+
+GRACE_S = 10.0  # how long a launcher past --timeout has to end its ranks after SIGTERM
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str] | None:
+    """Run `cmd` to the end: (exit status, its output), or None past `timeout` seconds, when
+    it is ended (SIGTERM, then SIGKILL after GRACE_S) before returning."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            p.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+        return None
+    return p.returncode, out
 
 
 def measure(
@@ -100,32 +117,21 @@ def measure(
             cmd = command(file, cand.spec.world, steps, run.trace, run.log)
             what = f"{i + 1}/{len(cands)}" + (f", round {r + 1}/{rounds}" if rounds > 1 else "")
             echo(f"schedc: measuring {what}: python {' '.join(cmd[1:])}")
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise UserError(f"--measure: {file} ran past {timeout:g} s") from None
-            if p.returncode != 0:
-                tail = failure_tail(p.stdout + p.stderr)
-                raise UserError(f"--measure: {file} failed (exit {p.returncode}):\n{tail}")
+            done = run_bounded(cmd, env, timeout)
+            if done is None:
+                raise UserError(f"--measure: {file} ran past {timeout:g} s (ended)")
+            if done[0] != 0:
+                tail = failure_tail(done[1])
+                raise UserError(f"--measure: {file} failed (exit {done[0]}):\n{tail}")
             times[i].append(step_time(run.log))
             runs.append(run)
     return runs, [Timing(tuple(ts)) for ts in times]
 
 
 def failure_tail(output: str, lines: int = 12) -> str:
-    """The end of a failed run's output that says why: the ranks' own last lines, then
-    torchrun's one-line verdict per failed rank (its banner and its own traceback, which
-    say only that a child failed, left out)."""
-    text = output.strip().splitlines()
-    launcher = next(
-        (i for i, x in enumerate(text) if _LAUNCHER.match(x) or "ChildFailedError" in x),
-        len(text),
-    )
-    verdicts = [x.strip() for x in text[launcher:] if x.strip().startswith(("rank ", "exitcode"))]
-    return "\n".join(text[:launcher][-lines:] + verdicts)
-
-
-_LAUNCHER = re.compile(r"^E\d{4} ")  # torchrun's error lines (glog style), then its banner
+    """The end of a failed run's output, which says why (the ranks' last lines, and the
+    launcher's word on a rank killed by a signal)."""
+    return "\n".join(output.strip().splitlines()[-lines:])
 
 
 def step_time(log: Path) -> float:

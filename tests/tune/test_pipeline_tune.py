@@ -182,7 +182,7 @@ def test_fit_is_refused_for_a_pipeline_in_one_line(capsys, tmp_path):
 
 @pytest.mark.torch
 @pytest.mark.ranks
-def test_measure_runs_the_best_pipeline_under_torchrun(capsys, tmp_path):
+def test_measure_runs_the_best_pipeline_on_its_ranks(capsys, tmp_path):
     """The best candidate of a world-2 pipeline file, run for real: its measured step beside
     the prediction (at the CPU cost model's terms: the error is what it is, not a bound)."""
     src = tmp_path / "pp2.sched"
@@ -191,7 +191,7 @@ def test_measure_runs_the_best_pipeline_under_torchrun(capsys, tmp_path):
     argv += [str(REPO / "docs" / "render" / "cpu_params.json"), "--strategy", "ddp"]
     assert main([*argv, "--write-top", str(tmp_path / "top")]) == 0
     out = capsys.readouterr().out
-    assert "schedc: measuring 1/1: python -m torch.distributed.run --standalone" in out
+    assert "schedc: measuring 1/1: python -m schedc run " in out  # it starts its ranks
     assert "predicted vs measured (median step after the first, 2 steps each)" in out
     row = next(ln for ln in out.splitlines()[::-1] if ln.startswith("1 "))
     measured, err = row.split()[-2:]
