@@ -147,8 +147,14 @@ def run(args: argparse.Namespace) -> int:
     if base.pipeline:
         return tune_pipeline(args, base, options(args, base))
     opts = options(args, base)
-    res = search(base, opts)
+    res = search(base, opts, progress=lambda line: print(f"schedc: tune: {line}", flush=True))
     print(f"schedc: {args.file}: {res.counts()}")
+    if res.other_numerics:
+        print(
+            f"schedc: note: {' and '.join(sorted(res.other_numerics))} cannot compute what "
+            f"{args.file} computes ({res.numerics}): tune keeps a file's numerics unless "
+            "--precision asks it to search them"
+        )
     if not res.ranked:
         if res.smallest_peak is None and res.first_refusal is not None:
             raise res.first_refusal  # the checker refused every one: say why, located
@@ -180,7 +186,7 @@ def absent(base: Base, opts: Options, res: Result) -> None:
     """The fastest of each strategy the table has no row of, below it (tune/search.py)."""
     others = fastest_absent(base, opts, res)
     found = {s: c for s, c in others.items() if c is not None}
-    for s in sorted(set(others) - set(found)):
+    for s in sorted(set(others) - set(found) - set(res.other_numerics)):  # those: said above
         print(f"schedc: no {s} schedule fits" + (" the budget" if opts.budget else ""))
     if found:
         first = fmt_time(res.ranked[0].step)
@@ -230,6 +236,14 @@ def file_text(args, base: Base, c: Candidate, rank: int, res: Result, opts: Opti
         f"#   peak {fmt_bytes(c.peak)} per rank, activations {fmt_bytes(c.activations)} of it."
         " Knobs: " + c.knobs.describe(),
         *([f"# Not searched: {NOT_SEARCHED.format(mesh=base.mesh)}."] if base.mesh else []),
+        *(
+            [
+                f"# Numerics: the input's, written out for {c.knobs.strategy} (its `precision` "
+                f"statement would compute otherwise here): {c.spec.numerics.describe(c.spec.kind)}"
+            ]
+            if c.knobs.policy is not None
+            else []
+        ),
     ]
     text = base.text(c.knobs, c.spec.model, opts.budget_text, blank=False)
     if any(line.lstrip().startswith("#") for line in text.splitlines()):

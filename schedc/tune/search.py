@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from schedc.analysis.cost import CostModel, compute_time, optimizer_time, ring_factor
 from schedc.analysis.overlap import overlap
@@ -46,7 +47,22 @@ from schedc.ir.spec import POLICIES, TIED, Numerics, Spec, Strategy
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.params import auto_buckets
 from schedc.model.arch import FP32
-from schedc.tune.space import Base, Knobs, candidates
+from schedc.tune.space import Base, Knobs, candidates, kept_policy
+
+PROGRESS_S = 2.0  # how often a long search says how far it is
+
+
+class Every:
+    """`say` a line at most every PROGRESS_S seconds (a long loop's progress); the line is
+    made only when said."""
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say, self.last = say, time.perf_counter()
+
+    def __call__(self, line: Callable[[], str]) -> None:
+        if self.say is not None and time.perf_counter() - self.last > PROGRESS_S:
+            self.last = time.perf_counter()
+            self.say(line())
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,8 @@ class Result:
     seconds: float = 0.0
     smallest_peak: Candidate | None = None  # when nothing fits: the least memory found
     first_refusal: CompileError | None = None  # what the checker said first, if anything
+    other_numerics: Counter = field(default_factory=Counter)  # strategy -> candidates left out
+    numerics: str = ""  # the file's numerics, in words
 
     @property
     def compiled(self) -> int:
@@ -108,8 +126,13 @@ class Result:
 
     def counts(self) -> str:
         refused = ", ".join(f"{n} [{c}]" for c, n in sorted(self.refused.items())) or "0"
+        other = "".join(
+            f"{n:,} {s} that cannot keep the file's numerics, "
+            for s, n in sorted(self.other_numerics.items())
+        )
         return (
-            f"{self.considered:,} considered: {self.pruned_memory:,} over the budget by bound, "
+            f"{self.considered:,} considered: {other}"
+            f"{self.pruned_memory:,} over the budget by bound, "
             f"{self.pruned_time:,} pruned by the time bound, {self.compiled:,} compiled "
             f"({refused} refused by the checker, {self.over_budget:,} over the budget, "
             f"{self.duplicates:,} duplicate plans, {self.simulated:,} simulated) "
@@ -128,6 +151,8 @@ class Probe:
         self._compute: dict[tuple[int, str | None], float] = {}
 
     def numerics(self, k: Knobs) -> Numerics:
+        if k.policy is not None:
+            return k.policy
         if k.precision is None:
             return self.spec.numerics
         n = self.spec.numerics
@@ -234,25 +259,21 @@ class Probe:
         return sizes
 
 
-def search(base: Base, options: Options = Options()) -> Result:
+def search(
+    base: Base, options: Options = Options(), progress: Callable[[str], None] | None = None
+) -> Result:
+    """The fastest candidates that fit (`options`); `progress` hears how far the search is,
+    every second or so, as a line."""
     t0 = time.perf_counter()
+    tick = Every(progress)
     # any legal candidate shares the model, batch and the file's numerics: micro 1 always
     # divides the batch (if anything does), and one bucket needs no layer names
     first = Knobs("ddp", 1, layout="one") if base.world > 1 else Knobs("single", 1)
     probe = Probe(base, first, options)
     spec = probe.spec
-    space = candidates(
-        spec.model.n_layer, spec.seqs, spec.world, options.precisions, options.strategies
-    )
-    res = Result([], considered=len(space))
+    res = Result([])
+    scored = bounded(base, probe, options, res)
     budget = options.budget
-    scored = []
-    for i, k in enumerate(space):
-        lb_t, lb_m = probe.bounds(k)
-        # to the picosecond: k x (one micro-step) rounds differently for each micro size,
-        # and equal bounds should go in enumeration order (larger micro-steps first)
-        scored.append((round(lb_t, 12), i, k, lb_m))
-    scored.sort(key=lambda x: (x[0], x[1]))
     # the best candidate of each family (the knobs but the FSDP unit partition): the table
     # lists families, so its rows differ in more than where the units are cut
     best: dict[Knobs, tuple[float, int, int, Candidate]] = {}
@@ -270,6 +291,7 @@ def search(base: Base, options: Options = Options()) -> Result:
         if family(k) in best and lb_t > best[family(k)][0]:
             res.pruned_time += 1  # cannot beat its own family's best partition
             continue
+        tick(partial(_progress, n, len(fits), res, len(best), t0))
         cand = Candidate(k, base.text(k, spec.model, options.budget_text), lb_t, lb_m)
         if not evaluate(cand, base, options, res, seen_plans):
             continue
@@ -289,6 +311,50 @@ def search(base: Base, options: Options = Options()) -> Result:
     res.ranked = proved([c for *_, c in sorted(best.values(), key=lambda x: x[:3])[: options.top]])
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def bounded(base: Base, probe: Probe, options: Options, res: Result) -> list:
+    """The space that keeps the file's numerics (or searches --precision), each candidate
+    with its lower bounds, (time, place, knobs, memory), fastest bound first."""
+    spec = probe.spec
+    space = candidates(
+        spec.model.n_layer, spec.seqs, spec.world, options.precisions, options.strategies
+    )
+    res.considered = len(space)
+    space = keep_numerics(space, spec.numerics, base.kind, res)
+    res.numerics = spec.numerics.describe(base.kind)
+    scored = []
+    for i, k in enumerate(space):
+        lb_t, lb_m = probe.bounds(k)
+        # to the picosecond: k x (one micro-step) rounds differently for each micro size,
+        # and equal bounds should go in enumeration order (larger micro-steps first)
+        scored.append((round(lb_t, 12), i, k, lb_m))
+    return sorted(scored, key=lambda x: (x[0], x[1]))
+
+
+def _progress(n: int, total: int, res: Result, ranked: int, t0: float) -> str:
+    return (
+        f"{n:,} of {total:,} candidates by bound, {res.compiled:,} compiled, {ranked} ranked "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+
+
+def keep_numerics(
+    space: list[Knobs], declared: Numerics, file: Strategy, res: Result
+) -> list[Knobs]:
+    """The candidates that keep the file's numerics (those not searching a --precision), each
+    declaring them as its strategy needs (tune/space.py `kept_policy`); those whose strategy
+    cannot compute them are counted in `res.other_numerics`, not searched."""
+    policies = {s: kept_policy(declared, file, Strategy(s)) for s in ("single", "ddp", "fsdp")}
+    kept = []
+    for k in space:
+        if k.precision is not None:
+            kept.append(k)
+        elif (policy := policies[k.strategy]) is None:
+            res.other_numerics[k.strategy] += 1
+        else:
+            kept.append(k if policy == declared else replace(k, policy=policy))
+    return kept
 
 
 def fastest_absent(base: Base, options: Options, res: Result) -> dict[str, Candidate | None]:

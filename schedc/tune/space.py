@@ -16,11 +16,11 @@ so nothing here decides legality.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from schedc.ir.source import Source, Span
-from schedc.ir.spec import MiB
+from schedc.ir.spec import Dtype, MiB, Numerics, Strategy
 from schedc.lang.parse import parse
 from schedc.lang.read import read_source
 from schedc.lang.syntax import (
@@ -50,7 +50,11 @@ class Knobs:
 
     strategy: str  # "single" | "ddp" | "fsdp"
     micro: int
-    precision: str | None = None  # None: the file's numerics
+    precision: str | None = None  # a policy searched (--precision); None: the file's numerics
+    # the file's numerics written out for this strategy, where its `precision` statement
+    # would mean other arithmetic here (`precision bf16` gathers in bf16 under FSDP, and a
+    # DDP file's bf16 step gathers nothing): None, the statement is kept as written
+    policy: Numerics | None = None
     # ddp
     layout: str = ""  # "cap" | "per-layer" | "one"
     cap: int = 0  # bytes, with layout "cap"
@@ -103,13 +107,14 @@ class Base:
     mesh: str | None = None  # the file's `mesh` statement as written: HSDP, not searched
     pipeline: Span | None = None  # a `pipeline` block: tune/pipeline.py writes it anew
     memory_span: Span | None = None
+    kind: Strategy = Strategy.SINGLE  # the file's own strategy (its numerics mean it)
 
     @classmethod
     def read(cls, path: str | Path) -> Base:
         source = read_source(path)
         ast = to_ast(parse(source), source)  # a syntax error is the user's, located
         dropped, memory, precision, world, mesh = [], None, None, 1, None
-        pipeline, memory_span = None, None
+        pipeline, memory_span, kind = None, None, Strategy.SINGLE
         for s in ast.stmts:
             if isinstance(s, Setting) and s.key in SEARCHED_SETTINGS:
                 dropped.append(s.span)
@@ -121,12 +126,15 @@ class Base:
                 # (HSDP is not in its space yet), and a DDP candidate takes no shard mesh
                 dropped.append(s.span)
                 mesh = source.snippet(s.span) if isinstance(s, MeshDecl) else mesh
+                kind = {DDP: Strategy.DDP, FSDP: Strategy.FSDP}.get(type(s), kind)
             elif isinstance(s, Precision):
                 precision = s.span
             pipeline = s.span if isinstance(s, Pipeline) else pipeline
             if isinstance(s, Setting) and s.key == "world" and s.value.is_int:
                 world = int(s.value.text)
-        return cls(source, tuple(dropped), memory, precision, world, mesh, pipeline, memory_span)
+        return cls(
+            source, tuple(dropped), memory, precision, world, mesh, pipeline, memory_span, kind
+        )
 
     def kept_text(
         self, *, blank: bool, precision: bool = True, extra: tuple[Span, ...] = ()
@@ -163,8 +171,31 @@ class Base:
 
     def text(self, k: Knobs, cfg: GPTConfig | None, budget: str | None, *, blank=True) -> str:
         """The candidate as a whole schedule (cfg: the model, for layer names)."""
-        kept = self.kept_text(blank=blank, precision=k.precision is None)
+        kept = self.kept_text(blank=blank, precision=k.precision is None and k.policy is None)
         return kept + "\n" + knob_text(k, cfg, budget)
+
+
+def kept_policy(declared: Numerics, file: Strategy, kind: Strategy) -> Numerics | None:
+    """The policy a candidate of `kind` declares to compute what the file computes (the same
+    effective numerics: ir/spec.py `Numerics.effective`), `declared` itself where the file's
+    statement already means that; None where no policy can (DDP gathers nothing, so a file
+    that gathers in bf16 has no DDP twin with its numerics)."""
+    want = declared.effective(file)
+    if declared.effective(kind) == want:
+        return declared
+    gather = want.gather if kind is Strategy.FSDP else Dtype.FP32
+    policy = replace(declared, compute=want.compute, gather=gather, reduce=want.reduce)
+    return policy if policy.effective(kind) == want else None
+
+
+def policy_text(n: Numerics, kind: Strategy) -> str:
+    """A `precision` statement with every dtype `kind` reads written out."""
+    keys = [f"compute = {n.compute}"]
+    if kind is Strategy.FSDP:
+        keys.append(f"gather = {n.gather}")
+    if kind is not Strategy.SINGLE:
+        keys.append(f"reduce = {n.reduce}")
+    return "precision { " + "  ".join(keys) + " }"
 
 
 def _blanked(text: str, drop, blank: bool = True) -> str:
@@ -193,6 +224,8 @@ def knob_text(k: Knobs, cfg: GPTConfig | None, budget: str | None) -> str:
         lines.append(f"memory {budget}")
     if k.precision:
         lines.append(f"precision {k.precision}")
+    elif k.policy is not None:
+        lines.append(policy_text(k.policy, Strategy(k.strategy)))
     if k.strategy == "ddp":
         lines += _ddp_block(k, cfg)
     elif k.strategy == "fsdp":

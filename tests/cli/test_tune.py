@@ -4,7 +4,10 @@ a budget nothing fits, flag errors, GPT-2 124M at world 8, and --measure on real
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
+import time
 
 import pytest
 
@@ -12,6 +15,8 @@ from schedc.analysis.cost import CostModel
 from schedc.analysis.simulate import simulate
 from schedc.cli.main import EXIT_USER, main
 from schedc.compiler import compile_file
+from schedc.passes.agree import compare
+from schedc.tune.measure import GRACE_S, run_bounded
 from schedc.tune.search import Options, search
 from schedc.tune.space import Base
 from tests.goldens import REPO
@@ -186,3 +191,60 @@ def test_a_searched_precision_replaces_the_files(capsys, tmp_path):
     assert "0 refused by the checker" in out
     assert best.read_text().count("precision ") == 1
     assert main(["check", str(best)]) == 0
+
+
+def test_the_winner_keeps_the_files_numerics(capsys, tmp_path):
+    """gpt2_8gpu's `precision bf16` is DDP's: bf16 autocast on the fp32 weights. An FSDP
+    winner would read it as bf16 gathers too, other arithmetic: tune writes the file's own
+    numerics out for it instead, and `check` of the two files finds the same numerics."""
+    best = tmp_path / "best.sched"
+    code, out, err = tune(capsys, "schedules/gpt2_8gpu.sched", "--budget", "80GiB", "-o", str(best))
+    assert code == 0, err
+    text = best.read_text()
+    if "fsdp {" in text:
+        assert "precision { compute = bf16  gather = fp32  reduce = fp32 }" in text
+        assert "# Numerics: the input's, written out for fsdp" in text
+    a, b = (compile_file(p).spec for p in ("schedules/gpt2_8gpu.sched", best))
+    verdict = compare(a, b)
+    assert verdict.agree and verdict.numerics == (), verdict
+
+
+def test_a_strategy_that_cannot_keep_the_numerics_is_left_out_and_said(capsys, tmp_path):
+    """An FSDP file that gathers in bf16 has no DDP twin (DDP gathers nothing): its DDP
+    candidates are counted and said, not ranked, unless --precision searches the policy."""
+    src = tmp_path / "fsdp_bf16.sched"
+    src.write_text(NANO.replace("ddp { bucket_cap 1 MiB }", "fsdp { unit all = embed .. head }"))
+    src.write_text(src.read_text() + "precision bf16\n")
+    code, out, err = tune(capsys, str(src))
+    assert code == 0, err
+    assert re.search(r"considered: [\d,]+ ddp that cannot keep the file's numerics", out), out
+    assert "schedc: note: ddp cannot compute what" in out
+    assert "no ddp schedule fits" not in out
+    assert all(r[-1].startswith("fsdp") for r in rows(out))
+    code, out, err = tune(capsys, str(src), "--precision", "bf16")  # searched: both strategies
+    assert code == 0 and "cannot keep" not in out, (out, err)
+
+
+def test_a_long_search_says_how_far_it_is(capsys, monkeypatch):
+    monkeypatch.setattr("schedc.tune.search.PROGRESS_S", 0.0)
+    code, out, err = tune(capsys, FSDP, "--top", "2")
+    assert code == 0, err
+    assert re.search(r"schedc: tune: [\d,]+ of [\d,]+ candidates by bound, [\d,]+ compiled", out)
+
+
+def test_a_measured_run_past_its_timeout_is_ended_as_ctrl_c_would(tmp_path):
+    """SIGTERM first (a launcher ends its ranks on it; a SIGKILLed one could not), then
+    SIGKILL only if it is still there after the grace."""
+    told = tmp_path / "told"
+    script = (
+        "import signal, sys, time\n"
+        f"def term(*_): open({str(told)!r}, 'w').write('SIGTERM'); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    t0 = time.monotonic()
+    assert run_bounded([sys.executable, "-c", script], dict(os.environ), 2.0) is None
+    assert time.monotonic() - t0 < 2.0 + GRACE_S
+    assert told.read_text() == "SIGTERM"
+    assert run_bounded([sys.executable, "-c", "print('ok')"], dict(os.environ), 30) == (0, "ok\n")
