@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from schedc.compiler import compile_text
 from schedc.exec.checkpoint import store
 from schedc.exec.checkpoint.layout import CheckpointError
 from tests.goldens import REPO
@@ -69,9 +70,23 @@ def test_another_step_count_would_change_the_lr_schedule(saved):
     msg = str(e.value)
     assert "decays over 20 steps; this run's decays over 10" in msg
     assert "resume with --steps 20" in msg and "decay_steps = 20" in msg
+    # saved at step 1, in the warmup (5 steps), where both schedules agree: the message names
+    # the first step they differ at, not two equal numbers ("2.4000e-03, not 2.4000e-03")
     opt = ex.spec.optim
-    assert f"{opt.lr_at(1, 10):.4e}, not {opt.lr_at(1, 20):.4e}" in msg
+    assert opt.lr_at(1, 10) == opt.lr_at(1, 20)
+    assert f"lr at step 6: {opt.lr_at(6, 10):.4e}, not {opt.lr_at(6, 20):.4e}" in msg
+    assert opt.lr_at(6, 10) != opt.lr_at(6, 20)
     ex.close()
+
+
+def test_the_first_step_whose_rate_differs_is_what_decides():
+    """Two horizons that both end inside the warmup give every step the same rate (the warmup's,
+    then min_lr): nothing to refuse. Others differ first one step into the decays, which both start at lr."""
+    opt = compile_text(TINY, "tiny.sched").spec.optim
+    assert opt.warmup == 5
+    assert store.first_lr_difference(opt, 1, 3, 4) is None
+    assert store.first_lr_difference(opt, 1, 10, 20) == 6  # step 5 starts both decays at lr
+    assert store.first_lr_difference(opt, 7, 10, 20) == 7
 
 
 def test_a_fixed_horizon_lets_the_run_stop_elsewhere(saved):

@@ -216,15 +216,24 @@ def _check_same_stream(ex, path: Path, meta: dict) -> None:
             f"step {meta['step']} of this schedule ({ex.spec.seqs} a step) would start at "
             f"{here['sequences']:,}: resume with the global batch it was saved with"
         )
-    if saved["lr_horizon"] != here["lr_horizon"]:
-        opt, s, n = ex.spec.optim, meta["step"], here["lr_horizon"]
+    old, n = saved["lr_horizon"], here["lr_horizon"]
+    if old != n and (d := first_lr_difference(ex.spec.optim, meta["step"], old, n)) is not None:
+        opt = ex.spec.optim
         raise CheckpointError(
-            f"{path}: saved on an LR schedule that decays over {saved['lr_horizon']} steps; "
-            f"this run's decays over {n} (lr at step {s}: {opt.lr_at(s, n):.4e}, not "
-            f"{opt.lr_at(s, saved['lr_horizon']):.4e}); resume with --steps "
-            f"{saved['lr_horizon']}, or fix the horizon in the file "
-            f"(`decay_steps = {saved['lr_horizon']}` in the optimizer) to stop elsewhere"
+            f"{path}: saved on an LR schedule that decays over {old} steps; this run's "
+            f"decays over {n} (lr at step {d}: {opt.lr_at(d, n):.4e}, not "
+            f"{opt.lr_at(d, old):.4e}); resume with --steps {old}, or fix the horizon in "
+            f"the file (`decay_steps = {old}` in the optimizer) to stop elsewhere"
         )
+
+
+def first_lr_difference(opt, step: int, a: int, b: int) -> int | None:
+    """The first step from `step` on whose learning rate differs between decay horizons `a`
+    and `b` (in warmup they agree, and past both horizons too): None if none does."""
+    return next(
+        (s for s in range(step, max(a, b, opt.warmup) + 1) if opt.lr_at(s, a) != opt.lr_at(s, b)),
+        None,
+    )
 
 
 def _dcp_load(path: Path, meta: dict, state: dict[str, torch.Tensor], group=None) -> None:
