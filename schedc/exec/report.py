@@ -180,15 +180,15 @@ class RunClock:
             self.hellaswag = rec
 
     def done(self, st) -> float:
-        """Record a finished step; return the seconds left, estimated."""
+        """Record a finished step; return the seconds left, estimated: unknown (inf) after the
+        warm-up step alone, which says little of a later step (14 s of a run were 1m01s)."""
         now = time.perf_counter()
         self.stats.append(st)
+        left = self.steps - 1 - st.step
         if self.t_warm is None:
             self.t_warm = now
-            per_step = now - self.t0
-        else:
-            per_step = (now - self.t_warm) / (len(self.stats) - 1)
-        return per_step * (self.steps - 1 - st.step)
+            return math.inf if left else 0.0
+        return (now - self.t_warm) / (len(self.stats) - 1) * left
 
     def summary(self, peak: str) -> str:
         """The run in one paragraph: steps, total time, mean tokens/s without the warm-up
@@ -352,7 +352,9 @@ def step_label(step: int, steps: int | None = None) -> str:
 
 
 def fmt_eta(seconds: float) -> str:
-    """A time left as a person reads it: `0.4s`, `12s`, `1m12s`, `2h03m`."""
+    """A time left as a person reads it: `0.4s`, `12s`, `1m12s`, `2h03m`; `-` not known yet."""
+    if math.isinf(seconds):
+        return "-"
     s = max(0.0, seconds)
     if s < 10:
         return f"{s:.1f}s"
