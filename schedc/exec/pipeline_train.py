@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 
 import torch
 
@@ -28,6 +29,7 @@ from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
 from schedc.errors import RunError
 from schedc.exec.failures import join, phase
+from schedc.exec.heap import HeapPeak
 from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipelineExecutor
 from schedc.exec.pipeline_comm import make_comm
@@ -43,6 +45,7 @@ from schedc.exec.train import (
 )
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
+from schedc.passes.memory import fmt_bytes
 from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
 
@@ -141,10 +144,17 @@ def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptio
     spec = compiled.spec
     clock = RunClock(0, spec.steps)
     records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+    peak = 0  # the live heap's peak over the steps after the first (which makes AdamW's m, v)
     try:
         for s in range(spec.steps):
             phase.where = f"step {s}"
-            st = ex.step()
+            if s == 0:
+                st = ex.step()
+            else:
+                held = held_bytes(ex)
+                with HeapPeak() as heap:
+                    st = ex.step()
+                peak = max(peak, held + heap.grew)
             log(comm, step_line(st, spec, device, clock.done(st)))
             if not (math.isfinite(st.loss) and math.isfinite(st.grad_norm)):
                 raise RunError(  # every rank has both, all-reduced: every rank stops here
@@ -157,4 +167,47 @@ def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptio
     finally:
         if records:
             records.close()
+    report_pipeline_memory(compiled, comm, peak)
     log(comm, clock.summary(peak_memory(device)))
+
+
+def held_bytes(ex: PipelineExecutor) -> int:
+    """What a rank holds between steps, as the ledger's states count it: its stages'
+    parameters (or FSDP shards and the copies they are gathered into), their gradients and
+    AdamW's moments, each storage once."""
+    tensors = [p for _, p in ex.named] + [p.grad for _, p in ex.named if p.grad is not None]
+    for state in ex.optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def report_pipeline_memory(compiled: Compiled, comm: Comm, measured: int) -> None:
+    """Each rank's predicted peak (the pipeline ledger's, passes/pipeline_memory.py) beside the
+    live heap's measured over the steps after the first, on rank 0 for every rank: pipeline
+    ranks hold different stages. A run of one step measures nothing and says so."""
+    plan = compiled.pipeline
+    assert plan is not None
+    every = comm.gather(measured)
+    if comm.rank != 0:
+        return
+    dp = compiled.spec.dp
+    pred = [plan.memory[r // dp].peak for r in range(comm.world)]  # pp-outermost ranks
+    if not any(every):
+        text = ", ".join(f"rank {r} {fmt_bytes(p)}" for r, p in enumerate(pred))
+        print(
+            f"schedc: memory (peak of states, buffers, activations): {text} predicted; one "
+            "step ran, so nothing was measured (the first makes AdamW's moments)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    text = "; ".join(
+        f"rank {r} {fmt_bytes(p)} predicted, {fmt_bytes(m)} measured"
+        for r, (p, m) in enumerate(zip(pred, every))
+    )
+    print(
+        f"schedc: memory (peak of states, buffers, activations): {text} (live heap)",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -15,6 +15,7 @@ among them, one bucket a stage) on the pool in fp32 and bf16.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -81,6 +82,10 @@ def test_a_pipeline_run_logs_what_one_process_computes(
         assert g["lr"] == w["lr"]
         assert g["loss"] == pytest.approx(w["loss"], rel=TOL["float32"].loss_rtol)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=TOL["float32"].norm_rtol)
+    # every rank's predicted peak beside its measured one, as a DP run says its own
+    line = next(x for x in r.stderr.splitlines() if x.startswith("schedc: memory "))
+    for rank in range(world):
+        assert re.search(rf"rank {rank} [\d.]+ [KM]iB predicted, [\d.]+ [KM]iB measured", line)
 
 
 def test_a_traced_pipeline_run_draws_its_measured_grid(tmp_path, capsys):
