@@ -782,6 +782,22 @@ class Run:
             out.append(v)
         return out
 
+    def short(self, smoke: bool) -> str:
+        """What makes this run no measurement (""): no step timed at all, a case built but
+        never timed, and in a --smoke rehearsal (whose point is that every case's code runs
+        before a GPU is lent) any case not built."""
+        untimed = [n for n, r in self.recs.items() if not r.times and n not in self.failed]
+        if not any(r.times for r in self.recs.values()):
+            return f"no step was timed ({len(self.recs)} of {len(self.names)} cases built)"
+        if untimed:
+            return f"built but never timed: {', '.join(untimed)}"
+        if smoke and self.not_built:
+            return (
+                f"{len(self.not_built)} of {len(self.names)} cases not built "
+                f"({', '.join(self.not_built)}): a rehearsal runs every case; raise --budget-s"
+            )
+        return ""
+
     def _why_missing(self, name: str) -> str:
         for n in (name, BASE):
             if n in self.failed:
@@ -1029,6 +1045,9 @@ def main(argv=None) -> int:
         rec.case.close()
     gc.collect()
     dist.destroy_process_group()
+    if short := run.short(a.smoke):
+        print(f"bench/gpu.py: FAILED: {short}", flush=True)
+        return 1
     return 1 if run.failed else 0
 
 

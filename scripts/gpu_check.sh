@@ -72,7 +72,7 @@ SCALE=1  # the parts' timeouts are the GPU machine's; a 2-core CPU runs the twin
 if [ "$REHEARSE" = 1 ]; then
   export SCHEDC_GPU_REHEARSAL=1
   SCALE=4
-  BENCH=(--smoke --device cpu --compile-backend aot_eager --budget-s 60)
+  BENCH=(--smoke --device cpu --compile-backend aot_eager --budget-s 120)
   echo "gpu_check: rehearsal on $(uname -m), the CUDA tests as CPU twins"
 else
   BENCH=(--budget-s 170)
