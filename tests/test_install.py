@@ -72,3 +72,26 @@ def test_the_demo_installs_with_the_python_it_runs_with():
     make = (REPO / "Makefile").read_text()
     assert "\tPYTHON=$(PY) scripts/install.sh\n" in make
     assert "PYTHON=$(PY) scripts/tier.sh install scripts/install.sh test" in make
+
+
+def test_every_package_schedc_imports_is_a_dependency_of_the_plain_install():
+    """`make demo` installs schedc without its test extra, and `schedc export` (a core verb)
+    then failed for want of safetensors: whatever the package imports is in its own
+    dependencies (torch.utils.tensorboard's `tensorboard`, imported only through torch, is
+    refused in one line when missing: cli/run.py)."""
+    import ast
+    import re
+
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.match(r"[A-Za-z0-9_.-]+", d).group().replace("-", "_") for d in deps}
+    imported = set()
+    for path in (REPO / "schedc").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"schedc"}
+    assert third_party <= declared, sorted(third_party - declared)
