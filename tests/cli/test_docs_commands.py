@@ -78,7 +78,25 @@ def classify(cmd: str) -> str | None:
     if missing := [a for a in inputs if not (REPO / a).exists()]:
         return f"reads {missing[0]}, which a command above it writes (a torchrun run)"
     if "--measure" in args:
-        return "--measure runs the candidates under torchrun: minutes"
+        return "--measure runs the candidates on their ranks: minutes"
+    if args[:1] == ["run"]:
+        return _run_skip(args)
+    return None
+
+
+def _run_skip(args: list[str]) -> str | None:
+    """Why a documented `schedc run` is not run here (each runs 2 steps in a process of its
+    own, its ranks started by itself): a model that takes hours a step on a CPU, or data a
+    script makes first."""
+    from schedc.compiler import compile_file
+    from schedc.lang.resources import default_schedule
+
+    sched = next((a for a in args[1:] if a.endswith(".sched")), None)
+    spec = compile_file(str(REPO / sched) if sched else str(default_schedule())).spec
+    if spec.model.numel > 20_000_000:
+        return f"trains a model of {spec.model.numel:,} parameters: hours on a CPU"
+    if spec.data.source.startswith("out/"):
+        return f"reads {spec.data.source}, which scripts/make_shards.py makes (test_recipe.py)"
     return None
 
 
@@ -143,8 +161,9 @@ def test_a_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
         pytest.skip(why)
     argv = outputs_to(shlex.split(cmd), tmp_path)
     monkeypatch.chdir(REPO)
-    if argv[0] == "python":  # python -m schedc run ...: torch, a process of its own
-        r = python(*argv[1:], "--steps", "2", env={"OMP_NUM_THREADS": "1"})
+    if argv[0] == "python" or argv[1] == "run":  # torch, a process of its own (and its ranks)
+        run = argv[1:] if argv[0] == "python" else ["-m", "schedc", *argv[1:]]
+        r = python(*run, "--steps", "2", env={"OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, f"{where}: {cmd}\n{r.stderr}"
         assert "schedc: done: 2 steps" in r.stdout, r.stdout
         return
