@@ -142,7 +142,12 @@ class Pipeline:
         return pos
 
     def stages_of(self, rank: int) -> list[int]:
-        return [s for s in range(self.stages) if self.rank_of(s) == rank]
+        """The rank's stages in order: in chunk c, the position `rank_of` maps to `rank`."""
+        if not 0 <= rank < self.pp:
+            return []
+        v = self.placement is Placement.V
+        return [c * self.pp + (self.pp - 1 - rank if v and c % 2 else rank)
+                for c in range(self.per_rank)]  # fmt: skip
 
     def peer(self, action: Action) -> int:
         """The rank at the other end of a transfer."""
@@ -166,6 +171,11 @@ class Schedule(str, Enum):
     def placement(self) -> Placement:
         """Where the schedule puts its stages: ZB-V's two a rank in a V, the rest in a loop."""
         return Placement.V if self is Schedule.ZB_V else Placement.LOOP
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether each backward is split into I and W (the zero-bubble schedules)."""
+        return self in (Schedule.ZB_H1, Schedule.ZB_V)
 
 
 class Written(str, Enum):
@@ -268,6 +278,15 @@ def producer(recv: Action, backward: Kind = Kind.B) -> Action:
     if recv.kind is Kind.RECV_F:
         return Action(Kind.F, recv.stage - 1, recv.mb)
     return Action(backward, recv.stage + 1, recv.mb)
+
+
+def step_actions(pipe: Pipeline, split: bool) -> tuple[int, int]:
+    """(computes, transfers) in a step's programs: per micro-batch each stage's F and B (F,
+    I and W where the backward is `split`), and a send and a receive each way across every
+    stage edge between two ranks. What the proof, the simulator and the ledger walk."""
+    crossings = sum(not pipe.local(s, s + 1) for s in range(pipe.stages - 1))
+    m = pipe.microbatches
+    return m * pipe.stages * (3 if split else 2), m * 4 * crossings
 
 
 def backward_kind(acts: Iterable[Action]) -> Kind:

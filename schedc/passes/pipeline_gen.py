@@ -248,23 +248,28 @@ ORDERS = {
 
 
 def compute_times(pipe: Pipeline, orders: dict[int, list[Action]], costs: Costs) -> dict:
-    """(start, end) of each compute action when sends never block and cost nothing."""
+    """(start, end) of each compute action when sends never block and cost nothing. A rank
+    runs its order until an input is not yet timed and waits for that action: each action is
+    timed once and each wait woken once (linear; a rank's start is the same in any order)."""
+    back = _backward_kind(orders)
     times: dict[Action, tuple[float, float]] = {}
     pos = dict.fromkeys(orders, 0)
     free = dict.fromkeys(orders, 0.0)
-    moved = True
-    while moved:
-        moved = False
-        for r, acts in orders.items():
-            while pos[r] < len(acts):
-                act = acts[pos[r]]
-                deps = _inputs(pipe, act, _backward_kind(orders))
-                if any(d not in times for d in deps):
-                    break
-                start = max([free[r], *(times[d][1] for d in deps)])
-                times[act] = (start, start + costs.of(act.kind))
-                free[r], pos[r] = times[act][1], pos[r] + 1
-                moved = True
+    waiting: dict[Action, list[int]] = defaultdict(list)  # an untimed input -> ranks at it
+    ready = list(orders)
+    while ready:
+        r = ready.pop()
+        acts = orders[r]
+        while pos[r] < len(acts):
+            act = acts[pos[r]]
+            deps = _inputs(pipe, act, back)
+            if (missing := next((d for d in deps if d not in times), None)) is not None:
+                waiting[missing].append(r)
+                break
+            start = max([free[r], *(times[d][1] for d in deps)])
+            times[act] = (start, start + costs.of(act.kind))
+            free[r], pos[r] = times[act][1], pos[r] + 1
+            ready += waiting.pop(act, [])
     stuck = {r: orders[r][pos[r]] for r in orders if pos[r] < len(orders[r])}
     assert not stuck, f"compute order does not progress: {stuck}"
     return times

@@ -42,6 +42,8 @@ without it; the peak is what a pipeline file's `memory` budget is checked agains
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from schedc.ir.effects import Alloc, Free, Part
 from schedc.ir.pipeline import (
     COMPUTE,
@@ -96,21 +98,34 @@ def stage_params(spec: Spec, stage: int) -> list[str]:
 
 def predict_pipeline(spec: Spec, pipe: Pipeline, programs: Programs) -> dict[int, MemoryReport]:
     """Each pipeline rank's predicted memory along its program."""
-    return {r: _RankLedger(spec, pipe, r).run(programs[r]) for r in sorted(programs)}
+    assert spec.pipeline is not None
+    # once, not once a rank: a rank per stage made these O(stages^2) (4,098 stages: 4 s)
+    numel = {p.name: p.numel for p in spec.model.params}
+    units: dict[int, list[int]] = defaultdict(list)  # stage -> its units' places in the spec
+    for k, u in enumerate(spec.pipeline.units):
+        units[u.stage].append(k)
+    return {r: _RankLedger(spec, pipe, r, numel, units).run(programs[r]) for r in sorted(programs)}
 
 
 class _RankLedger:
     """One pipeline rank's walk: the executor's buffers, allocated and freed per action."""
 
-    def __init__(self, spec: Spec, pipe: Pipeline, rank: int):
+    def __init__(
+        self,
+        spec: Spec,
+        pipe: Pipeline,
+        rank: int,
+        numel: dict[str, int],
+        units: dict[int, list[int]],
+    ):
         assert spec.pipeline is not None
         self.spec, self.pipe, self.w = spec, pipe, _Walk()
         cfg, self.dp = spec.model, spec.dp
         self.ncx = spec.micro * spec.seq_len * cfg.n_embd * stream_bytes(spec)
         self.g, self.r = spec.numerics.gather.nbytes, spec.numerics.reduce.nbytes
         self.stages = stages = pipe.stages_of(rank)
-        self.numel = {p.name: p.numel for p in cfg.params}
-        self.units = _units(spec, stages, self.numel)
+        self.numel = numel
+        self.units = _units(spec, stages, self.numel, units)
         self.written: set[int] = set()  # stages whose gradients exist
         # FSDP per stage shards over the shard group: all dp replicas, or S of a mesh R x S
         # (HSDP: the replicate all-reduce sums the reduce-scatter's output in place, no
@@ -240,11 +255,14 @@ def in_flight(program: list[Item]) -> int:
     return most
 
 
-def _units(spec: Spec, stages: list[int], numel: dict[str, int]) -> dict[tuple[int, str], int]:
+def _units(
+    spec: Spec, stages: list[int], numel: dict[str, int], places: dict[int, list[int]]
+) -> dict[tuple[int, str], int]:
     """FSDP per stage: the rank's units by (stage, name), their parameters' count; the head's
-    stage keeps a copy of the tied unit, sharded in the same layout (exec/pipeline.py)."""
+    stage keeps a copy of the tied unit, sharded in the same layout (exec/pipeline.py).
+    `places`: each stage's units' places in the spec, whose order they keep."""
     assert spec.pipeline is not None
-    units = [u for u in spec.pipeline.units if u.stage in stages]
+    units = [spec.pipeline.units[k] for k in sorted(k for s in stages for k in places.get(s, ()))]
     out = {(u.stage, u.name): sum(numel[p] for p in u.params) for u in units}
     for s in stages:
         holds_tied = any(TIED in u.params and u.stage == s for u in units)

@@ -40,10 +40,12 @@ from schedc.ir.pipeline import (
     backward_kind,
     format_item,
     side_by_side,
+    step_actions,
 )
 from schedc.ir.source import Span
 from schedc.ir.spec import PipelineSpec, Spec, WrittenPrograms
 from schedc.lang.diagnostics import MAX_KEPT, Diagnostic, Diagnostics, Note
+from schedc.lang.resolve import MAX_OPS
 from schedc.passes.memory import MemoryReport
 from schedc.passes.pipeline_check import Finding, prove
 from schedc.passes.pipeline_gen import COSTS, Request, generate, request_errors
@@ -98,10 +100,11 @@ def plan_pipeline(spec: Spec, diag: Diagnostics) -> PipelinePlan | None:
         return _plan_written(spec, ps, ps.written, diag)
     assert not isinstance(ps.schedule, Written)
     req = Request(ps.schedule, ps.degree, spec.accum, len(ps.stages) // ps.degree)
-    at = ps.where.get("microbatches") or spec.where.get("micro") or spec.where.get("accumulate")
+    if _too_many(spec, req.pipeline(), req.schedule.splits_backward, diag):
+        return None
     if errors := request_errors(req):
         note = (Note("the pipeline is declared here", ps.span),)
-        diag.extend([replace(d, span=at or ps.span, notes=note) for d in errors])
+        diag.extend([replace(d, span=_at_microbatches(spec), notes=note) for d in errors])
         return None
     gen = generate(req)
     proof = prove(gen.pipeline, gen.programs)
@@ -123,7 +126,9 @@ def _plan_written(
 ) -> PipelinePlan | None:
     """The programs as written, proven (as written, then as run on one communicator)."""
     pipe = ps.pipeline(spec.accum)
-    if _too_few(pipe, w, ps, diag):
+    acts = [a for p in w.programs.values() for a in actions(p)]
+    split = backward_kind(acts) is Kind.I
+    if _too_many(spec, pipe, split, diag, len(acts)) or _too_few(pipe, w, ps, diag):
         return None
     proof = prove(pipe, w.programs)
     title = "the ranks' programs, side by side"
@@ -145,6 +150,41 @@ def _plan_written(
 
 def _communicators(programs: Programs) -> int:
     return len({a.comm for p in programs.values() for a in actions(p) if a.kind.is_p2p})
+
+
+def _at_microbatches(spec: Spec) -> Span:
+    """Where the micro-batch count is written (or the batch's split it is made from)."""
+    ps = spec.pipeline
+    assert ps is not None
+    at = ps.where.get("microbatches") or spec.where.get("micro") or spec.where.get("accumulate")
+    return at or ps.span
+
+
+def _too_many(spec: Spec, pipe: Pipeline, split: bool, diag: Diagnostics, written: int = 0) -> bool:
+    """[value-range]: a step of more actions than schedc proves, the DP graph's bound
+    (MAX_OPS): generating, proving, timing and the ledger each walk every action (linear;
+    at the bound about 3 s on a 2-core CPU), so the bound is on what would be built, before
+    any of it is."""
+    computes, transfers = step_actions(pipe, split)
+    if max(computes + transfers, written) <= MAX_OPS:
+        return False
+    if written > computes + transfers:
+        what = f"the programs hold {written:,} actions"
+    else:
+        what = (
+            f"{pipe.stages:,} stages x {pipe.microbatches:,} micro-batches make "
+            f"{computes + transfers:,} actions a step ({computes:,} computes, {transfers:,} "
+            "transfers)"
+        )
+    assert spec.pipeline is not None
+    diag.error(
+        "value-range",
+        f"{what}; schedc proves at most {MAX_OPS:,}",
+        _at_microbatches(spec),
+        hint="fewer micro-batches (a larger `micro`), or fewer stages",
+        notes=(Note("the pipeline is declared here", spec.pipeline.span),),
+    )
+    return True
 
 
 def _too_few(pipe: Pipeline, w: WrittenPrograms, ps: PipelineSpec, diag: Diagnostics) -> bool:

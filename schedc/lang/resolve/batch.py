@@ -134,7 +134,7 @@ def _too_many_ops(cx: Context, accum: int, n: int, what: str) -> None:
         "value-range",
         f"{accum:,} micro-steps make {n:,} {what} ops per step; schedc compiles at most "
         f"{MAX_OPS:,} (about 10 s and 300 MB on a 2-core CPU)",
-        cx.seen.get("micro") or cx.seen.get("accumulate"),
+        cx.seen.get("micro") or cx.seen.get("accumulate") or cx.seen.get("pipeline.microbatches"),
         hint="use a larger `micro` (fewer micro-steps per update)",
     )
 
