@@ -18,8 +18,9 @@ around them.
 
 Written transfers may name communicators (`:c1`), which the proof takes as FIFO queues of
 their own, as NCCL runs two communicators. schedc's executor issues every transfer on the
-pipeline's one group, so programs that name more than one are proven a second time as run,
-on one queue.
+pipeline's one group, so programs that name another are proven a second time as run, on one
+queue, and the plan holds them as run: the programs the proof read are the programs that
+run (the executor keys a received tensor by its action, which names its communicator).
 """
 
 from __future__ import annotations
@@ -132,10 +133,12 @@ def _plan_written(
         return None
     proof = prove(pipe, w.programs)
     title = "the ranks' programs, side by side"
-    if not proof.findings and _communicators(w.programs) > 1:
-        run_as = {r: [tuple(a._replace(comm=DEFAULT_COMM) for a in i) for i in p]
-                  for r, p in w.programs.items()}  # fmt: skip
-        proof = prove(pipe, run_as)
+    # what runs: schedc's executor issues every transfer on the pipeline's one group, so the
+    # programs as run name no other communicator; they are what is proven, timed and run
+    runs = {r: [tuple(a._replace(comm=DEFAULT_COMM) for a in i) for i in p]
+            for r, p in w.programs.items()}  # fmt: skip
+    if not proof.findings and runs != w.programs:
+        proof = prove(pipe, runs)
         title = (
             "as run: schedc's executor issues every transfer on the pipeline's one group "
             "(P2P on 'pp'), one FIFO queue where the programs name more; the programs"
@@ -145,11 +148,7 @@ def _plan_written(
             diag.extend([_located(f, w.programs, title, lambda f: _spans(f, w, ps.span))])
         return None
     timing = simulate(proof.graph, COSTS)
-    return PipelinePlan(pipe, w.programs, COSTS, timing.step, timing.bubble, graph=proof.graph)
-
-
-def _communicators(programs: Programs) -> int:
-    return len({a.comm for p in programs.values() for a in actions(p) if a.kind.is_p2p})
+    return PipelinePlan(pipe, runs, COSTS, timing.step, timing.bubble, graph=proof.graph)
 
 
 def _at_microbatches(spec: Spec) -> Span:
