@@ -258,13 +258,11 @@ def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> No
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # timeouts end the job
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if world_env != spec.world:
-        how = (
-            f"torchrun --standalone --nproc_per_node={spec.world} -m schedc run "
-            f"{compiled.source.path}"
-        )
         raise RunError(
             f"{compiled.source.path} is a world-{spec.world} schedule, but this job "
-            f"has {world_env} rank{'s' if world_env != 1 else ''}; run: {how}"
+            f"has {world_env} rank{'s' if world_env != 1 else ''}; on one node `schedc run "
+            f"{compiled.source.path}` starts its {spec.world} ranks itself; across nodes, "
+            f"torchrun's nnodes x nproc_per_node must make {spec.world}"
         )
     if spec.hsdp and (job.save or job.resume):
         # the checkpoint lays a unit's shards out over the whole world (one DTensor dim);

@@ -265,11 +265,16 @@ def test_a_failing_instruction_shows_the_plan(pool):
 # -- refusing to start -----------------------------------------------------------------------------
 
 
-def test_world_mismatch_without_torchrun_is_a_clear_error():
-    r = python("-m", "schedc", "run", str(SCHEDULES / "tiny_ddp_overlap.sched"), timeout=120)
+def test_world_mismatch_of_a_job_started_otherwise_is_a_clear_error():
+    """`schedc run FILE` starts the file's world itself (tests/exec/test_launcher.py); a job
+    started by other means with another world size is refused in one line saying so."""
+    job = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    sched = str(SCHEDULES / "tiny_ddp_overlap.sched")
+    r = python("-m", "schedc", "run", sched, env=job, timeout=120)
     assert r.returncode == 1
     assert "world-2 schedule, but this job has 1 rank" in r.stderr
-    assert "nproc_per_node=2" in r.stderr and "Traceback" not in r.stderr
+    assert f"`schedc run {sched}` starts its 2 ranks itself" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_world_mismatch_under_torchrun_fails_every_rank():
