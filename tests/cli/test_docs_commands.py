@@ -140,12 +140,18 @@ def test_no_documented_command_writes_into_the_checkout_s_tracked_files():
 
 
 def outputs_to(argv: list[str], tmp: Path) -> list[str]:
-    """-o PATH -> -o tmp/NAME: the docs' pictures are drawn, not overwritten."""
+    """-o PATH -> -o tmp/NAME: the docs' pictures are drawn, not overwritten; and what a run
+    writes (its trace, log, checkpoints) goes there too, not into an out/ a fresh clone has
+    not made."""
     out = list(argv)
+    run = "run" in out[:4]
     for i, a in enumerate(out[:-1]):
-        if a in ("-o", "--output"):
+        if a in ("-o", "--output") or (run and a in RUN_WRITES):
             out[i + 1] = str(tmp / Path(out[i + 1]).name)
     return out
+
+
+RUN_WRITES = {"--trace", "--log-json", "--save", "--tensorboard"}
 
 
 @pytest.mark.parametrize(
