@@ -238,13 +238,23 @@ def guarded(compiled: Compiled, comm: Comm, beats: Heartbeat, run: Callable[[], 
         world = compiled.spec.world  # the job's, as check_job found
         if isinstance(e, PlanError) or (world > 1 and not isinstance(e, CheckpointError)):
             fail(comm, str(e), phase.where, getattr(e, "cause", None))
+        let_go(beats)
         raise  # a user error: the CLI prints it in one line, exit 1
     except Exception as e:  # a collective that timed out or lost its peer, mostly
         fail(comm, f"{type(e).__name__}: {e}", phase.where)
+    let_go(beats)
+    return 0
+
+
+def let_go(beats: Heartbeat) -> None:
+    """The heartbeat stopped and the process groups destroyed while the interpreter is whole,
+    on a user error's way out too: left to the interpreter's teardown, a beating thread inside
+    a store call or gloo's threads met the C++ destructors, and the rank aborted now and then
+    (SIGABRT, 'terminate called without an active exception', after its one-line error)."""
     beats.done()
     phase.ex = None  # the executor's process groups go now, not in the interpreter's teardown
-    dist.destroy_process_group()
-    return 0
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> None:
