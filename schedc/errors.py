@@ -6,8 +6,8 @@ else that escapes a verb is a bug in schedc: "internal error", a traceback, exit
 
 Each kind is defined beside the code that raises it: CompileError (a schedule's diagnostics,
 lang/diagnostics.py), TraceError (analysis/trace/schema.py), GraphvizMissing (viz/dot.py),
-CheckpointError (exec/checkpoint/layout.py), DataError (model/token_files.py). RunError is here because
-the CLI says it differently and must name it without importing torch.
+CheckpointError (exec/checkpoint/layout.py), DataError (model/token_files.py). RunError is
+here because the CLI says it differently and must name it without importing torch.
 """
 
 from __future__ import annotations
