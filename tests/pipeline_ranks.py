@@ -309,36 +309,21 @@ def measure_file(rank: int, groups, path: str, steps: int = 3) -> int:
     executor measures its own (tests/exec/test_memory_measured.py): the live heap's growth
     in each step after the first (which creates AdamW's moments), over what lives between
     steps (the parameters, their gradients and the moments: the states the ledger counts),
-    read every millisecond and between the program's items by schedc/exec/heap.py."""
-    import torch
-
+    read every millisecond and between the program's items by schedc/exec/heap.py (what
+    `schedc run` of a pipeline measures: exec/pipeline_train.py)."""
     from schedc.exec.heap import HeapPeak, keep_freed_memory
+    from schedc.exec.pipeline_train import held_bytes
 
     keep_freed_memory()
     ex = file_executor(rank, groups, path, None, steps, record=False)
     ex.step()
     peak = 0
     for _ in range(steps - 1):
-        held = sum(t.untyped_storage().nbytes() for t in _state_tensors(ex, torch))
+        held = held_bytes(ex)
         with HeapPeak() as heap:
             ex.step()
         peak = max(peak, held + heap.grew)
     return peak
-
-
-def _state_tensors(ex, torch) -> list:
-    """The distinct tensors the rank holds between steps: parameters (or FSDP shards and the
-    copies they are gathered into), gradients, and AdamW's state."""
-    seen, out = set(), []
-    tensors = [p for _, p in ex.named] + [p.grad for _, p in ex.named if p.grad is not None]
-    for state in ex.optimizer.state.values():
-        tensors += [v for v in state.values() if torch.is_tensor(v)]
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def batches_of(spec):

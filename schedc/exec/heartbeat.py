@@ -65,7 +65,7 @@ class Heartbeat:
         self.store: TCPStore | None = None  # this thread's own connection, once made
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        self.joined_at: float | None = None  # when the job's rendezvous completed
+        self.all_joined = False  # the job's rendezvous has completed
 
     def start(self) -> bool:
         """Start beating from a thread that first connects to the store (the main thread goes
@@ -83,7 +83,7 @@ class Heartbeat:
     def joined(self) -> None:
         """The job has joined (every rank is past its rendezvous, so beating): a peer that
         has not beaten since is judged as one whose beats stopped."""
-        self.joined_at = time.monotonic()
+        self.all_joined = True
 
     def done(self) -> None:
         """This rank finished: its watcher stops watching it, and the beating thread ends
@@ -125,7 +125,7 @@ class Heartbeat:
                 self._beat(store, n)
                 seen = store.get(key) if store.check([key]) else None
             except Exception:  # noqa: BLE001 - the store's host is gone: the collectives say so
-                seen = last
+                seen, since = last, time.monotonic()  # no beat is judged without the store
             n += 1
             now = time.monotonic()
             if seen == DONE:
@@ -136,7 +136,7 @@ class Heartbeat:
                     f"for {stopped:.0f}s, at {_where(seen)} (SIGSTOP or a debugger)"
                 )
                 return
-            elif seen is None and self.joined_at is None:
+            elif seen is None and not self.all_joined:
                 since = now  # still starting, maybe slower than this rank: not judged yet
             elif seen != last:
                 last, since = seen, now

@@ -263,7 +263,7 @@ def search(
     base: Base, options: Options = Options(), progress: Callable[[str], None] | None = None
 ) -> Result:
     """The fastest candidates that fit (`options`); `progress` hears how far the search is,
-    every second or so, as a line."""
+    a line every PROGRESS_S seconds."""
     t0 = time.perf_counter()
     tick = Every(progress)
     # any legal candidate shares the model, batch and the file's numerics: micro 1 always
