@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import re
 
-from schedc.ir.pipeline import Action, Kind, Programs
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.pipeline import Programs
 
 _TORCH = re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d*)")
 DP_ONLY = {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
 
 
-def from_torch(text: str) -> Action | None:
+def from_torch(text: str) -> Op | None:
     """One torch action; None for a data-parallel one."""
     m = _TORCH.fullmatch(text.strip())
     if not m:
         raise ValueError(f"not a torch _Action: {text!r}")
     if m.group(2) in DP_ONLY:
         return None
-    return Action(Kind(m.group(2)), int(m.group(1)), int(m.group(3)))
+    return stage_op(Kind(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
 def programs_from_torch(lists: dict[int, list[str]] | list[str]) -> Programs:

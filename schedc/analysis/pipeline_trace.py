@@ -37,7 +37,8 @@ from schedc.analysis.trace.schema import (
     shown,
 )
 from schedc.analysis.trace.stream import read
-from schedc.ir.pipeline import Kind, Programs, actions, backward_kind, format_item, reader
+from schedc.ir.op import Kind
+from schedc.ir.pipeline import Programs, actions, backward_kind, format_item, reader
 from schedc.passes.pipeline_sim import Costs
 
 FORMAT = "schedc-pipeline"

@@ -63,7 +63,8 @@ from schedc.exec.options import StepStats
 from schedc.exec.pipeline_comm import PipeComm, Posted, awaited
 from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
-from schedc.ir.pipeline import Action, Item, Kind, format_item
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.pipeline import Item, format_item
 from schedc.lang.diagnostics import CompileError
 from schedc.model.reference import clip_coef
 from schedc.passes.pipeline_check import prove
@@ -77,7 +78,7 @@ class Flight:
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    received: dict[Action, torch.Tensor] = field(default_factory=dict)
+    received: dict[Op, torch.Tensor] = field(default_factory=dict)
     # I done, W to come: what the W needs (stage 0: its output and gradient; else the
     # gradients I kept at the parameters' branches)
     weights: dict[tuple[int, int], Any] = field(default_factory=dict)
@@ -178,7 +179,7 @@ class PipelineExecutor:
 
     # -- compute -----------------------------------------------------------------------------
 
-    def forward(self, act: Action, flight: Flight) -> None:
+    def forward(self, act: Op, flight: Flight) -> None:
         s, j = act.stage, act.mb
         last = s == self.pipe.stages - 1
         x, y = self.job.batches.micro_batch(
@@ -195,21 +196,21 @@ class PipelineExecutor:
             out = out / self.pipe.microbatches  # the reference's loss_j / k
         flight.outputs[(s, j)] = out
 
-    def _input(self, act: Action, flight: Flight) -> torch.Tensor:
+    def _input(self, act: Op, flight: Flight) -> torch.Tensor:
         s, j = act.stage, act.mb
         if self.pipe.local(s - 1, s):
             return flight.outputs[(s - 1, j)]
-        return flight.received.pop(Action(Kind.RECV_F, s, j))
+        return flight.received.pop(stage_op(Kind.RECV_F, s, j))
 
-    def _grad_out(self, act: Action, flight: Flight) -> torch.Tensor | None:
+    def _grad_out(self, act: Op, flight: Flight) -> torch.Tensor | None:
         s, j = act.stage, act.mb
         if s == self.pipe.stages - 1:
             return None  # the loss: its gradient is 1
         if self.pipe.local(s + 1, s):
             return flight.grads_in.pop((s + 1, j))
-        return flight.received.pop(Action(Kind.RECV_B, s, j))
+        return flight.received.pop(stage_op(Kind.RECV_B, s, j))
 
-    def backward(self, act: Action, flight: Flight) -> None:
+    def backward(self, act: Op, flight: Flight) -> None:
         key = (act.stage, act.mb)
         out, grad = flight.outputs.pop(key), self._grad_out(act, flight)
         self.sync.before_backward(act.stage)
@@ -217,7 +218,7 @@ class PipelineExecutor:
         self.sync.after_backward(act.stage)
         self._keep_input_grad(key, flight.inputs.pop(key), flight)
 
-    def backward_input(self, act: Action, flight: Flight) -> None:
+    def backward_input(self, act: Op, flight: Flight) -> None:
         """I: the input's gradient only; what W needs is kept (the module docstring)."""
         key = (act.stage, act.mb)
         out, grad, inp = (
@@ -237,7 +238,7 @@ class PipelineExecutor:
         self._keep_input_grad(key, inp, flight)
         flight.weights[key] = groups
 
-    def backward_weight(self, act: Action, flight: Flight) -> None:
+    def backward_weight(self, act: Op, flight: Flight) -> None:
         """W: the parameters' gradients, from what I kept."""
         kept = flight.weights.pop((act.stage, act.mb))
         weights = self._weights(act.stage)
@@ -288,7 +289,7 @@ class PipelineExecutor:
             kinds.append((act, tensor))
         self.posted.add(kinds, dist.batch_isend_irecv(ops))
 
-    def _payload(self, send: Action, flight: Flight) -> torch.Tensor:
+    def _payload(self, send: Op, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)
         if send.kind is Kind.SEND_F:
             out = flight.outputs[key].detach().contiguous()

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from schedc.ir.pipeline import Action, Item, Pipeline, actions, backward_kind, reader
+from schedc.ir.op import Op
+from schedc.ir.pipeline import Item, Pipeline, actions, backward_kind, reader
 from schedc.ir.spec import REPLICATE, SHARD, Mesh
 
 
@@ -109,7 +110,7 @@ def make_comm(rank: int, world: int, pipe: Pipeline, mesh: Mesh | None = None) -
     return mine
 
 
-def awaited(program: list[Item]) -> list[tuple[Action, ...]]:
+def awaited(program: list[Item]) -> list[tuple[Op, ...]]:
     """Per item, the receives of the program it reads (ir/pipeline.py `reader`): what the
     executor waits for before running it, and passes/pipeline_sim.py's lazy model too."""
     back = backward_kind(actions(program))
@@ -128,10 +129,10 @@ class Posted:
     whenever more are posted) and waited for at the step's end at the latest."""
 
     def __init__(self) -> None:
-        self.recvs: dict[Action, dist.Work] = {}
+        self.recvs: dict[Op, dist.Work] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def add(self, posted: list[tuple[Action, torch.Tensor]], works: list) -> None:
+    def add(self, posted: list[tuple[Op, torch.Tensor]], works: list) -> None:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
         if len(works) != len(posted):  # one work for the group (a coalescing backend)
             works = works * len(posted)
@@ -141,7 +142,7 @@ class Posted:
             else:
                 self.recvs[act] = work
 
-    def wait_recv(self, recv: Action) -> None:
+    def wait_recv(self, recv: Op) -> None:
         self.recvs.pop(recv).wait()
 
     def drain(self) -> None:

@@ -59,7 +59,8 @@ from schedc.exec.cpu_backend import CPUBackend
 from schedc.exec.flat import FlatUnit
 from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
-from schedc.ir.pipeline import Action, Item, last_grad_writers
+from schedc.ir.op import Op
+from schedc.ir.pipeline import Item, last_grad_writers
 from schedc.ir.source import Span
 from schedc.ir.spec import REPLICATE, UnitSpec, rank_buckets
 from schedc.model.reference import adamw_groups, make_adamw
@@ -74,7 +75,7 @@ class StageSync:
         self.job, self.comm, self.model = job, comm, model
         self.named = list(model.named_parameters())
         self.reduce = job.reduce or job.dtype
-        self.buckets: dict[Action, list] = {}
+        self.buckets: dict[Op, list] = {}
         self.reductions: list[tuple] = []  # (work, what to do once it is done)
 
     def optimizer(self) -> torch.optim.Optimizer:
@@ -102,7 +103,7 @@ class StageSync:
     def after_backward(self, stage: int) -> None:
         pass
 
-    def after_compute(self, act: Action) -> None:
+    def after_compute(self, act: Op) -> None:
         """The gradients `act` completes, summed over the replicas, launched now (nothing
         after this action writes them: pipelining's REDUCE_GRAD), waited for in `wait`
         before the update."""
@@ -139,11 +140,11 @@ class StageSync:
             copy_alone(*copy)
         return DONE
 
-    def _last_writers(self, program: list[Item]) -> dict[int, tuple[int, Action]]:
+    def _last_writers(self, program: list[Item]) -> dict[int, tuple[int, Op]]:
         """Each parameter's last writer in the program, by id: (its index, the action); the
         tied wte, in two stages where one rank holds both, goes with the later one."""
         index = {a: i for i, item in enumerate(program) for a in item}
-        owner: dict[int, tuple[int, Action]] = {}
+        owner: dict[int, tuple[int, Op]] = {}
         for s, act in last_grad_writers(program).items():
             for name in self.job.split[s]:
                 for p in self.model.layer_params(name):

@@ -1,114 +1,18 @@
-"""Pipeline programs: per-rank lists of compute and point-to-point actions, one text form.
-
-    F[s1]@mb0            forward of stage 1 for micro-batch 0
-    B[s1]@mb0            full backward (input and weight gradients) of stage 1, micro-batch 0
-    I[s1]@mb0            input-gradient half of the backward (zero-bubble schedules)
-    W[s1]@mb0            weight-gradient half, after its I
-    SEND_F[s0]@mb0       stage 0 sends micro-batch 0's activation to stage 1's rank
-    RECV_F[s1]@mb0       stage 1 receives it (from stage 0's rank)
-    SEND_B[s1]@mb0       stage 1 sends the gradient of its input to stage 0's rank
-    RECV_B[s0]@mb0       stage 0 receives it
-    SEND_F[s0]@mb0:c1    the same on communicator c1 (the default is `pp`)
-
-A send names its own stage and a receive its own (as torch's `_Action` does), so
-SEND_F[s]@m pairs with RECV_F[s+1]@m and SEND_B[s]@m with RECV_B[s-1]@m. An item of a
-program is one action or a group of point-to-point actions issued together
-(`batch_isend_irecv`), written joined by `+`: `SEND_F[s0]@mb1+RECV_B[s0]@mb0`.
-`Action.parse(str(a)) == a` and `parse_program(format_program(p)) == p` (tested).
+"""Pipeline programs: per-rank lists of items, each one stage op (ir/op.py: F, B, I, W) or a
+group of transfers issued together (`batch_isend_irecv`), written joined by `+`:
+`SEND_F[s0]@mb1+RECV_B[s0]@mb0`; and where a pipeline's stages run (`Pipeline`).
+`parse_program(format_program(p)) == p` (tested).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
 
-DEFAULT_COMM = "pp"
+from schedc.ir.op import Kind, Op, stage_op
 
-
-class Kind(str, Enum):
-    F = "F"
-    B = "B"
-    I = "I"  # noqa: E741 (the paper's and torch's name)
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    @property
-    def is_p2p(self) -> bool:
-        return self in P2P
-
-    @property
-    def is_send(self) -> bool:
-        return self in (Kind.SEND_F, Kind.SEND_B)
-
-    @property
-    def forward(self) -> bool:
-        """Whether a transfer carries an activation (F) rather than an input gradient (B)."""
-        return self in (Kind.SEND_F, Kind.RECV_F)
-
-
-P2P = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
-COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
-
-# ASCII digits: Python's \d is any script's digit, and int('٣') is 3
-_ACTION = re.compile(
-    r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)\[s([0-9]+)\]@mb([0-9]+)(?::([A-Za-z0-9_.-]+))?"
-)
-
-
-class Action(NamedTuple):
-    kind: Kind
-    stage: int
-    mb: int
-    comm: str = DEFAULT_COMM  # the communicator of a send or receive; unused by compute
-
-    def __str__(self) -> str:
-        suffix = f":{self.comm}" if self.kind.is_p2p and self.comm != DEFAULT_COMM else ""
-        return f"{self.kind.value}[s{self.stage}]@mb{self.mb}{suffix}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        m = _ACTION.fullmatch(text.strip())
-        if not m:
-            raise ValueError(f"not a pipeline action: {text!r}")
-        kind = Kind(m.group(1))
-        comm = m.group(4) or DEFAULT_COMM
-        if comm != DEFAULT_COMM and not kind.is_p2p:
-            raise ValueError(f"a compute action has no communicator: {text!r}")
-        return cls(kind, int(m.group(2)), int(m.group(3)), comm)
-
-    @property
-    def edge(self) -> tuple[int, int]:
-        """(from stage, to stage) of a transfer, the same for a send and its receive."""
-        if self.kind is Kind.SEND_F:
-            return (self.stage, self.stage + 1)
-        if self.kind is Kind.RECV_F:
-            return (self.stage - 1, self.stage)
-        if self.kind is Kind.SEND_B:
-            return (self.stage, self.stage - 1)
-        if self.kind is Kind.RECV_B:
-            return (self.stage + 1, self.stage)
-        raise ValueError(f"{self} is no transfer")
-
-    @property
-    def tag(self) -> tuple[tuple[int, int], int, bool]:
-        """What a transfer carries: (stage edge, micro-batch, forward); a send and the
-        receive it is meant for have the same tag."""
-        return (self.edge, self.mb, self.kind.forward)
-
-    @property
-    def peer_stage(self) -> int:
-        """The stage at the other end of a transfer."""
-        a, b = self.edge
-        return b if self.kind.is_send else a
-
-
-Item = tuple[Action, ...]  # one action, or a group of transfers issued together
+Item = tuple[Op, ...]  # one action, or a group of transfers issued together
 
 
 class Placement(str, Enum):
@@ -149,7 +53,7 @@ class Pipeline:
         return [c * self.pp + (self.pp - 1 - rank if v and c % 2 else rank)
                 for c in range(self.per_rank)]  # fmt: skip
 
-    def peer(self, action: Action) -> int:
+    def peer(self, action: Op) -> int:
         """The rank at the other end of a transfer."""
         return self.rank_of(action.peer_stage)
 
@@ -197,10 +101,17 @@ def format_program(program: list[Item]) -> str:
 
 
 def parse_program(text: str) -> list[Item]:
-    return [tuple(Action.parse(a) for a in word.split("+")) for word in text.split()]
+    return [tuple(_stage(a) for a in word.split("+")) for word in text.split()]
 
 
-def actions(program: list[Item]) -> list[Action]:
+def _stage(text: str) -> Op:
+    op = Op.parse(text)
+    if not op.kind.on_stage:
+        raise ValueError(f"not a pipeline action: {text!r}")
+    return op
+
+
+def actions(program: list[Item]) -> list[Op]:
     return [a for item in program for a in item]
 
 
@@ -238,7 +149,7 @@ def side_by_side(
 # -- what each action reads: the one rule the generator, the checker and the simulator share --
 
 
-def needs(pipe: Pipeline, act: Action, backward: Kind = Kind.B) -> list[Action]:
+def needs(pipe: Pipeline, act: Op, backward: Kind = Kind.B) -> list[Op]:
     """The actions whose results `act` reads, all on act's rank: its stage's forward, the
     neighbour stage's output when that stage is local, else the receive that brings it.
     `backward` is the kind that produces an input gradient: B, or I in a split schedule."""
@@ -246,26 +157,26 @@ def needs(pipe: Pipeline, act: Action, backward: Kind = Kind.B) -> list[Action]:
     if act.kind is Kind.F:
         if s == 0:
             return []
-        return [Action(Kind.F, s - 1, m) if pipe.local(s - 1, s) else Action(Kind.RECV_F, s, m)]
+        return [stage_op(Kind.F, s - 1, m) if pipe.local(s - 1, s) else stage_op(Kind.RECV_F, s, m)]
     if act.kind in (Kind.B, Kind.I):
-        out = [Action(Kind.F, s, m)]
+        out = [stage_op(Kind.F, s, m)]
         if s + 1 < pipe.stages:
             local = pipe.local(s + 1, s)
-            out.append(Action(backward, s + 1, m) if local else Action(Kind.RECV_B, s, m))
+            out.append(stage_op(backward, s + 1, m) if local else stage_op(Kind.RECV_B, s, m))
         return out
     if act.kind is Kind.W:
-        return [Action(Kind.I, s, m)]
+        return [stage_op(Kind.I, s, m)]
     if act.kind is Kind.SEND_F:
-        return [Action(Kind.F, s, m)]
+        return [stage_op(Kind.F, s, m)]
     if act.kind is Kind.SEND_B:
-        return [Action(backward, s, m)]
+        return [stage_op(backward, s, m)]
     return []
 
 
-def last_grad_writers(program: list[Item]) -> dict[int, Action]:
+def last_grad_writers(program: list[Item]) -> dict[int, Op]:
     """Each stage's last B or W in a rank's program: the stage's weight gradients are final
     after it (where the executor launches their reduction and the ledger counts it)."""
-    last: dict[int, Action] = {}
+    last: dict[int, Op] = {}
     for item in program:
         for act in item:
             if act.kind in (Kind.B, Kind.W):
@@ -273,11 +184,11 @@ def last_grad_writers(program: list[Item]) -> dict[int, Action]:
     return last
 
 
-def producer(recv: Action, backward: Kind = Kind.B) -> Action:
+def producer(recv: Op, backward: Kind = Kind.B) -> Op:
     """The compute whose output a receive brings (on the sending rank)."""
     if recv.kind is Kind.RECV_F:
-        return Action(Kind.F, recv.stage - 1, recv.mb)
-    return Action(backward, recv.stage + 1, recv.mb)
+        return stage_op(Kind.F, recv.stage - 1, recv.mb)
+    return stage_op(backward, recv.stage + 1, recv.mb)
 
 
 def step_actions(pipe: Pipeline, split: bool) -> tuple[int, int]:
@@ -289,13 +200,13 @@ def step_actions(pipe: Pipeline, split: bool) -> tuple[int, int]:
     return m * pipe.stages * (3 if split else 2), m * 4 * crossings
 
 
-def backward_kind(acts: Iterable[Action]) -> Kind:
+def backward_kind(acts: Iterable[Op]) -> Kind:
     """The kind that makes a stage's input gradient in these actions' schedule: I where the
     backward is split (zero bubble), else B."""
     return Kind.I if any(a.kind is Kind.I for a in acts) else Kind.B
 
 
-def reader(recv: Action, backward: Kind = Kind.B) -> Action:
+def reader(recv: Op, backward: Kind = Kind.B) -> Op:
     """The compute on the receiving rank that reads what a receive brings (and so waits for
     it): the forward of its stage, or its stage's backward (B, or I in a split schedule)."""
-    return Action(Kind.F if recv.kind is Kind.RECV_F else backward, recv.stage, recv.mb)
+    return stage_op(Kind.F if recv.kind is Kind.RECV_F else backward, recv.stage, recv.mb)

@@ -28,15 +28,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from schedc.ir.pipeline import (
-    DEFAULT_COMM,
-    Action,
-    Kind,
-    Pipeline,
-    Programs,
-    needs,
-    side_by_side,
-)
+from schedc.ir.op import DEFAULT_COMM, Kind, Op, stage_op
+from schedc.ir.pipeline import Pipeline, Programs, needs, side_by_side
 from schedc.lang.diagnostics import Diagnostic
 
 Where = tuple[int, int]  # (rank, item index)
@@ -77,8 +70,8 @@ class Proof:
         return [f.diagnostic.code for f in self.findings]
 
 
-def locate(programs: Programs) -> dict[Action, list[Where]]:
-    where: dict[Action, list[Where]] = defaultdict(list)
+def locate(programs: Programs) -> dict[Op, list[Where]]:
+    where: dict[Op, list[Where]] = defaultdict(list)
     for r, prog in programs.items():
         for i, item in enumerate(prog):
             for a in item:
@@ -113,7 +106,7 @@ def _error(
 # -- placement, once, order, matching ---------------------------------------------------------
 
 
-def _misplaced(pipe: Pipeline, a: Action, rank: int) -> str | None:
+def _misplaced(pipe: Pipeline, a: Op, rank: int) -> str | None:
     """Why `a` cannot be on `rank`, if it cannot."""
     if not 0 <= a.stage < pipe.stages:
         return f"stage {a.stage} does not exist ({pipe.stages} stages)"
@@ -130,7 +123,7 @@ def _misplaced(pipe: Pipeline, a: Action, rank: int) -> str | None:
     return None
 
 
-def check_placement(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding]:
+def check_placement(pipe: Pipeline, where: dict[Op, list[Where]]) -> list[Finding]:
     out = []
     for a, places in where.items():
         for r, i in places:
@@ -147,11 +140,11 @@ def check_placement(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Fi
     return out
 
 
-def _backward(where: dict[Action, list[Where]], s: int, m: int) -> Kind:
-    return Kind.I if Action(Kind.I, s, m) in where else Kind.B
+def _backward(where: dict[Op, list[Where]], s: int, m: int) -> Kind:
+    return Kind.I if stage_op(Kind.I, s, m) in where else Kind.B
 
 
-def check_once(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding]:
+def check_once(pipe: Pipeline, where: dict[Op, list[Where]]) -> list[Finding]:
     out = []
     for a, places in where.items():
         if len(places) > 1:
@@ -163,19 +156,17 @@ def check_once(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding
             split = _backward(where, s, m) is Kind.I
             want = [Kind.F, Kind.I, Kind.W] if split else [Kind.F, Kind.B]
             for k in want:
-                if Action(k, s, m) not in where:
-                    msg = f"rank {r} never runs {Action(k, s, m)}"
+                if stage_op(k, s, m) not in where:
+                    msg = f"rank {r} never runs {stage_op(k, s, m)}"
                     out.append(_error("pp-once", msg, {}, rank=r))
-            if split and Action(Kind.B, s, m) in where:
+            if split and stage_op(Kind.B, s, m) in where:
                 msg = f"stage {s} runs both B and I/W for micro-batch {m}"
                 out.append(_error("pp-once", msg, {}, rank=r))
     return out
 
 
-def check_order(
-    pipe: Pipeline, programs: Programs, where: dict[Action, list[Where]]
-) -> list[Finding]:
-    plain: dict[Action, list[Where]] = defaultdict(list)  # a receive on any communicator
+def check_order(pipe: Pipeline, programs: Programs, where: dict[Op, list[Where]]) -> list[Finding]:
+    plain: dict[Op, list[Where]] = defaultdict(list)  # a receive on any communicator
     for a, places in where.items():
         plain[a._replace(comm=DEFAULT_COMM)] += places
     out = []
@@ -188,9 +179,7 @@ def check_order(
     return out
 
 
-def _order_error(
-    r: int, i: int, a: Action, need: Action, where: dict[Action, list[Where]]
-) -> Finding | None:
+def _order_error(r: int, i: int, a: Op, need: Op, where: dict[Op, list[Where]]) -> Finding | None:
     mine = [j for rr, j in where.get(need, []) if rr == r]
     if not mine:
         if not need.kind.is_p2p:
@@ -207,7 +196,7 @@ def _order_error(
     return _error("pp-order", msg, marks, hint=f"move {need} before {a}")
 
 
-def check_matching(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Finding]:
+def check_matching(pipe: Pipeline, where: dict[Op, list[Where]]) -> list[Finding]:
     """Sends and receives by (tag, communicator); each kept once (a duplicate is
     [pp-once]'s)."""
     sends = Counter((a.tag, a.comm) for a in where if a.kind.is_send)
@@ -231,7 +220,7 @@ def check_matching(pipe: Pipeline, where: dict[Action, list[Where]]) -> list[Fin
 
 # -- FIFO pairing and happens-before ------------------------------------------------------------
 
-Member = tuple[int, int, int, Action]  # (rank, item, position in the item, action)
+Member = tuple[int, int, int, Op]  # (rank, item, position in the item, action)
 _ORDINAL = {1: "st", 2: "nd", 3: "rd"}
 
 

@@ -41,17 +41,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from schedc.ir.pipeline import (
-    Action,
-    Item,
-    Kind,
-    Pipeline,
-    Programs,
-    Schedule,
-    backward_kind,
-    needs,
-    producer,
-)
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.pipeline import Item, Pipeline, Programs, Schedule, backward_kind, needs, producer
 from schedc.lang.diagnostics import CompileError, Diagnostic
 from schedc.passes.pipeline_sim import Costs
 
@@ -119,35 +110,35 @@ def generate(req: Request) -> Generated:
 # -- compute orders -------------------------------------------------------------------------
 
 
-def gpipe(pipe: Pipeline) -> dict[int, list[Action]]:
+def gpipe(pipe: Pipeline) -> dict[int, list[Op]]:
     m = range(pipe.microbatches)
     return {
-        r: [Action(Kind.F, r, k) for k in m] + [Action(Kind.B, r, k) for k in m]
+        r: [stage_op(Kind.F, r, k) for k in m] + [stage_op(Kind.B, r, k) for k in m]
         for r in range(pipe.pp)
     }
 
 
-def _one_f_one_b(pipe: Pipeline, r: int, bwd: Kind) -> list[Action]:
+def _one_f_one_b(pipe: Pipeline, r: int, bwd: Kind) -> list[Op]:
     p, m = pipe.pp, pipe.microbatches
     warm = min(p - 1 - r, m)
-    out = [Action(Kind.F, r, k) for k in range(warm)]
+    out = [stage_op(Kind.F, r, k) for k in range(warm)]
     for i in range(m - warm):
-        out += [Action(Kind.F, r, warm + i), Action(bwd, r, i)]
-    return out + [Action(bwd, r, k) for k in range(m - warm, m)]
+        out += [stage_op(Kind.F, r, warm + i), stage_op(bwd, r, i)]
+    return out + [stage_op(bwd, r, k) for k in range(m - warm, m)]
 
 
-def one_f_one_b(pipe: Pipeline) -> dict[int, list[Action]]:
+def one_f_one_b(pipe: Pipeline) -> dict[int, list[Op]]:
     return {r: _one_f_one_b(pipe, r, Kind.B) for r in range(pipe.pp)}
 
 
-def interleaved(pipe: Pipeline) -> dict[int, list[Action]]:
+def interleaved(pipe: Pipeline) -> dict[int, list[Op]]:
     p, v, total = pipe.pp, pipe.per_rank, pipe.microbatches * pipe.per_rank
 
-    def virtual(kind: Kind, r: int, k: int) -> Action:
+    def virtual(kind: Kind, r: int, k: int) -> Op:
         chunk = (k // p) % v
         if kind is Kind.B:
             chunk = v - 1 - chunk
-        return Action(kind, chunk * p + r, (k // (p * v)) * p + k % p)
+        return stage_op(kind, chunk * p + r, (k // (p * v)) * p + k % p)
 
     out = {}
     for r in range(p):
@@ -159,13 +150,13 @@ def interleaved(pipe: Pipeline) -> dict[int, list[Action]]:
     return out
 
 
-def zb_h1(pipe: Pipeline) -> dict[int, list[Action]]:
+def zb_h1(pipe: Pipeline) -> dict[int, list[Op]]:
     """1F1B with I for B; W where the rank would wait (unit costs), or before a forward
     that would hold more micro-batches than 1F1B's peak, the rest at the end."""
     lists = {r: _one_f_one_b(pipe, r, Kind.I) for r in range(pipe.pp)}
-    out: dict[int, list[Action]] = {r: [] for r in lists}
-    done: dict[Action, int] = {}  # end time of each action run so far
-    pending: dict[int, list[Action]] = {r: [] for r in lists}
+    out: dict[int, list[Op]] = {r: [] for r in lists}
+    done: dict[Op, int] = {}  # end time of each action run so far
+    pending: dict[int, list[Op]] = {r: [] for r in lists}
     free = dict.fromkeys(lists, 0)
     held = dict.fromkeys(lists, 0)  # micro-batches whose F ran and W has not
     t = 0
@@ -186,12 +177,12 @@ def zb_h1(pipe: Pipeline) -> dict[int, list[Action]]:
 
 def _next_zb(
     pipe: Pipeline,
-    todo: list[Action],
-    pending: list[Action],
-    done: dict[Action, int],
+    todo: list[Op],
+    pending: list[Op],
+    done: dict[Op, int],
     t: int,
     full: bool,
-) -> Action | None:
+) -> Op | None:
     """The action a ZB-H1 rank starts at time t, taken off its lists (None: it idles).
     While the rank holds as many micro-batches as 1F1B's first rank does (`full`), a forward
     waits for a pending W: a W frees what its I kept, so ZB-H1's peak is 1F1B's."""
@@ -199,12 +190,12 @@ def _next_zb(
     if ready and not (full and pending and todo[0].kind is Kind.F):
         act = todo.pop(0)
         if act.kind is Kind.I:
-            pending.append(Action(Kind.W, act.stage, act.mb))
+            pending.append(stage_op(Kind.W, act.stage, act.mb))
         return act
     return pending.pop(0) if pending else None
 
 
-def zb_v(pipe: Pipeline) -> dict[int, list[Action]]:
+def zb_v(pipe: Pipeline) -> dict[int, list[Op]]:
     """ZB-V's order (the module docstring): each rank's pattern of (kind, stage), numbered
     in turn per kind and stage, made for max(m, 2pp-1) micro-batches, those past m dropped."""
     p, m = pipe.pp, pipe.microbatches
@@ -228,7 +219,7 @@ def zb_v(pipe: Pipeline) -> dict[int, list[Action]]:
         seen: dict[tuple[Kind, int], int] = defaultdict(int)
         acts = []
         for kind, stage in pattern:
-            acts.append(Action(kind, stage, seen[kind, stage]))
+            acts.append(stage_op(kind, stage, seen[kind, stage]))
             seen[kind, stage] += 1
         assert all(k == n for k in seen.values()), f"zb-v rank {r}: {dict(seen)}"
         out[r] = [act for act in acts if act.mb < m]
@@ -247,15 +238,15 @@ ORDERS = {
 # -- communication --------------------------------------------------------------------------
 
 
-def compute_times(pipe: Pipeline, orders: dict[int, list[Action]], costs: Costs) -> dict:
+def compute_times(pipe: Pipeline, orders: dict[int, list[Op]], costs: Costs) -> dict:
     """(start, end) of each compute action when sends never block and cost nothing. A rank
     runs its order until an input is not yet timed and waits for that action: each action is
     timed once and each wait woken once (linear; a rank's start is the same in any order)."""
     back = _backward_kind(orders)
-    times: dict[Action, tuple[float, float]] = {}
+    times: dict[Op, tuple[float, float]] = {}
     pos = dict.fromkeys(orders, 0)
     free = dict.fromkeys(orders, 0.0)
-    waiting: dict[Action, list[int]] = defaultdict(list)  # an untimed input -> ranks at it
+    waiting: dict[Op, list[int]] = defaultdict(list)  # an untimed input -> ranks at it
     ready = list(orders)
     while ready:
         r = ready.pop()
@@ -275,29 +266,29 @@ def compute_times(pipe: Pipeline, orders: dict[int, list[Action]], costs: Costs)
     return times
 
 
-def _inputs(pipe: Pipeline, act: Action, backward: Kind) -> list[Action]:
+def _inputs(pipe: Pipeline, act: Op, backward: Kind) -> list[Op]:
     """The compute actions act reads, wherever they run (a receive stands for its producer)."""
     return [producer(d, backward) if d.kind.is_p2p else d for d in needs(pipe, act, backward)]
 
 
-def _backward_kind(orders: dict[int, list[Action]]) -> Kind:
+def _backward_kind(orders: dict[int, list[Op]]) -> Kind:
     return backward_kind(a for acts in orders.values() for a in acts)
 
 
-def _transfers(pipe: Pipeline, act: Action) -> tuple[Action, Action] | None:
+def _transfers(pipe: Pipeline, act: Op) -> tuple[Op, Op] | None:
     """The send and receive that carry act's output to another rank, if any."""
     s, m = act.stage, act.mb
     if act.kind is Kind.F and s + 1 < pipe.stages and not pipe.local(s, s + 1):
-        return Action(Kind.SEND_F, s, m), Action(Kind.RECV_F, s + 1, m)
+        return stage_op(Kind.SEND_F, s, m), stage_op(Kind.RECV_F, s + 1, m)
     if act.kind in (Kind.B, Kind.I) and s > 0 and not pipe.local(s, s - 1):
-        return Action(Kind.SEND_B, s, m), Action(Kind.RECV_B, s - 1, m)
+        return stage_op(Kind.SEND_B, s, m), stage_op(Kind.RECV_B, s - 1, m)
     return None
 
 
-def add_transfers(pipe: Pipeline, orders: dict[int, list[Action]]) -> Programs:
+def add_transfers(pipe: Pipeline, orders: dict[int, list[Op]]) -> Programs:
     """The compute orders with every transfer placed (see the module docstring)."""
     times = compute_times(pipe, orders, COSTS)
-    keyed: dict[int, list[tuple[tuple, Action]]] = defaultdict(list)
+    keyed: dict[int, list[tuple[tuple, Op]]] = defaultdict(list)
     for r, acts in orders.items():
         keyed[r] += [((times[a][0], 1, k), a) for k, a in enumerate(acts)]
     producers = sorted((times[a][1], pipe.rank_of(a.stage), a) for acts in orders.values()
@@ -309,7 +300,7 @@ def add_transfers(pipe: Pipeline, orders: dict[int, list[Action]]) -> Programs:
     return {r: group_transfers(pipe, [a for _, a in sorted(keyed[r])]) for r in orders}
 
 
-def group_transfers(pipe: Pipeline, acts: list[Action]) -> list[Item]:
+def group_transfers(pipe: Pipeline, acts: list[Op]) -> list[Item]:
     """Consecutive transfers to one peer issued as one group."""
     out: list[Item] = []
     for a in acts:

@@ -45,15 +45,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from schedc.ir.effects import Alloc, Free, Part
-from schedc.ir.pipeline import (
-    COMPUTE,
-    Action,
-    Item,
-    Kind,
-    Pipeline,
-    Programs,
-    last_grad_writers,
-)
+from schedc.ir.op import STAGE_COMPUTE, Kind, Op
+from schedc.ir.pipeline import Item, Pipeline, Programs, last_grad_writers
 from schedc.ir.sizes import above_weights, layer_acts, padded, stream_bytes, weight_grad_stash
 from schedc.ir.spec import TIED, Spec, rank_buckets
 from schedc.lang.diagnostics import Diagnostics
@@ -148,7 +141,7 @@ class _RankLedger:
         self.w.measure("step start")
         for item in program:
             for act in item:
-                if act.kind in COMPUTE:  # while it runs: what it reads, and its scratch
+                if act.kind in STAGE_COMPUTE:  # while it runs: what it reads, and its scratch
                     self.w.measure(str(act), self.transient(act))
                 ACTIONS[act.kind](self, act)
             self.w.measure(" + ".join(str(a) for a in item))
@@ -157,7 +150,7 @@ class _RankLedger:
                 self.w.measure(f"{act} (its gradients' collective issued)")
         return self.w.report()
 
-    def transient(self, act: Action) -> int:
+    def transient(self, act: Op) -> int:
         """The largest scratch of the stage's layers in this action (a forward's, or a
         backward's: I and W each run half of one, counted as a whole)."""
         assert self.spec.pipeline is not None
@@ -167,15 +160,15 @@ class _RankLedger:
 
     # -- per action (see the module docstring) -------------------------------------------
 
-    def recv(self, act: Action) -> None:
+    def recv(self, act: Op) -> None:
         kind = "recv_f" if act.kind is Kind.RECV_F else "recv_b"
         self.w.alloc(f"{kind}[s{act.stage}@mb{act.mb}]", Part.ACTS, self.ncx)
 
-    def send(self, act: Action) -> None:
+    def send(self, act: Op) -> None:
         if act.kind is Kind.SEND_B:
             self.w.free(f"grad_in[s{act.stage}@mb{act.mb}]")
 
-    def forward(self, act: Action) -> None:
+    def forward(self, act: Op) -> None:
         assert self.spec.pipeline is not None
         s, key = act.stage, f"s{act.stage}@mb{act.mb}"
         self.w.free(f"recv_f[{key}]")
@@ -189,7 +182,7 @@ class _RankLedger:
         if s < self.pipe.stages - 1:
             self.w.alloc(f"out[{key}]", Part.ACTS, self.ncx)
 
-    def backward(self, act: Action) -> None:
+    def backward(self, act: Op) -> None:
         """B, or I (which keeps the graph for W, and past the first stage the gradients W
         starts from): the input's gradient comes into being."""
         assert self.spec.pipeline is not None
@@ -206,7 +199,7 @@ class _RankLedger:
             self.w.free(f"loss_side[s{s}@mb{j}]")
             self.w.alloc(f"stash[s{s}@mb{j}]", Part.ACTS, stash)
 
-    def weights(self, act: Action) -> None:
+    def weights(self, act: Op) -> None:
         """B or W: the stage's saved tensors go; its gradients exist from its first one."""
         key = f"s{act.stage}@mb{act.mb}"
         names = ("act", "loss_side", "out", "recv_b", "stash")

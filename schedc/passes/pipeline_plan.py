@@ -31,9 +31,8 @@ from textwrap import indent
 
 import networkx as nx
 
+from schedc.ir.op import DEFAULT_COMM, Kind
 from schedc.ir.pipeline import (
-    DEFAULT_COMM,
-    Kind,
     Pipeline,
     Programs,
     Written,

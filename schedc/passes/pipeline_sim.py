@@ -31,7 +31,8 @@ from functools import cached_property
 
 import networkx as nx
 
-from schedc.ir.pipeline import Action, Kind, backward_kind, reader
+from schedc.ir.op import Kind, Op
+from schedc.ir.pipeline import backward_kind, reader
 
 
 class Waits(str, Enum):
@@ -109,7 +110,7 @@ def lazy(graph: nx.DiGraph) -> nx.DiGraph:
     """The proven graph as the executor waits: a transfer item ends once posted; each
     receive's transfer precedes the post of the compute that reads it."""
     g = graph.copy()
-    at: dict[tuple[int, Action], int] = {}  # (rank, compute action) -> item
+    at: dict[tuple[int, Op], int] = {}  # (rank, compute action) -> item
     for node, data in graph.nodes(data=True):
         if node[0] == "post" and not data["item"][0].kind.is_p2p:
             at[(node[1], data["item"][0])] = node[2]

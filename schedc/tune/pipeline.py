@@ -54,8 +54,8 @@ from schedc.analysis.cost import (
     ring_factor,
 )
 from schedc.compiler import Compiled, compile_text
-from schedc.ir.op import Kind as OpKind
-from schedc.ir.pipeline import Kind, Schedule
+from schedc.ir.op import Kind
+from schedc.ir.pipeline import Schedule
 from schedc.ir.sizes import padded, stream_bytes
 from schedc.ir.spec import TIED, Spec, Strategy
 from schedc.lang.diagnostics import CompileError
@@ -269,7 +269,7 @@ def stage_costs(spec: Spec, cost: CostModel, split) -> Costs:
     return Costs.measured(means, latency=cost.latency + act / cost.bandwidth)
 
 
-def _collective(cost: CostModel, kind: OpKind, ranks: int, nbytes: float) -> float:
+def _collective(cost: CostModel, kind: Kind, ranks: int, nbytes: float) -> float:
     """A ring collective of `nbytes` over `ranks` (none over one rank)."""
     if ranks < 2:
         return 0.0
@@ -297,7 +297,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
     S = spec.stage_mesh.shard if fsdp else dp  # FSDP shards over S (dp, or a mesh's shard)
     numel = held(spec, knobs.split, p)
     red = spec.numerics.reduce.nbytes
-    sync = OpKind.REDUCESCATTER if fsdp else OpKind.ALLREDUCE
+    sync = Kind.REDUCESCATTER if fsdp else Kind.ALLREDUCE
     finish, comm = {}, {}
     for r, program in plan.programs.items():
         t, spent = 0.0, 0.0
@@ -308,7 +308,7 @@ def predict(c: Compiled, knobs: PipeKnobs, cost: CostModel) -> PipeCandidate:
         finish[r], comm[r] = max(t, timing.ends[(r, len(program) - 1)]), spent
     last = p.rank_of(len(knobs.split) - 1)
     if last != 0:  # the tied wte: its two copies summed once both ranks are done
-        tied = _collective(cost, OpKind.ALLREDUCE, 2, spec.model.param(TIED).numel * red)
+        tied = _collective(cost, Kind.ALLREDUCE, 2, spec.model.param(TIED).numel * red)
         finish[0] = finish[last] = max(finish[0], finish[last]) + tied
         comm[0], comm[last] = comm[0] + tied, comm[last] + tied
     kind = Strategy.FSDP if fsdp else Strategy.DDP
@@ -334,7 +334,7 @@ def _replicate(spec: Spec, cost: CostModel, S: int, numel: int) -> float:
     if not spec.pipeline or not spec.pipeline.units or m.replicate == 1:
         return 0.0
     red = spec.numerics.reduce.nbytes
-    return _collective(cost, OpKind.ALLREDUCE, m.replicate, padded(numel, S) / S * red)
+    return _collective(cost, Kind.ALLREDUCE, m.replicate, padded(numel, S) / S * red)
 
 
 def _gathers(spec: Spec, cost: CostModel, numel: dict[int, int], fsdp: bool, p) -> float:
@@ -344,7 +344,7 @@ def _gathers(spec: Spec, cost: CostModel, numel: dict[int, int], fsdp: bool, p) 
     nbytes = spec.numerics.gather.nbytes
     return max(
         sum(
-            _collective(cost, OpKind.ALLGATHER, spec.stage_mesh.shard, numel[s] * nbytes)
+            _collective(cost, Kind.ALLGATHER, spec.stage_mesh.shard, numel[s] * nbytes)
             for s in p.stages_of(r)
         )
         for r in range(p.pp)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from schedc.analysis.pipeline_trace import Measured
 from schedc.compiler import Compiled
-from schedc.ir.op import Kind as OpKind
-from schedc.ir.pipeline import Action, Kind, backward_kind, producer
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.pipeline import backward_kind, producer
 from schedc.passes.pipeline_plan import PipelinePlan
 from schedc.passes.pipeline_sim import Costs, simulate
 from schedc.viz.dot import COLORS, attrs, q
@@ -36,8 +36,8 @@ from schedc.viz.timeline.canvas import GREY, INK, LEFT, WIDTH, Canvas, fits
 # backward's input half I a deeper green (it is the backward on the critical path), its
 # weight half W amber (deferrable: it fills what would be bubble)
 PP_COLORS = {
-    Kind.F: COLORS[OpKind.FWD],
-    Kind.B: COLORS[OpKind.BWD],
+    Kind.F: COLORS[Kind.FWD],
+    Kind.B: COLORS[Kind.BWD],
     Kind.I: ("#69db7c", "#2b8a3e"),
     Kind.W: ("#ffe066", "#e67700"),
 }
@@ -58,7 +58,7 @@ class Slot:
 
     rank: int
     index: int  # its item's position in the rank's program
-    action: Action
+    action: Op
     start: float
     end: float
 
@@ -67,7 +67,7 @@ class Slot:
 class Transfer:
     """A send, drawn from the compute that produced it to the compute that reads it."""
 
-    send: Action
+    send: Op
     src: Slot
     dst: Slot
 
@@ -141,8 +141,8 @@ def _grid(
             for a in (a for a in item if a.kind.is_send):
                 peer = a.peer_stage
                 # what the receive brings is read by the peer stage's F, or its B / I
-                reader = Action(Kind.F if a.kind.forward else back, peer, a.mb)
-                recv = Action(Kind.RECV_F if a.kind.forward else Kind.RECV_B, peer, a.mb)
+                reader = stage_op(Kind.F if a.kind.forward else back, peer, a.mb)
+                recv = stage_op(Kind.RECV_F if a.kind.forward else Kind.RECV_B, peer, a.mb)
                 transfers.append(Transfer(a, at[producer(recv, back)], at[reader]))
     name = Path(compiled.source.path).name
     return Grid(name, compiled, plan, slots, transfers, step, bubble, said, unit)

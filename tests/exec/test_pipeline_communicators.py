@@ -15,7 +15,8 @@ import re
 import pytest
 
 from schedc.compiler import compile_text
-from schedc.ir.pipeline import DEFAULT_COMM, actions
+from schedc.ir.op import DEFAULT_COMM
+from schedc.ir.pipeline import actions
 from tests.goldens import REPO
 from tests.oracle import assert_matches, reference_steps
 from tests.pipeline_ranks import merged

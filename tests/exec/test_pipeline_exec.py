@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedc.compiler import compile_file
-from schedc.ir.pipeline import Action, Kind
+from schedc.ir.op import Kind, stage_op
 from schedc.lang.diagnostics import CompileError
 from schedc.lang.resources import pipeline_schedules
 from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
@@ -210,8 +210,8 @@ def test_generated_pipelines_equal_reference(pool, case):
 def _swapped(gen: Generated) -> Generated:
     """rank 1 receives micro-batches 0 and 1 the other way round (a FIFO misdelivery)."""
     prog = list(gen.programs[1])
-    i = prog.index((Action(Kind.RECV_F, 1, 0),))
-    j = prog.index((Action(Kind.RECV_F, 1, 1),))
+    i = prog.index((stage_op(Kind.RECV_F, 1, 0),))
+    j = prog.index((stage_op(Kind.RECV_F, 1, 1),))
     prog[i], prog[j] = prog[j], prog[i]
     return Generated(gen.pipeline, {**gen.programs, 1: prog})
 

@@ -20,7 +20,7 @@ import re
 import pytest
 
 from schedc.cli.main import main
-from schedc.ir.pipeline import Kind
+from schedc.ir.op import Kind
 from tests.goldens import REPO
 from tests.oracle import TOL
 from tests.pipeline_ranks import ONE_PROCESS

@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 
 from schedc.ir.op import (
     COLLECTIVES,
+    DEFAULT_COMM,
+    PLAN_KINDS,
     REDUCTIONS,
+    STAGE_KINDS,
     STEP,
     Kind,
     Op,
@@ -17,6 +20,7 @@ from schedc.ir.op import (
     bwd,
     fwd,
     recompute,
+    stage_op,
 )
 
 LAYERS = st.sampled_from(["embed", "head"]) | st.integers(0, 200).map(lambda i: f"h.{i}")
@@ -29,6 +33,9 @@ def ops(draw) -> Op:
     kind = draw(st.sampled_from(list(Kind)))
     if kind is Kind.STEP:
         return STEP
+    if kind.on_stage:
+        comm = draw(st.sampled_from([DEFAULT_COMM, "c1", "up.0"])) if kind.is_p2p else DEFAULT_COMM
+        return stage_op(kind, draw(st.integers(0, 10**6)), draw(MBS), comm)
     target = draw(LAYERS if kind in (Kind.FWD, Kind.BWD, Kind.RECOMPUTE) else GROUPS)
     phase = draw(st.sampled_from(list(Phase))) if kind in (Kind.ALLGATHER, Kind.FREE) else None
     return Op(kind, target, draw(MBS), phase)
@@ -57,6 +64,10 @@ def test_equal_text_means_equal_ops(a, b):
         ("free[u2]@mb0:bwd", Op(Kind.FREE, "u2", 0, Phase.BWD)),
         ("reducescatter[u2]@mb1", Op(Kind.REDUCESCATTER, "u2", 1)),
         ("optimizer.step", STEP),
+        ("F[s1]@mb0", stage_op(Kind.F, 1, 0)),
+        ("W[s0]@mb7", stage_op(Kind.W, 0, 7)),
+        ("SEND_F[s0]@mb0", stage_op(Kind.SEND_F, 0, 0)),
+        ("RECV_B[s2]@mb3:c1", stage_op(Kind.RECV_B, 2, 3, "c1")),
     ],
 )
 def test_the_documented_forms(text, op):
@@ -72,7 +83,13 @@ def test_kinds_and_streams():
         Kind.RECOMPUTE,
         Kind.FREE,
         Kind.STEP,
+        Kind.F,
+        Kind.B,
+        Kind.I,
+        Kind.W,
     ]
+    assert {k for k in Kind if k.is_p2p} == STAGE_KINDS - {Kind.F, Kind.B, Kind.I, Kind.W}
+    assert set(PLAN_KINDS) | STAGE_KINDS == set(Kind) and not set(PLAN_KINDS) & STAGE_KINDS
     assert Kind("allreduce") is Kind.ALLREDUCE and Kind.STEP == "optimizer.step"
     assert Op(Kind.ALLREDUCE, "b1", 0).is_collective and not fwd("h.0", 0).is_collective
 

@@ -851,6 +851,14 @@ FAIL = [
         id="unexpected-kind",
     ),
     pytest.param(
+        DDP + "program comm { SEND_F[s0]@mb0 }",
+        "unexpected-op",
+        "SEND_F[s0]@mb0 is a pipeline stage's action, in a program of the plan",
+        "SEND_F[s0]@mb0",
+        "stage actions go in `program on rank N` of a pipeline block",
+        id="stage-action-in-a-plan",
+    ),
+    pytest.param(
         FSDP.replace("head }", "head  reshard_after_forward off }")
         + "program comm { allgather[tied]@mb0:fwd  allgather[u1]@mb0:fwd  "
         "allgather[u2]@mb0:fwd  allgather[u2]@mb0:bwd\n"

@@ -8,16 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schedc.ir.pipeline import (
-    Action,
-    Kind,
-    Pipeline,
-    Placement,
-    Programs,
-    actions,
-    format_program,
-    parse_program,
-)
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.pipeline import Pipeline, Placement, Programs, actions, format_program, parse_program
 from schedc.lang.diagnostics import CompileError
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_gen import Request, Schedule, generate, request_errors
@@ -37,10 +29,10 @@ def test_text_round_trips():
     g = generate(Request(S.INTERLEAVED, 2, 4, 2))
     for prog in g.programs.values():
         assert parse_program(format_program(prog)) == prog
-    a = Action(Kind.SEND_F, 0, 3, "c1")
-    assert str(a) == "SEND_F[s0]@mb3:c1" and Action.parse(str(a)) == a
+    a = stage_op(Kind.SEND_F, 0, 3, "c1")
+    assert str(a) == "SEND_F[s0]@mb3:c1" and Op.parse(str(a)) == a
     with pytest.raises(ValueError):
-        Action.parse("F[s0]@mb0:c1")
+        Op.parse("F[s0]@mb0:c1")
 
 
 def test_v_placement():
@@ -229,7 +221,7 @@ def test_unclamped_warmup_names_a_microbatch_that_does_not_exist():
     assert prove(Pipeline(2, 2, 2), progs).codes == ["pp-placement"]
 
 
-def _edited(drop: Action | None = None, twice: Action | None = None) -> Programs:
+def _edited(drop: Op | None = None, twice: Op | None = None) -> Programs:
     g = generate(Request(S.ONE_F_ONE_B, 2, 4))
     out = {}
     for r, prog in g.programs.items():
@@ -242,12 +234,12 @@ def _edited(drop: Action | None = None, twice: Action | None = None) -> Programs
 
 
 def test_duplicated_send():
-    proof = prove(Pipeline(2, 2, 4), _edited(twice=Action(Kind.SEND_F, 0, 1)))
+    proof = prove(Pipeline(2, 2, 4), _edited(twice=stage_op(Kind.SEND_F, 0, 1)))
     assert "pp-once" in proof.codes and set(proof.codes) <= {"pp-once", "pp-fifo", "pp-deadlock"}
 
 
 def test_missing_receive():
-    proof = prove(Pipeline(2, 2, 4), _edited(drop=Action(Kind.RECV_F, 1, 1)))
+    proof = prove(Pipeline(2, 2, 4), _edited(drop=stage_op(Kind.RECV_F, 1, 1)))
     # the transport then pairs rank 0's SEND_F[s0]@mb1 with rank 1's RECV_F[s1]@mb2
     assert sorted(set(proof.codes)) == ["pp-fifo", "pp-order", "pp-unmatched"]
     assert any("never receives it" in f.diagnostic.message for f in proof.findings)
@@ -270,23 +262,23 @@ def test_split_backward_runs_each_half_once():
 # -- an independent interpreter, and mutations ------------------------------------------------
 
 
-def _reads(pipe: Pipeline, a: Action, split: bool) -> list[Action]:
+def _reads(pipe: Pipeline, a: Op, split: bool) -> list[Op]:
     """What an action reads, written here again on purpose (not schedc.ir.pipeline.needs)."""
     bwd = Kind.I if split else Kind.B
     s, m, k = a.stage, a.mb, a.kind
     prev_remote = s > 0 and pipe.rank_of(s - 1) != pipe.rank_of(s)
     next_remote = s + 1 < pipe.stages and pipe.rank_of(s + 1) != pipe.rank_of(s)
     table = {
-        Kind.F: [] if s == 0 else [Action(Kind.RECV_F if prev_remote else Kind.F,
+        Kind.F: [] if s == 0 else [stage_op(Kind.RECV_F if prev_remote else Kind.F,
                                           s if prev_remote else s - 1, m)],
-        Kind.W: [Action(Kind.I, s, m)],
-        Kind.SEND_F: [Action(Kind.F, s, m)],
-        Kind.SEND_B: [Action(bwd, s, m)],
+        Kind.W: [stage_op(Kind.I, s, m)],
+        Kind.SEND_F: [stage_op(Kind.F, s, m)],
+        Kind.SEND_B: [stage_op(bwd, s, m)],
     }  # fmt: skip
     if k in (Kind.B, Kind.I):
-        after = [] if s + 1 == pipe.stages else [Action(Kind.RECV_B, s, m) if next_remote
-                                                 else Action(bwd, s + 1, m)]  # fmt: skip
-        return [Action(Kind.F, s, m), *after]
+        after = [] if s + 1 == pipe.stages else [stage_op(Kind.RECV_B, s, m) if next_remote
+                                                 else stage_op(bwd, s + 1, m)]  # fmt: skip
+        return [stage_op(Kind.F, s, m), *after]
     return table.get(k, [])
 
 
@@ -297,9 +289,9 @@ class _Run:
         self.pipe, self.programs = pipe, programs
         self.split = any(a.kind is Kind.I for p in programs.values() for it in p for a in it)
         self.pc = dict.fromkeys(programs, 0)
-        self.done: dict[int, set[Action]] = {r: set() for r in programs}
+        self.done: dict[int, set[Op]] = {r: set() for r in programs}
         self.count: dict[tuple, int] = {}
-        self.slot: dict[tuple[int, Action], tuple] = {}  # (rank, transfer) -> (queue, place)
+        self.slot: dict[tuple[int, Op], tuple] = {}  # (rank, transfer) -> (queue, place)
 
     def current(self, r: int):
         prog = self.programs[r]
@@ -326,7 +318,7 @@ class _Run:
                 self.slot[(r, a)] = (q[:3], self.count[q])
         return ""
 
-    def match(self, r: int, a: Action) -> str:
+    def match(self, r: int, a: Op) -> str:
         peer = self.pipe.rank_of(a.peer_stage)
         for b in self.current(peer) or ():
             if not b.kind.is_send and self.slot.get((peer, b)) == self.slot[(r, a)]:
@@ -387,10 +379,10 @@ def interpret(pipe: Pipeline, programs: Programs) -> str:
     return _complete(pipe, run.done, run.split)
 
 
-def _complete(pipe: Pipeline, done: dict[int, set[Action]], split: bool) -> str:
+def _complete(pipe: Pipeline, done: dict[int, set[Op]], split: bool) -> str:
     ran = [a for acts in done.values() for a in acts]
     kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
-    want = {Action(k, s, m) for k in kinds for s in range(pipe.stages)
+    want = {stage_op(k, s, m) for k in kinds for s in range(pipe.stages)
             for m in range(pipe.microbatches)}  # fmt: skip
     computed = {a for a in ran if not a.kind.is_p2p}
     return "ok" if computed == want else "incomplete"

@@ -15,7 +15,7 @@ import pytest
 
 from schedc.cli.main import main
 from schedc.compiler import compile_file
-from schedc.ir.pipeline import Action
+from schedc.ir.op import Op
 from schedc.lang.resources import pipeline_schedules
 from schedc.viz.pipeline import grid_of, pipeline_dot
 from schedc.viz.timeline.canvas import WIDTH
@@ -31,13 +31,13 @@ BOX = re.compile(
 ARROW = re.compile(r'-> n\d+ \[.*tooltip="(\S+): rank (\d+) -> rank (\d+)", class="pp_transfer"')
 
 
-def drawn(dot: str) -> dict[int, list[tuple[Action, str, float, float]]]:
+def drawn(dot: str) -> dict[int, list[tuple[Op, str, float, float]]]:
     """rank -> (action, label, left x, right x) of each box, in the order drawn."""
     rows: dict[int, list] = {}
     for m in BOX.finditer(dot):
         cx, w = float(m.group(1)), float(m.group(2)) * 72
         rows.setdefault(int(m.group(4)), []).append(
-            (Action.parse(m.group(5)), m.group(3), cx - w / 2, cx + w / 2)
+            (Op.parse(m.group(5)), m.group(3), cx - w / 2, cx + w / 2)
         )
     return rows
 

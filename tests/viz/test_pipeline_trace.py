@@ -23,7 +23,7 @@ from schedc.analysis.pipeline_trace import (
 )
 from schedc.cli.main import main
 from schedc.compiler import compile_file
-from schedc.ir.pipeline import Kind
+from schedc.ir.op import Kind
 from schedc.passes.pipeline_check import prove
 from schedc.passes.pipeline_sim import Costs, simulate
 from tests.goldens import GOLDEN, REPO, assert_golden

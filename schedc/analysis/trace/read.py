@@ -126,9 +126,10 @@ class Reader:
         name = e.get("name", "")
         if name not in self.ops:
             try:
-                self.ops[name] = Op.parse(name)
+                op: Op | None = Op.parse(name)
             except OpSyntaxError:
-                self.ops[name] = None
+                op = None
+            self.ops[name] = None if op is None or op.kind.on_stage else op
         return self.ops[name]
 
     def trace(self) -> Trace:

@@ -100,10 +100,13 @@ def check_span(e: dict, at: str) -> None:
 
 
 def _op(e) -> Op | None:
+    """The plan op a span names; None for any other span (a pipeline trace's stage ops are
+    analysis/pipeline_trace.py's)."""
     try:
-        return Op.parse(e.get("name", ""))
+        op = Op.parse(e.get("name", ""))
     except OpSyntaxError:
         return None
+    return None if op.kind.on_stage else op
 
 
 def check_object(v, at: str, present: bool = True) -> None:

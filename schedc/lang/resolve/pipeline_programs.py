@@ -3,7 +3,7 @@ place of a named schedule's, each item kept with its span.
 
     program on rank 0 { F[s0]@mb0 SEND_F[s0]@mb0 F[s0]@mb1 SEND_F[s0]@mb1+RECV_B[s0]@mb0 ... }
 
-An item is one action in its IR text (schedc/ir/pipeline.py), or transfers joined by `+`,
+An item is one stage op in its IR text (schedc/ir/op.py), or transfers joined by `+`,
 issued as one group (`batch_isend_irecv`). The stage in brackets is a stage of the block, by
 name; the micro-batch is `@mbN`; a transfer may name a communicator (`:c1`; `pp` when not
 written). What the text means is judged here (a kind that does not exist, a stage the block
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import re
 
-from schedc.ir.pipeline import DEFAULT_COMM, Action, Item, Kind
+from schedc.ir.op import DEFAULT_COMM, Kind, Op, stage_op
+from schedc.ir.pipeline import Item
 from schedc.ir.source import Span
 from schedc.ir.spec import WrittenPrograms
 from schedc.lang.diagnostics import Note, did_you_mean
@@ -24,7 +25,7 @@ from schedc.lang.nodes import OpText, PipeItem, PipeProgram
 from schedc.lang.resolve.context import Context
 from schedc.lang.resolve.values import LIMITS, int_of
 
-KINDS = [k.value for k in Kind]
+KINDS = [k.value for k in Kind if k.on_stage]
 EXAMPLE = "F[s0]@mb0, SEND_F[s0]@mb0 or RECV_B[s0]@mb1:c1"
 # the OP token has already matched NAME[...] and an optional @ with letters, digits, _ and :
 _TEXT = re.compile(r"(?P<kind>[^\[]*)\[(?P<stage>[^\]]*)\](?P<rest>.*)", re.S)
@@ -99,7 +100,7 @@ def _item(cx: Context, it: PipeItem, stages: list[str]) -> Item | None:
     return item
 
 
-def _action(cx: Context, tok: OpText, stages: list[str]) -> Action | None:
+def _action(cx: Context, tok: OpText, stages: list[str]) -> Op | None:
     """One action's text: its kind, its stage by name, its micro-batch and communicator."""
     text, span = tok.text, tok.span
     m = _TEXT.fullmatch(text)
@@ -148,4 +149,4 @@ def _action(cx: Context, tok: OpText, stages: list[str]) -> Action | None:
             hint=f"drop ':{comm}'; a send or receive names its communicator",
         )
         return None
-    return Action(kind, stages.index(stage_text), int(mb_text), comm or DEFAULT_COMM)
+    return stage_op(kind, stages.index(stage_text), int(mb_text), comm or DEFAULT_COMM)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schedc.ir.op import COMM, COMPUTE, Kind, Op, OpSyntaxError
+from schedc.ir.op import COMM, COMPUTE, PLAN_KINDS, Kind, Op, OpSyntaxError
 from schedc.ir.source import Span
 from schedc.ir.spec import DDPSpec, FSDPSpec, InstrSpec, ProgramSpec, Strategy
 from schedc.lang.diagnostics import did_you_mean
@@ -16,7 +16,7 @@ from schedc.lang.resolve.values import int_of
 from schedc.lang.syntax import Program, ProgramLine, StreamDecl
 from schedc.model.arch import GPTConfig
 
-STREAM_KINDS = {k.value: k for k in Kind}
+STREAM_KINDS = {k.value: k for k in PLAN_KINDS}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Scope:
 def resolve_streams(cx: Context, strategy: DDPSpec | FSDPSpec | None) -> dict[Kind, str]:
     """Each op kind's stream: collectives on comm and compute on compute unless moved (DDP's
     all-reduce stays on compute under `overlap off`)."""
-    streams = {k: (COMM if k.is_collective else COMPUTE) for k in Kind}
+    streams = {k: (COMM if k.is_collective else COMPUTE) for k in PLAN_KINDS}
     if isinstance(strategy, DDPSpec) and not strategy.overlap:
         streams[Kind.ALLREDUCE] = COMPUTE
     for d in cx.all(StreamDecl):
@@ -131,6 +131,15 @@ def _op(cx: Context, text: str, span: Span, scope: Scope) -> Op | None:
         op = Op.parse(text)
     except OpSyntaxError as e:
         cx.err("syntax", str(e), span, hint=did_you_mean(*e.suggest) if e.suggest else None)
+        return None
+    if op.kind.on_stage:
+        cx.err(
+            "unexpected-op",
+            f"{op} is a pipeline stage's action, in a program of the plan",
+            span,
+            hint="a stream's program runs layers (fwd[h.0]@mb0), buckets and units; "
+            "stage actions go in `program on rank N` of a pipeline block",
+        )
         return None
     cfg, strategy = scope.cfg, scope.strategy
     if cfg is None or op.kind is Kind.STEP:
