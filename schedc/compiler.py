@@ -29,6 +29,7 @@ from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
+from schedc.passes.pipeline_bind import bind_pipeline, binds
 from schedc.passes.pipeline_memory import check_budget, predict_pipeline
 from schedc.passes.pipeline_plan import PipelinePlan, plan_pipeline
 from schedc.passes.prove import Proof
@@ -96,7 +97,7 @@ def compile_source(
         ast = to_ast(parse(source), source)  # grammar/schedc.lark -> frozen AST with spans
         spec, warnings = resolve(ast, overrides)  # names, values, coverage, batch arithmetic
         if spec.pipeline is not None:  # stages: generated, proven and timed instead
-            return _compile_pipeline(source, ast, spec, warnings)
+            return _compile_pipeline(source, ast, spec, warnings, prove)
         graphs = build_graphs(spec)  # networkx DiGraph of ops: needs, streams, events
         diag = Diagnostics(source)
         diag.extend(warnings)
@@ -111,17 +112,23 @@ def compile_source(
         return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings), proof)
 
 
-def _compile_pipeline(source: Source, ast: Schedule, spec: Spec, warnings: list) -> Compiled:
-    """A pipeline schedule: its named schedule's programs, proven free of deadlock, timed."""
+def _compile_pipeline(
+    source: Source, ast: Schedule, spec: Spec, warnings: list, prove: bool
+) -> Compiled:
+    """A pipeline schedule: its named schedule's programs, proven free of deadlock, timed,
+    and bound to every rank and proven to compute one process's update."""
     diag = Diagnostics(source)
     diag.extend(warnings)
-    pipeline = plan_pipeline(spec, diag)
+    pipeline, proof = plan_pipeline(spec, diag), None
     if pipeline is not None:  # each rank's memory along its program, and the budget
         memory = predict_pipeline(spec, pipeline.pipeline, pipeline.programs)
         check_budget(spec, memory, diag)
         pipeline = replace(pipeline, memory=memory)
+        if prove and binds(spec) and not diag.errors:  # every update is one process's
+            bounds = bind_pipeline(spec, pipeline.pipeline, pipeline.programs)
+            proof = check_proof(spec, bounds, diag)
     diag.raise_if_any()
-    return Compiled(source, ast, spec, {}, {}, {}, tuple(diag.warnings), None, pipeline)
+    return Compiled(source, ast, spec, {}, {}, {}, tuple(diag.warnings), proof, pipeline)
 
 
 @contextmanager

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ from schedc.exec.options import StepStats
 from schedc.exec.pipeline_comm import PipeComm, Posted, awaited
 from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
+from schedc.ir.bound import Bound
 from schedc.ir.op import Kind, Op, stage_op
 from schedc.ir.pipeline import Item, format_item
 from schedc.lang.diagnostics import CompileError
@@ -95,6 +97,7 @@ class PipelineExecutor:
         comm: PipeComm,
         record: bool = False,
         timed: bool = False,
+        bound: Bound | None = None,
     ):
         pipe, programs = generated.pipeline, generated.programs
         check_split(job.model, job.split)
@@ -114,7 +117,9 @@ class PipelineExecutor:
         layers = [name for s in self.stages for name in job.split[s]]
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
         self.named = list(self.model.named_parameters())
-        self.sync = stage_sync(job, comm, self.model, self.program, self.stages)
+        # the rank's bound plan (passes/pipeline_bind.py): the operands the proof read
+        self.loss_scale = bound.loss_scale if bound else Fraction(1, pipe.microbatches)
+        self.sync = stage_sync(job, comm, self.model, self.program, self.stages, bound)
         self.optimizer = self.sync.optimizer()
         self.micro = job.batches.global_seqs // (pipe.microbatches * comm.replicas)
         self.peers = [comm.global_rank(r) for r in range(pipe.pp)]
@@ -193,7 +198,7 @@ class PipelineExecutor:
             out = self.model.run(self.job.split[s], x, y if last else None)
         if last:
             flight.losses.append(out.detach())
-            out = out / self.pipe.microbatches  # the reference's loss_j / k
+            out = _scaled(out, self.loss_scale)  # the reference's loss_j / k, as proven
         flight.outputs[(s, j)] = out
 
     def _input(self, act: Op, flight: Flight) -> torch.Tensor:
@@ -329,6 +334,12 @@ class PipelineExecutor:
         stats.loss = (totals[1] / (self.pipe.microbatches * self.comm.replicas)).item()
         stats.grad_norm = norm.item()
         return stats
+
+
+def _scaled(loss: torch.Tensor, scale: Fraction) -> torch.Tensor:
+    """The loss times its scale: a division by k where the scale is 1/k (bitwise the
+    reference's loss / k)."""
+    return loss / scale.denominator if scale.numerator == 1 else loss * float(scale)
 
 
 RUN = {

@@ -59,7 +59,8 @@ from schedc.exec.cpu_backend import CPUBackend
 from schedc.exec.flat import FlatUnit
 from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
-from schedc.ir.op import Op
+from schedc.ir.bound import Bound
+from schedc.ir.op import Kind, Op
 from schedc.ir.pipeline import Item, last_grad_writers
 from schedc.ir.source import Span
 from schedc.ir.spec import REPLICATE, UnitSpec, rank_buckets
@@ -160,9 +161,19 @@ class ReplicatedStages(StageSync):
     over the replicas (none with one replica); the tied copies summed over their pair of
     ranks before the update."""
 
-    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item]) -> None:
+    def __init__(
+        self,
+        job: PipeJob,
+        comm: PipeComm,
+        model: RankModel,
+        program: list[Item],
+        bound: Bound | None = None,
+    ) -> None:
         super().__init__(job, comm, model)
-        if comm.replicas > 1 and job.buckets is None:  # one bucket a stage
+        self.divisor = comm.replicas
+        if bound is not None:  # the proven plan's buckets, launch points and divisor
+            self._bound_buckets(bound)
+        elif comm.replicas > 1 and job.buckets is None:  # one bucket a stage
             owner = self._last_writers(program)
             for _, p in self.named:
                 self.buckets.setdefault(owner[id(p)][1], [[]])[0].append(p)
@@ -171,6 +182,20 @@ class ReplicatedStages(StageSync):
             for names in self._own_buckets():
                 _, act = max(owner[id(own[n])] for n in names)
                 self.buckets.setdefault(act, []).append([own[n] for n in names])
+
+    def _bound_buckets(self, bound: Bound) -> None:
+        """Each bucket's all-reduce where the rank's bound plan runs it: after the stage op
+        before it (passes/pipeline_bind.py, what the proof read), with its divisor."""
+        own, last = dict(self.named), None
+        for ins in bound.plan.instrs:
+            op = ins.op
+            if op is not None and op.kind.on_stage:
+                last = op
+            elif op is not None and op.kind is Kind.ALLREDUCE and op.target in bound.buckets:
+                assert last is not None, f"{op} before any stage op"
+                self.divisor = ins.divisor
+                bucket = [own[n] for n in bound.buckets[op.target]]
+                self.buckets.setdefault(last, []).append(bucket)
 
     def _own_buckets(self) -> list[list[str]]:
         """This rank's buckets (ir/spec.py `rank_buckets`)."""
@@ -196,7 +221,7 @@ class ReplicatedStages(StageSync):
         grads = [p.grad for p in bucket]
         assert all(g is not None for g in grads), "a bucket's gradient was never written"
         flat = torch._utils._flatten_dense_tensors(grads)
-        send = _share(flat, self.comm.replicas, self.reduce)
+        send = _share(flat, self.divisor, self.reduce)
         work = self._collective(lambda pg: dist.all_reduce(send, group=pg, async_op=True))
 
         def land(send=send, flat=flat, grads=grads):
@@ -396,12 +421,18 @@ class ShardedStages(StageSync):
 
 
 def stage_sync(
-    job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item], stages: list[int]
+    job: PipeJob,
+    comm: PipeComm,
+    model: RankModel,
+    program: list[Item],
+    stages: list[int],
+    bound: Bound | None = None,
 ) -> StageSync:
-    """The rank's StageSync: FSDP per stage when the job has units, else DDP."""
+    """The rank's StageSync: FSDP per stage when the job has units, else DDP (its buckets
+    from the rank's bound plan, where it has one)."""
     if job.units is not None:
         return ShardedStages(job, comm, model, program, stages)
-    return ReplicatedStages(job, comm, model, program)
+    return ReplicatedStages(job, comm, model, program, bound)
 
 
 def _share(grad: torch.Tensor, dp: int, dtype: torch.dtype) -> torch.Tensor:

@@ -46,6 +46,7 @@ from schedc.exec.train import (
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
+from schedc.passes.pipeline_bind import bind_pipeline, binds
 from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
 
@@ -102,7 +103,9 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
         **precision(spec),
     )
     generated = Generated(pipe, plan.programs)
-    return PipelineExecutor(job, generated, pipe_comm, timed=timed)
+    # the plan the proof read, where it is bound (DDP per stage): its operands are run
+    bound = bind_pipeline(spec, pipe, plan.programs)[comm.rank] if binds(spec) else None
+    return PipelineExecutor(job, generated, pipe_comm, timed=timed, bound=bound)
 
 
 def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:

@@ -100,6 +100,8 @@ def check_proof(spec: Spec, bounds: list[Bound], diag: Diagnostics) -> Proof | N
 
 
 def _proof_span(spec: Spec, rank: int) -> Span | None:
+    if spec.pipeline is not None:  # the plans bound from the pipeline block's programs
+        return spec.pipeline.where.get("schedule", spec.pipeline.span)
     for p in spec.programs:
         if p.rank == rank:
             return p.span

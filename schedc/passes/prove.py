@@ -37,6 +37,7 @@ from schedc.ir.sizes import padded
 from schedc.ir.spec import SHARD, Spec, Strategy
 from schedc.lang.diagnostics import count
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
+from schedc.passes.prove_stage import StageRank, transfer
 from schedc.passes.values import Maps, Theorem, Wrong
 
 
@@ -107,7 +108,8 @@ class _Prover:
             self._fsdp_layout()
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
-        self.ranks = [_Rank(self, b) for b in bounds]
+        rank = StageRank if spec.pipeline is not None else _Rank
+        self.ranks = [rank(self, b) for b in bounds]
 
     def gathers(self, op: Op) -> tuple[Op, ...]:
         """The all-gathers whose buffers compute op `op` reads (ir/effects.py)."""
@@ -161,6 +163,8 @@ class _Prover:
 
     def _collective(self, issues: list[_Issue], stream: str) -> None:
         first = issues[0]
+        if first.instr.op is not None and first.instr.op.kind.is_p2p:
+            return transfer(self.ranks, issues)
         for i in issues[1:]:
             if i.instr.op != first.instr.op:
                 raise Refuted(
@@ -273,9 +277,11 @@ class _Prover:
 
 def _explain(spec: Spec, piece: Piece, rank: int, w: Wrong) -> str:
     name, lo, hi = piece
-    B, D = spec.micro, spec.world
+    B, D = spec.micro, spec.dp
 
     def who(n: int) -> str:  # the (rank, micro-step) the spec gives position n to
+        if spec.pipeline is not None:
+            return f"micro-batch {n // (B * D)} of replica {n % (B * D) // B}"
         return f"micro-step {n // (B * D)} of rank {n % (B * D) // B}"
 
     what = f"{name}[{lo}:{hi}] on rank {rank}"

@@ -5,6 +5,7 @@ waits, and the gradient values of passes/values.py in its buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from schedc.ir.bound import Bound
@@ -36,6 +37,7 @@ class _Buf:
     reads: dict[str, At] = field(default_factory=dict)
     version: int = -1  # a gathered unit: the updates its shards had seen
     pending: bool = False  # a collective's output, not yet computed
+    value: Any = None  # a pipeline stage's activation or input gradient (passes/prove_stage.py)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Issue:
     at: At
     sends: dict[Piece, int] = field(default_factory=dict)
     version: int = 0
+    value: Any = None  # a transfer: what its send carries
 
 
 class _Rank:
@@ -69,6 +72,7 @@ class _Rank:
         self.shard_at: At | None = None  # the last update
         self.landing = 0  # FSDP: reductions issued that land in a gradient shard, not done
         self.bucket_of = {p: b for b, ps in bound.buckets.items() for p in ps}
+        self.held = bound.params or tuple(prover.writers)  # the parameters it updates
         self._written: dict[tuple[str, int], dict[str, list[str]]] = {}
         self._touches: dict[Op, list[str]] = {}
 
@@ -148,7 +152,7 @@ class _Rank:
         self.started += 1
         self.done = {}
         for name in set(self.bucket_of.values()) | {
-            f"grad[{p}]" for p in self.p.writers if p not in self.bucket_of
+            f"grad[{p}]" for p in self.held if p not in self.bucket_of
         }:
             if name in self.bufs:
                 at = self._at(COMPUTE, -1)
@@ -249,7 +253,13 @@ class _Rank:
         if i + 1 < len(layers):
             self.after(op, at, Op(Kind.BWD, layers[i + 1], op.mb))
         self.read_gathered(op, at)
-        key, w = (self.rank, op.mb, op.target), self.bound.loss_scale
+        self.add(op, (self.rank, op.mb, op.target), self.bound.loss_scale, at)
+        self.done[op] = at
+        for u in self.bound.folds.get(op.target, ()):
+            self.fold(u, op.mb, at)
+
+    def add(self, op: Op, key: tuple[int, int, str], weight: Fraction, at: At) -> None:
+        """Backward `op`'s gradient, `key` at `weight`, added into every parameter it writes."""
         for name, params in self.written(op, at[2]).items():
             buf = self.write(name, at)
             added: dict[int, int] = {}  # the old map -> with this micro-step's gradient
@@ -257,11 +267,8 @@ class _Rank:
                 piece = (p, 0, self.p.numel[p])
                 old = buf.pieces.get(piece, EMPTY)
                 if old not in added:
-                    added[old] = self.p.maps.add(old, key, w)
+                    added[old] = self.p.maps.add(old, key, weight)
                 buf.pieces[piece] = added[old]
-        self.done[op] = at
-        for u in self.bound.folds.get(op.target, ()):
-            self.fold(u, op.mb, at)
 
     def written(self, op: Op, k: int = -1) -> dict[str, list[str]]:
         """Buffer -> the parameters in it whose gradients backward `op` adds into."""
@@ -369,7 +376,8 @@ class _Rank:
             for u in self.spec.fsdp.units:
                 self.check_shard(u.name, at)
         else:
-            for p, n in self.p.numel.items():
+            for p in self.held:
+                n = self.p.numel[p]
                 buf = self.read(self.grad_of(p), at)
                 self.check((p, 0, n), buf.pieces.get((p, 0, n), EMPTY), at, buf)
         self.updates += 1

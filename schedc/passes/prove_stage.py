@@ -1,0 +1,208 @@
+"""A pipeline rank of the proof (passes/prove.py): the stage ops of ir/op.py executed
+abstractly beside the data-parallel ones, in the one prover.
+
+What a pipeline rank's buffers hold (`_Buf.value`), per micro-batch j of a stage s:
+
+    act[s]@mbj     F[s]@j's output: the (rank, micro-batch) whose sequences entered stage 0,
+                   and the step it was computed in
+    grad[s]@mbj    B[s]@j's or I[s]@j's input gradient, for the stage below: that
+                   (rank, micro-batch) and the weight of its loss (the last stage's loss scale)
+    keep[s]@mbj    I[s]@j's kept gradient, for its W
+    RECV_F[s]@mbj  a receive's buffer: pending until its send is matched, then the send's
+    RECV_B[s]@mbj  value (a transfer is matched by FIFO order on its communicator and pair of
+                   ranks, as the transport pairs them, and must carry what the receive names)
+
+A backward adds its micro-batch's key at its weight into the gradient of every parameter its
+stage's layers write, through each layer (passes/values.py): the key comes from the value
+that reached it, not from its name, so a program that feeds a stage another micro-batch, or a
+backward another micro-batch's gradient, trains on what it read, and the theorem at the
+update says so. The stage's buckets are then reduced over the replicas and the tied copies
+summed over their pair of ranks (passes/pipeline_bind.py), as any collective of the prover.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schedc.ir.op import Kind, Op, stage_op
+from schedc.passes.prove_rank import At, Refuted, _Issue, _Rank
+from schedc.passes.values import EMPTY
+
+Data = tuple[int, int]  # (rank, micro-batch) whose sequences a micro-batch's tensors carry
+
+
+class StageRank(_Rank):
+    """One pipeline rank: its program's stage ops, and the plan's collectives and update."""
+
+    def __init__(self, prover: Any, bound):
+        super().__init__(prover, bound)
+        ps = prover.spec.pipeline
+        self.layers = [st.layers for st in ps.stages]
+        self.pipe = ps.pipeline(prover.spec.accum)
+
+    def run(self, ins, at: At) -> None:
+        op = ins.op
+        if not op.kind.on_stage:
+            return super().run(ins, at)
+        if op.kind is Kind.F:
+            self.forward(op, at)
+        elif op.kind in (Kind.B, Kind.I):
+            self.backward_input(op, at)
+        elif op.kind is Kind.W:
+            name = f"keep[{op.stage}]@mb{op.mb}"
+            data, weight = self.current(op, name, self.take(name, at))
+            self.add_grads(op, data, weight, at)
+        elif op.kind.is_send:
+            self.send(ins, at)
+        else:
+            buf = self.write(_recv(op), at)
+            buf.pending, buf.writes, buf.reads = True, {at[0]: at}, {}
+            self.p.issue(_Issue(self.rank, at[2], ins, at), f"{op.comm}:transfers")
+
+    # -- compute -------------------------------------------------------------------------
+
+    def forward(self, op: Op, at: At) -> None:
+        s, j = op.stage, op.mb
+        if s == 0:
+            data: Data = (self.rank, j)
+        elif self.pipe.local(s - 1, s):
+            name = f"act[{s - 1}]@mb{j}"
+            data = self.current(op, name, self.read(name, at))
+        else:
+            data = self.current(op, _recv(op), self.take(_recv(op), at))
+        self.write(f"act[{s}]@mb{j}", at).value = (data, self.started)
+        self.done[op] = at
+
+    def backward_input(self, op: Op, at: At) -> None:
+        """B or I: the stage's output and the gradient that reaches it, the input gradient
+        made for the stage below (kept for W by I, the parameters' gradients added by B)."""
+        s, j = op.stage, op.mb
+        data = self.current(op, f"act[{s}]@mb{j}", self.take(f"act[{s}]@mb{j}", at))
+        if s == self.pipe.stages - 1:
+            weight = self.bound.loss_scale  # the last stage's loss, scaled
+        else:
+            src = f"grad[{s + 1}]@mb{j}" if self.pipe.local(s + 1, s) else _recv(op)
+            back, weight = self.current(op, src, self.take(src, at))
+            if back != data:
+                raise self.fail(
+                    at[2],
+                    f"{op} back-propagates the gradient of {_data(back)} through the forward "
+                    f"of {_data(data)}: the stage mixes two micro-batches",
+                )
+        if s > 0:
+            self.write(f"grad[{s}]@mb{j}", at).value = ((data, weight), self.started)
+        if op.kind is Kind.I:
+            self.write(f"keep[{s}]@mb{j}", at).value = ((data, weight), self.started)
+        else:
+            self.add_grads(op, data, weight, at)
+        self.done[op] = at
+
+    def add_grads(self, op: Op, data: Data, weight, at: At) -> None:
+        """The parameters' gradients of `op`'s stage: its micro-batch's key at its weight,
+        through each layer of the stage."""
+        rank, mb = data
+        for layer in self.layers[op.stage]:
+            self.add(Op(Kind.BWD, layer, op.mb), (rank, mb, layer), weight, at)
+
+    def current(self, op: Op, name: str, buf) -> Any:
+        """A stage buffer's value, which must be this step's."""
+        value, step = buf.value
+        if step != self.started:
+            raise self.fail(self.pc % len(self.instrs), f"{op} reads {name} of step {step}")
+        return value
+
+    def take(self, name: str, at: At):
+        """Read a buffer its reader consumes (the executor pops it)."""
+        if name not in self.bufs and name.startswith("RECV_"):
+            raise self.fail(
+                at[2], f"{self.name(at)} reads what {name} brings, which is not received here"
+            )
+        if name not in self.bufs and name.startswith(("act", "keep")):
+            what, of = name.split("[", 1)
+            made = f"the output of F[s{of}" if what == "act" else f"what I[s{of} keeps"
+            raise self.fail(
+                at[2],
+                f"{self.name(at)} reads {made}, which this step has not made or a backward "
+                "already took: each micro-batch runs each stage's backward once",
+            )
+        buf = self.read(name, at)
+        del self.bufs[name]
+        return buf
+
+    # -- transfers -----------------------------------------------------------------------
+
+    def send(self, ins, at: At) -> None:
+        op = ins.op
+        src = (
+            f"act[{op.stage}]@mb{op.mb}"
+            if op.kind is Kind.SEND_F
+            else f"grad[{op.stage}]@mb{op.mb}"
+        )
+        buf = self.read(src, at) if op.kind is Kind.SEND_F else self.take(src, at)
+        issue = _Issue(self.rank, at[2], ins, at, value=buf.value)
+        self.p.issue(issue, f"{op.comm}:transfers")
+
+    def received(self, issue: _Issue, value) -> None:
+        assert issue.instr.op is not None
+        buf = self.bufs[_recv(issue.instr.op)]
+        buf.value, buf.pending = value, False
+
+    # -- what may be pending, and the tied copies' all-reduce ----------------------------
+
+    def _touched(self, op: Op) -> list[str]:
+        if op.kind.on_stage:
+            names = [_recv(op)] if op.kind in (Kind.F, Kind.B, Kind.I) else []
+            if op.kind in (Kind.B, Kind.W):
+                for layer in self.layers[op.stage]:
+                    names += list(self.written(Op(Kind.BWD, layer, op.mb)))
+            return names
+        if op.kind is Kind.ALLREDUCE and op.target not in self.bound.buckets:
+            return [self.grad_of(op.target)]
+        return super()._touched(op)
+
+    def reduce(self, ins, at: At) -> None:
+        op = ins.op
+        if op.target in self.bound.buckets:
+            return super().reduce(ins, at)
+        buf = self.read(self.grad_of(op.target), at)  # the tied copy, in its bucket
+        piece = (op.target, 0, self.p.numel[op.target])
+        issue = _Issue(self.rank, at[2], ins, at, {piece: buf.pieces.get(piece, EMPTY)})
+        self.write(self.grad_of(op.target), at).pending = True
+        self.p.issue(issue, at[0])
+
+    def land(self, issue: _Issue, out) -> None:
+        op = issue.instr.op
+        assert op is not None
+        if op.target in self.bound.buckets:
+            return super().land(issue, out)
+        buf = self.bufs[self.grad_of(op.target)]
+        buf.pieces.update(out)
+        buf.pending = False
+
+
+def transfer(ranks: list[Any], issues: list[_Issue]) -> None:  # StageRanks
+    """A send and the receive FIFO order pairs it with: the receive gets what was sent, and
+    must be the transfer the send is for."""
+    send, recv = issues
+    s_op, r_op = send.instr.op, recv.instr.op
+    assert s_op is not None and r_op is not None
+    if not s_op.kind.is_send or r_op.kind.is_send or s_op.tag != r_op.tag:
+        raise Refuted(
+            recv.rank,
+            recv.index,
+            f"rank {recv.rank}'s {r_op} is matched with rank {send.rank}'s {s_op} (the "
+            "transport pairs a pair of ranks' transfers in issue order): it receives "
+            "another tensor than it names",
+        )
+    ranks[recv.rank].received(recv, send.value)
+
+
+def _recv(op: Op) -> str:
+    """The buffer of the receive that brings a stage op's input (RECV_F for a forward,
+    RECV_B for a backward): named by the receive."""
+    forward = op.kind in (Kind.F, Kind.RECV_F)
+    return str(stage_op(Kind.RECV_F if forward else Kind.RECV_B, op.stage, op.mb))
+
+
+def _data(data: Data) -> str:
+    return f"micro-batch {data[1]} of rank {data[0]}"
