@@ -170,18 +170,19 @@ class ReplicatedStages(StageSync):
         bound: Bound | None = None,
     ) -> None:
         super().__init__(job, comm, model)
-        self.divisor = comm.replicas
-        if bound is not None:  # the proven plan's buckets, launch points and divisor
+        # per action, the buckets it completes: (parameters, the divisor of each share)
+        if bound is not None:  # the proven plan's buckets, launch points and divisors
             self._bound_buckets(bound)
         elif comm.replicas > 1 and job.buckets is None:  # one bucket a stage
             owner = self._last_writers(program)
             for _, p in self.named:
-                self.buckets.setdefault(owner[id(p)][1], [[]])[0].append(p)
+                self.buckets.setdefault(owner[id(p)][1], [([], comm.replicas)])[0][0].append(p)
         elif comm.replicas > 1:  # a bucket is done with its last parameter
             owner, own = self._last_writers(program), dict(self.named)
             for names in self._own_buckets():
                 _, act = max(owner[id(own[n])] for n in names)
-                self.buckets.setdefault(act, []).append([own[n] for n in names])
+                bucket = ([own[n] for n in names], comm.replicas)
+                self.buckets.setdefault(act, []).append(bucket)
 
     def _bound_buckets(self, bound: Bound) -> None:
         """Each bucket's all-reduce where the rank's bound plan runs it: after the stage op
@@ -193,8 +194,7 @@ class ReplicatedStages(StageSync):
                 last = op
             elif op is not None and op.kind is Kind.ALLREDUCE and op.target in bound.buckets:
                 assert last is not None, f"{op} before any stage op"
-                self.divisor = ins.divisor
-                bucket = [own[n] for n in bound.buckets[op.target]]
+                bucket = ([own[n] for n in bound.buckets[op.target]], ins.divisor)
                 self.buckets.setdefault(last, []).append(bucket)
 
     def _own_buckets(self) -> list[list[str]]:
@@ -214,14 +214,14 @@ class ReplicatedStages(StageSync):
         """Each bucket `done` completes, in order, a flat all-reduce: each rank's share
         x / dp before the sum, in the reduce dtype (the DP executor's order: the division in
         the wider dtype)."""
-        for bucket in done:
-            self._reduce_bucket(bucket)
+        for params, divisor in done:
+            self._reduce_bucket(params, divisor)
 
-    def _reduce_bucket(self, bucket: list) -> None:
-        grads = [p.grad for p in bucket]
+    def _reduce_bucket(self, params: list, divisor: int) -> None:
+        grads = [p.grad for p in params]
         assert all(g is not None for g in grads), "a bucket's gradient was never written"
         flat = torch._utils._flatten_dense_tensors(grads)
-        send = _share(flat, self.divisor, self.reduce)
+        send = _share(flat, divisor, self.reduce)
         work = self._collective(lambda pg: dist.all_reduce(send, group=pg, async_op=True))
 
         def land(send=send, flat=flat, grads=grads):

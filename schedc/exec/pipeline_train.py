@@ -46,7 +46,7 @@ from schedc.exec.train import (
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
-from schedc.passes.pipeline_bind import bind_pipeline, binds
+from schedc.passes.pipeline_bind import bind_rank, binds
 from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
 
@@ -104,7 +104,7 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
     )
     generated = Generated(pipe, plan.programs)
     # the plan the proof read, where it is bound (DDP per stage): its operands are run
-    bound = bind_pipeline(spec, pipe, plan.programs)[comm.rank] if binds(spec) else None
+    bound = bind_rank(spec, pipe, plan.programs, comm.rank) if binds(spec) else None
     return PipelineExecutor(job, generated, pipe_comm, timed=timed, bound=bound)
 
 

@@ -20,8 +20,9 @@ compute that reads it, which the proof models as the receive's pending buffer):
 
 with the operands: the replica's batch slices (model/batching.py sequence_ids for rank d of
 dp), the loss scale 1/m on the last stage's loss, the rank's parameters and its buckets
-(exec/pipeline_sync.py ReplicatedStages: a ddp block's buckets held here, ir/spec.py
-`rank_buckets`, or one a stage). FSDP per stage is not bound yet (`binds`).
+(passes/pipeline_memory.py `stage_buckets`: a ddp block's buckets held here, ir/spec.py
+`rank_buckets`, or one a stage, as the ledger counts them). FSDP per stage is not bound
+yet (`binds`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from schedc.ir.bound import Bound
 from schedc.ir.op import COMPUTE, STEP, Kind, Op
 from schedc.ir.pipeline import Item, Pipeline, last_grad_writers
 from schedc.ir.plan import Action, Instr, Plan
-from schedc.ir.spec import TIED, Spec, rank_buckets
+from schedc.ir.spec import TIED, Spec
 from schedc.model.batching import sequence_ids
+from schedc.passes.pipeline_memory import stage_buckets, stage_params
 
 
 def binds(spec: Spec) -> bool:
@@ -43,14 +45,16 @@ def binds(spec: Spec) -> bool:
 
 def bind_pipeline(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]]) -> list[Bound]:
     """Every global rank's bound plan, in rank order (the module docstring)."""
-    dp = spec.dp
-    return [_bind(spec, pipe, programs[g // dp], g // dp, g % dp) for g in range(pipe.pp * dp)]
+    return [bind_rank(spec, pipe, programs, g) for g in range(pipe.pp * spec.dp)]
 
 
-def _bind(spec: Spec, pipe: Pipeline, program: list[Item], p: int, d: int) -> Bound:
-    dp, m, me = spec.dp, pipe.microbatches, p * spec.dp + d
+def bind_rank(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]], me: int) -> Bound:
+    """Global rank `me`'s bound plan: what its executor runs."""
+    dp, m = spec.dp, pipe.microbatches
+    p, d = divmod(me, dp)
+    program = programs[p]
     held = _held(spec, pipe, p)
-    buckets, after = _buckets(spec, pipe, program, p, held)
+    buckets, after = _buckets(spec, pipe, program, p)
     replicas = tuple(p * dp + r for r in range(dp))
     instrs: list[Instr] = []
     for item in program:
@@ -79,50 +83,31 @@ def _pair(pipe: Pipeline, op: Op, me: int, dp: int, d: int) -> tuple[int, ...]:
     return (me, peer) if op.kind.is_send else (peer, me)
 
 
-def _layers(spec: Spec) -> list[tuple[str, ...]]:
-    assert spec.pipeline is not None
-    return [st.layers for st in spec.pipeline.stages]
-
-
 def _held(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
-    """The parameters pipeline rank `p` holds, in the model's order: those of its stages'
-    layers, and the head's copy of the tied wte where it has the head but not the embed."""
-    mine = {layer for s in pipe.stages_of(p) for layer in _layers(spec)[s]}
-    names = {q.name for layer in mine for q in spec.model.layer_params(layer)}
-    if "head" in mine:
-        names.add(TIED)
+    """The parameters pipeline rank `p` holds, in the model's order: its stages' (the tied
+    wte once, the head's copy where it has the head but not the embed)."""
+    names = {q for s in pipe.stages_of(p) for q in stage_params(spec, s)}
     return tuple(q.name for q in spec.model.params if q.name in names)
 
 
 def _buckets(
-    spec: Spec, pipe: Pipeline, program: list[Item], p: int, held: tuple[str, ...]
+    spec: Spec, pipe: Pipeline, program: list[Item], p: int
 ) -> tuple[dict[str, tuple[str, ...]], dict[Op, list[str]]]:
-    """The rank's buckets (name -> parameters) and, per action, the buckets it completes in
-    launch order: exec/pipeline_sync.py ReplicatedStages' rule."""
+    """The rank's buckets (name -> parameters, passes/pipeline_memory.py `stage_buckets`,
+    what the ledger counts) and, per action, those it completes in launch order: each right
+    after the last backward that writes one of its parameters."""
     assert spec.pipeline is not None
-    ps, cfg = spec.pipeline, spec.model
-    layers = _layers(spec)
-    stage_of = {layer: s for s in pipe.stages_of(p) for layer in layers[s]}
+    ps, stages = spec.pipeline, pipe.stages_of(p)
     writers = last_grad_writers(program)
     index = {a: i for i, item in enumerate(program) for a in item}
-
-    def last_writer(name: str) -> Op:
-        """The parameter's last writer here: the later stage's where one rank has both."""
-        stages = {stage_of[w] for w in cfg.writers(name) if w in stage_of}
-        return max((writers[s] for s in stages), key=index.__getitem__)
-
+    block = {q: b.name for b in ps.buckets for q in b.params}  # a ddp block's names
     out: dict[str, tuple[str, ...]] = {}
-    if ps.buckets:
-        tied_copy = "head" in stage_of and "embed" not in stage_of
-        names = {q: b.name for b in ps.buckets for q in b.params if q != TIED or not tied_copy}
-        for bucket in rank_buckets(cfg, tuple(b.params for b in ps.buckets), set(held), tied_copy):
-            out[names[next(q for q in bucket if q in names)]] = tuple(bucket)
-    else:  # one bucket a stage: its parameters, each with its last writer's stage
-        for q in held:
-            name = ps.stages[last_writer(q).stage].name
-            out[name] = (*out.get(name, ()), q)
     after: dict[Op, list[str]] = {}
-    for name, params in out.items():
-        done = max((last_writer(q) for q in params), key=index.__getitem__)
-        after.setdefault(done, []).append(name)
+    for s in stages:
+        for bucket in stage_buckets(spec, s, stages):
+            own = next((q for q in bucket if q != TIED), TIED)  # the head's copy: its bucket
+            name = block[own] if ps.buckets else ps.stages[s].name
+            out[name] = tuple(bucket)
+            done = [writers[t] for t in stages if set(bucket) & set(stage_params(spec, t))]
+            after.setdefault(max(done, key=index.__getitem__), []).append(name)
     return out, after

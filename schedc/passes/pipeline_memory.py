@@ -219,7 +219,7 @@ class _RankLedger:
                 self.w.free(f"gathered[{name}]")
                 self.w.alloc(f"shard_grad[{name}]", Part.STATES, padded(n, self.S) // self.S * FP32)
         elif self.dp > 1:
-            for k, params in enumerate(_buckets(self.spec, stage, self.stages)):
+            for k, params in enumerate(stage_buckets(self.spec, stage, self.stages)):
                 n = sum(self.numel[p] for p in params)
                 self.w.alloc(f"bucket[s{stage}.{k}]", Part.COMM, n * self.r)
 
@@ -273,9 +273,11 @@ def _stage_held(spec: Spec, stage: int, stages: list[int]) -> list[str]:
     return held
 
 
-def _buckets(spec: Spec, stage: int, stages: list[int]) -> list[list[str]]:
-    """DDP per stage: the stage's buckets, each the parameters its flat copy holds (the
-    executor's `rank_buckets`, ir/spec.py); one a stage without a ddp block's buckets."""
+def stage_buckets(spec: Spec, stage: int, stages: list[int]) -> list[list[str]]:
+    """DDP per stage: the stage's buckets on a rank holding `stages`, each the parameters
+    its flat copy holds in launch order (the executor's `rank_buckets`, ir/spec.py); one a
+    stage without a ddp block's buckets. What the ledger counts and passes/pipeline_bind.py
+    binds."""
     assert spec.pipeline is not None
     held = _stage_held(spec, stage, stages)
     if not spec.pipeline.buckets:

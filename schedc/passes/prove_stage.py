@@ -50,7 +50,7 @@ class StageRank(_Rank):
             self.backward_input(op, at)
         elif op.kind is Kind.W:
             name = f"keep[{op.stage}]@mb{op.mb}"
-            data, weight = self.current(op, name, self.take(name, at))
+            data, weight = self.current(op, name, self.take(name, at), at)
             self.add_grads(op, data, weight, at)
         elif op.kind.is_send:
             self.send(ins, at)
@@ -67,9 +67,9 @@ class StageRank(_Rank):
             data: Data = (self.rank, j)
         elif self.pipe.local(s - 1, s):
             name = f"act[{s - 1}]@mb{j}"
-            data = self.current(op, name, self.read(name, at))
+            data = self.current(op, name, self.read(name, at), at)
         else:
-            data = self.current(op, _recv(op), self.take(_recv(op), at))
+            data = self.current(op, _recv(op), self.take(_recv(op), at), at)
         self.write(f"act[{s}]@mb{j}", at).value = (data, self.started)
         self.done[op] = at
 
@@ -77,12 +77,12 @@ class StageRank(_Rank):
         """B or I: the stage's output and the gradient that reaches it, the input gradient
         made for the stage below (kept for W by I, the parameters' gradients added by B)."""
         s, j = op.stage, op.mb
-        data = self.current(op, f"act[{s}]@mb{j}", self.take(f"act[{s}]@mb{j}", at))
+        data = self.current(op, f"act[{s}]@mb{j}", self.take(f"act[{s}]@mb{j}", at), at)
         if s == self.pipe.stages - 1:
             weight = self.bound.loss_scale  # the last stage's loss, scaled
         else:
             src = f"grad[{s + 1}]@mb{j}" if self.pipe.local(s + 1, s) else _recv(op)
-            back, weight = self.current(op, src, self.take(src, at))
+            back, weight = self.current(op, src, self.take(src, at), at)
             if back != data:
                 raise self.fail(
                     at[2],
@@ -104,11 +104,11 @@ class StageRank(_Rank):
         for layer in self.layers[op.stage]:
             self.add(Op(Kind.BWD, layer, op.mb), (rank, mb, layer), weight, at)
 
-    def current(self, op: Op, name: str, buf) -> Any:
+    def current(self, op: Op, name: str, buf, at: At) -> Any:
         """A stage buffer's value, which must be this step's."""
         value, step = buf.value
         if step != self.started:
-            raise self.fail(self.pc % len(self.instrs), f"{op} reads {name} of step {step}")
+            raise self.fail(at[2], f"{op} reads {name} of step {step}")
         return value
 
     def take(self, name: str, at: At):
