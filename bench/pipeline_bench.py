@@ -116,11 +116,25 @@ def _time(fn, steps: int) -> float:
 
 
 def _schedc(args, ctx, schedule) -> tuple[float, list]:
+    from schedc.compiler import compile_text
     from schedc.exec.pipeline import PipelineExecutor
-    from schedc.passes.pipeline_gen import Request, Schedule, generate
+    from schedc.ir.pipeline import Schedule
+    from schedc.passes.pipeline_bind import bind_rank
+    from schedc.passes.pipeline_gen import Generated
 
-    gen = generate(Request(Schedule(schedule), ctx["pp"], args.m, _v(schedule)))
-    ex = PipelineExecutor(ctx["job"](schedule), gen, ctx["comm"](schedule), timed=True)
+    job = ctx["job"](schedule)
+    stages = "\n".join(f"  stage s{i} = {', '.join(layers)}" for i, layers in enumerate(job.split))
+    text = (  # the same pipeline as a schedule file: compiled, proven and bound as `run` does
+        f"model {args.model} {{ n_layer = {args.layers} }}\nworld {WORLD}\n"
+        f"batch {job.batches.global_seqs} x {args.seq}\npipeline {{\n{stages}\n"
+        f"  degree {ctx['pp']}\n  schedule {schedule}\n"
+        f"  placement {Schedule(schedule).placement.value}\n  microbatches {args.m}\n}}\n"
+    )
+    c = compile_text(text, "<bench>")
+    assert c.pipeline is not None
+    bound = bind_rank(c.spec, c.pipeline.pipeline, c.pipeline.programs, dist.get_rank())
+    gen = Generated(c.pipeline.pipeline, c.pipeline.programs)
+    ex = PipelineExecutor(job, gen, ctx["comm"](schedule), bound, timed=True)
     ms = _time(lambda s: ex.step(), args.steps)
     assert ex.spans is not None
     return ms, [s for s in ex.spans if s.step > 0]

@@ -29,7 +29,7 @@ from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
-from schedc.passes.pipeline_bind import bind_pipeline, binds
+from schedc.passes.pipeline_bind import bind_pipeline
 from schedc.passes.pipeline_memory import check_budget, predict_pipeline
 from schedc.passes.pipeline_plan import PipelinePlan, plan_pipeline
 from schedc.passes.prove import Proof
@@ -124,7 +124,7 @@ def _compile_pipeline(
         memory = predict_pipeline(spec, pipeline.pipeline, pipeline.programs)
         check_budget(spec, memory, diag)
         pipeline = replace(pipeline, memory=memory)
-        if prove and binds(spec) and not diag.errors:  # every update is one process's
+        if prove and not diag.errors:  # every update is one process's
             bounds = bind_pipeline(spec, pipeline.pipeline, pipeline.programs)
             proof = check_proof(spec, bounds, diag)
     diag.raise_if_any()

@@ -9,7 +9,7 @@ for comparison, by the single-process reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from schedc.model.arch import SIZES, GPTConfig
@@ -52,6 +52,9 @@ class Case:
     precision: tuple[str, str, str] = ("fp32", "fp32", "fp32")  # compute, gather, reduce
     buckets: int = 1  # DDP buckets a stage (a ddp block's, layers cut evenly); 1: the default
     replicate: int = 1  # HSDP per stage (fsdp): the dp replicas as mesh R x dp / R; 1: no mesh
+    # a wrong binding: every dp reduction's divisor bound as this (0: as bound); the proof
+    # refutes it, and the executor runs it, since it runs what its bound plan says
+    divisor: int = 0
 
     @property
     def world(self) -> int:
@@ -120,6 +123,47 @@ class Case:
     def request(self) -> Request:
         return Request(self.schedule, self.pp, self.m, self.v)
 
+    def text(self) -> str:
+        """The case as a pipeline file: what `schedc check` proves and binds (its run's dtype
+        and precision are the executor's; the file says the schedule)."""
+        cfg = self.config
+        split = self.split(self.pp * self.v)
+        stages = "\n".join(f"  stage s{i} = {', '.join(layers)}" for i, layers in enumerate(split))
+        mesh = (
+            f"mesh {self.replicate} x {self.dp // self.replicate}\n" if self.replicate > 1 else ""
+        )
+        sync = "fsdp { }\n" if self.fsdp else ""
+        if self.buckets > 1:
+            owner = {p.name: layer for layer in cfg.layers for p in cfg.layer_params(layer)}
+            lines = [
+                f"  bucket b{i} = {', '.join(dict.fromkeys(owner[q] for q in params))}"
+                for i, params in enumerate(stage_buckets(cfg, split, self.buckets))
+            ]
+            sync = "ddp {\n" + "\n".join(lines) + "\n}\n"
+        return (
+            f"model nano {{ n_layer = {self.n_layer} }}\nworld {self.world}\n{mesh}"
+            f"batch {self.m * self.micro * self.dp} x {self.seq_len}\nsteps {self.steps}\n"
+            f"seed {self.seed}\n"
+            f"pipeline {{\n{stages}\n  degree {self.pp}\n  schedule {self.schedule.value}\n"
+            f"  placement {self.schedule.placement.value}\n  microbatches {self.m}\n}}\n{sync}"
+        )
+
+    def bound(self, rank: int):
+        """Global `rank`'s bound plan of the case's file (passes/pipeline_bind.py): the
+        operands `schedc run` hands its executor."""
+        from schedc.compiler import compile_text
+        from schedc.passes.pipeline_bind import bind_rank
+
+        c = compile_text(self.text(), f"<{self}>", prove=False)
+        assert c.pipeline is not None, self.text()
+        bound = bind_rank(c.spec, c.pipeline.pipeline, c.pipeline.programs, rank)
+        if not self.divisor:
+            return bound
+        instrs = tuple(
+            replace(i, divisor=self.divisor) if i.divisor > 1 else i for i in bound.plan.instrs
+        )
+        return replace(bound, plan=replace(bound.plan, instrs=instrs))
+
 
 @lru_cache(maxsize=8)
 def batches(seq_len: int, seqs: int, vocab: int):
@@ -140,26 +184,10 @@ def run_case(rank: int, groups, case: Case) -> list:
     cfg = case.config
     data = batches(case.seq_len, case.m * case.micro * case.dp, cfg.vocab_size)
     split = case.split(gen.pipeline.stages)
-    units = None
-    if case.fsdp:
-        from schedc.ir.spec import stage_units
-
-        units = tuple(params for _, params in stage_units(cfg, split))
-    buckets = stage_buckets(cfg, split, case.buckets) if case.buckets > 1 else None
-    job = PipeJob(
-        cfg,
-        split,
-        data,
-        case.optim,
-        case.steps,
-        case.seed,
-        getattr(torch, case.dtype),
-        units,
-        buckets,
-        **case.torch_dtypes(),
-    )
+    dtype = getattr(torch, case.dtype)
+    job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, dtype, **case.torch_dtypes())
     comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp, case.mesh)
-    ex = PipelineExecutor(job, gen, comm, record=True)
+    ex = PipelineExecutor(job, gen, comm, case.bound(rank), record=True)
     return [ex.step() for _ in range(case.steps)]
 
 
@@ -291,6 +319,7 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     from schedc.exec.pipeline_model import PipeJob
     from schedc.exec.pipeline_train import precision as job_precision
     from schedc.lang.resolve import Overrides
+    from schedc.passes.pipeline_bind import bind_rank
     from schedc.passes.pipeline_gen import Generated
 
     c = compile_file(path, Overrides(steps=steps, precision=precision))
@@ -301,7 +330,8 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     split = tuple(st.layers for st in spec.pipeline.stages)
     job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
     comm = pool_comm(rank, groups, pipe, spec.world, spec.dp, spec.declared_mesh)
-    return PipelineExecutor(job, Generated(pipe, plan.programs), comm, record=record)
+    bound = bind_rank(spec, pipe, plan.programs, rank)
+    return PipelineExecutor(job, Generated(pipe, plan.programs), comm, bound, record=record)
 
 
 def measure_file(rank: int, groups, path: str, steps: int = 3) -> int:

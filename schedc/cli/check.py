@@ -160,9 +160,8 @@ def pipeline_summary(c: Compiled) -> str:
         f"  proof     every rank's program proven: each send paired with one receive in FIFO "
         f"order, no deadlock under blocking rendezvous ({count(len(pp.programs), 'program')}, "
         "--dump pipeline prints them)",
-        f"            {c.proof.line()}" if c.proof is not None else
-        "            the update is not yet proven for FSDP per stage",
-    ]  # fmt: skip
+        *([f"            {c.proof.line()}"] if c.proof is not None else []),
+    ]
     return "\n".join(lines)
 
 

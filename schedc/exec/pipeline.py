@@ -1,6 +1,6 @@
 """The pipeline executor: one rank's proven program (passes/pipeline_gen.py) run on its stages.
 
-    ex = PipelineExecutor(job, generated, PipeComm(rank, group, tied_group))
+    ex = PipelineExecutor(job, generated, comm, bound)   # bound: the rank's plan (pipeline_bind)
     stats = ex.step()     # one optimizer step over the global batch's m micro-batches
 
 Each item of the rank's program runs in order (`Runner`, one small function a kind):
@@ -95,9 +95,9 @@ class PipelineExecutor:
         job: PipeJob,
         generated: Generated,
         comm: PipeComm,
+        bound: Bound,
         record: bool = False,
         timed: bool = False,
-        bound: Bound | None = None,
     ):
         pipe, programs = generated.pipeline, generated.programs
         check_split(job.model, job.split)
@@ -118,8 +118,8 @@ class PipelineExecutor:
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
         self.named = list(self.model.named_parameters())
         # the rank's bound plan (passes/pipeline_bind.py): the operands the proof read
-        self.loss_scale = bound.loss_scale if bound else Fraction(1, pipe.microbatches)
-        self.sync = stage_sync(job, comm, self.model, self.program, self.stages, bound)
+        self.loss_scale = bound.loss_scale
+        self.sync = stage_sync(job, comm, self.model, self.stages, bound)
         self.optimizer = self.sync.optimizer()
         self.micro = job.batches.global_seqs // (pipe.microbatches * comm.replicas)
         self.peers = [comm.global_rank(r) for r in range(pipe.pp)]
@@ -175,6 +175,8 @@ class PipelineExecutor:
         return "\n".join(lines)
 
     def run_item(self, item: Item, flight: Flight) -> None:
+        for act in item:
+            self.sync.before(act)
         if item[0].kind.is_p2p:
             self.transfer(item, flight)
             return

@@ -45,14 +45,6 @@ class PipeJob:
     """The run's steps (the learning-rate schedule's horizon)."""
     seed: int
     dtype: torch.dtype = torch.float32
-    units: tuple[tuple[str, ...], ...] | None = None
-    """FSDP per stage: each unit's parameters (every one of the model once, each unit inside
-    one stage, wte.weight alone in its unit: the head's copy is sharded like it); None: each
-    stage's gradients are all-reduced in one bucket (DDP)."""
-    buckets: tuple[tuple[str, ...], ...] | None = None
-    """DDP per stage (a ddp block): each bucket's parameters (every one of the model once,
-    each bucket inside one stage; the head's copy of wte.weight goes with the bucket holding
-    the head's own); None: one bucket a stage."""
     compute: torch.dtype | None = None  # the autocast dtype of forward; None: `dtype`
     gather: torch.dtype | None = None  # what FSDP units are gathered and computed in
     reduce: torch.dtype | None = None  # what gradients are all-reduced or reduce-scattered in

@@ -6,9 +6,12 @@ stages of the other replicas (DDP or FSDP under PP), as objects the executor own
     ShardedStages      FSDP per stage: each unit sharded over the replicas, gathered for the
                        step, its gradient reduce-scattered into this rank's shard
 
-Both give the executor (exec/pipeline.py) the same surface (`StageSync`): the optimizer;
-`begin_step`; `before_forward` of a stage; `before_backward` / `after_backward` of a
-backward that writes a stage's weights; `after_compute` of each action, which launches the
+Both run what the rank's bound plan (passes/pipeline_bind.py, the plan the proof read) says:
+which buckets or units it holds, after which stage op each reduction is launched and before
+which each gather, and every divisor. Both give the executor (exec/pipeline.py) the same
+surface (`StageSync`): the optimizer; `begin_step`; `before` an action (the gathers);
+`before_forward` of a stage; `before_backward` / `after_backward` of a backward that
+writes a stage's weights; `after_compute` of each action, which launches the
 reductions of the gradients it is the last to write; `wait` for them before the update;
 for the update the gradients it clips and those the norm counts, whether this rank's
 squares count (`counts_norm`) and `after_update`; full tensors for tests.
@@ -17,7 +20,7 @@ DP x PP (`replicas` > 1): the pipeline is replicated, ranks laid out pp-outermos
 (exec/pipeline_comm.py); replica d runs micro-batch j of the slice the DP executor gives
 rank d of dp at micro-step j (model/batching.py sequence_ids), so the replicas together
 read the global batch once. Each stage's gradients are all-reduced over the ranks holding
-it in every replica (`PipeComm.dp`) in one flat bucket (`PipeJob.buckets` None), or in the
+it in every replica (`PipeComm.dp`) in one flat bucket (no ddp block), or in the
 ddp block's buckets, each inside a stage (the head's copy of the tied wte with the bucket
 holding the head's own parameters), all launched right after the program's last B or W of
 that stage (pipelining's REDUCE_GRAD) in reverse layer order, as each rank's x / dp, and
@@ -28,7 +31,7 @@ as Megatron all-reduces its "embedding group"; the norm is replica 0's pipeline 
 (the other replicas add zeros: after the reduction their gradients are bitwise replica
 0's), the tied weight counted once (on the embed's rank).
 
-FSDP per stage (`PipeJob.units`, torchtitan's FSDP2 under PP): each unit lies in one stage
+FSDP per stage (`Bound.units`, torchtitan's FSDP2 under PP): each unit lies in one stage
 and is a FlatUnit (exec/flat.py) sharded over the dp group. Every unit's all-gather is
 launched at the rank's first F of the step and waited for before its stage's first F; the
 unit stays gathered through the step (reshard_after_forward=False), its micro-batches'
@@ -61,9 +64,8 @@ from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.bound import Bound
 from schedc.ir.op import Kind, Op
-from schedc.ir.pipeline import Item, last_grad_writers
 from schedc.ir.source import Span
-from schedc.ir.spec import REPLICATE, UnitSpec, rank_buckets
+from schedc.ir.spec import REPLICATE, UnitSpec
 from schedc.model.reference import adamw_groups, make_adamw
 
 
@@ -94,6 +96,9 @@ class StageSync:
 
     def begin_step(self) -> None:
         self.reductions = []
+
+    def before(self, act: Op) -> None:
+        """Before the program runs `act`: what the plan launches there (FSDP's gathers)."""
 
     def before_forward(self, stage: int) -> None:
         pass
@@ -141,17 +146,6 @@ class StageSync:
             copy_alone(*copy)
         return DONE
 
-    def _last_writers(self, program: list[Item]) -> dict[int, tuple[int, Op]]:
-        """Each parameter's last writer in the program, by id: (its index, the action); the
-        tied wte, in two stages where one rank holds both, goes with the later one."""
-        index = {a: i for i, item in enumerate(program) for a in item}
-        owner: dict[int, tuple[int, Op]] = {}
-        for s, act in last_grad_writers(program).items():
-            for name in self.job.split[s]:
-                for p in self.model.layer_params(name):
-                    owner[id(p)] = max(owner.get(id(p), (-1, act)), (index[act], act))
-        return owner
-
     def _tied(self) -> torch.nn.Parameter | None:
         return dict(self.named).get("wte.weight")
 
@@ -161,32 +155,11 @@ class ReplicatedStages(StageSync):
     over the replicas (none with one replica); the tied copies summed over their pair of
     ranks before the update."""
 
-    def __init__(
-        self,
-        job: PipeJob,
-        comm: PipeComm,
-        model: RankModel,
-        program: list[Item],
-        bound: Bound | None = None,
-    ) -> None:
-        super().__init__(job, comm, model)
-        # per action, the buckets it completes: (parameters, the divisor of each share)
-        if bound is not None:  # the proven plan's buckets, launch points and divisors
-            self._bound_buckets(bound)
-        elif comm.replicas > 1 and job.buckets is None:  # one bucket a stage
-            owner = self._last_writers(program)
-            for _, p in self.named:
-                self.buckets.setdefault(owner[id(p)][1], [([], comm.replicas)])[0][0].append(p)
-        elif comm.replicas > 1:  # a bucket is done with its last parameter
-            owner, own = self._last_writers(program), dict(self.named)
-            for names in self._own_buckets():
-                _, act = max(owner[id(own[n])] for n in names)
-                bucket = ([own[n] for n in names], comm.replicas)
-                self.buckets.setdefault(act, []).append(bucket)
-
-    def _bound_buckets(self, bound: Bound) -> None:
+    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel, bound: Bound) -> None:
         """Each bucket's all-reduce where the rank's bound plan runs it: after the stage op
-        before it (passes/pipeline_bind.py, what the proof read), with its divisor."""
+        before it (passes/pipeline_bind.py, what the proof read), with its divisor: per
+        action, the buckets it completes, as (parameters, the divisor of each share)."""
+        super().__init__(job, comm, model)
         own, last = dict(self.named), None
         for ins in bound.plan.instrs:
             op = ins.op
@@ -196,12 +169,6 @@ class ReplicatedStages(StageSync):
                 assert last is not None, f"{op} before any stage op"
                 bucket = ([own[n] for n in bound.buckets[op.target]], ins.divisor)
                 self.buckets.setdefault(last, []).append(bucket)
-
-    def _own_buckets(self) -> list[list[str]]:
-        """This rank's buckets (ir/spec.py `rank_buckets`)."""
-        assert self.job.buckets is not None
-        held = {n for n, _ in self.named}
-        return rank_buckets(self.job.model, self.job.buckets, held, self.model.holds_tied_copy)
 
     def optimizer(self) -> torch.optim.Optimizer:
         return make_adamw(self.named, self.job.optim)
@@ -261,32 +228,53 @@ class ShardedStages(StageSync):
     their gradients reduce-scattered into the shards after the stage's last backward."""
 
     def __init__(
-        self, job: PipeJob, comm: PipeComm, model: RankModel, program: list[Item], stages: list[int]
+        self, job: PipeJob, comm: PipeComm, model: RankModel, stages: list[int], bound: Bound
     ) -> None:
         super().__init__(job, comm, model)
-        self.units = self._shard()
+        self.units = self._shard(bound.units.items())
         self.readers = {s: self._readers(s) for s in stages}
-        self.gathers: dict[int, tuple] | None = None  # unit index -> (work, shard sent)
-        owner = self._last_writers(program)
-        for u in self.units:  # a unit is done with its last parameter
-            _, act = max(owner[id(p)] for p, *_ in u.layout)
-            self.buckets.setdefault(act, []).append(u)
+        self.gathers: dict[FlatUnit, tuple] = {}  # launched, not waited for: (work, shard sent)
+        self.gathered: set[FlatUnit] = set()  # this step's, waited for
+        self.launch: dict[Op, list[FlatUnit]] = {}  # the gathers launched before an action
+        self.divisor: dict[str, int] = {}  # HSDP: each shard's replicate all-reduce's
+        self._bound_units(bound)
 
-    def _shard(self) -> list[FlatUnit]:
+    def _bound_units(self, bound: Bound) -> None:
+        """Where the rank's bound plan (passes/pipeline_bind.py, what the proof read) runs
+        each unit's collectives: its all-gather before the stage op after it, its
+        reduce-scatter after the stage op before it, with their divisors."""
+        by_name = {u.name: u for u in self.units}
+        before: list[FlatUnit] = []
+        last = None
+        for ins in bound.plan.instrs:
+            op = ins.op
+            if op is None or op.kind is Kind.FREE:
+                continue  # a unit is freed with its reduce-scatter (`_reduce`)
+            if op.kind.on_stage:
+                self.launch.setdefault(op, []).extend(before)
+                before, last = [], op
+            elif op.kind is Kind.ALLGATHER:
+                before.append(by_name[op.target])
+            elif op.kind is Kind.REDUCESCATTER:
+                assert last is not None, f"{op} before any stage op"
+                self.buckets.setdefault(last, []).append((by_name[op.target], ins.divisor))
+            elif op.kind is Kind.ALLREDUCE and op.target in by_name:
+                self.divisor[op.target] = ins.divisor
+
+    def _shard(self, named) -> list[FlatUnit]:
         """This rank's units: each sharded over the shard group (replica d keeps shard d; under
         HSDP the S ranks of its replicate index, `PipeComm.shard` its index there), the
         fp32 shard its own, gathered in the gather dtype. Its own units are those whose
         parameters it holds: a stage's, and the tied wte's on the embed's and head's ranks
         (one layout, so shard d is the same slice of wte on both)."""
-        assert self.job.units is not None
         own, cfg, out = dict(self.named), self.job.model, []
         upcast = self.job.reduce if _wider(self.job.reduce, self.job.gather) else None
-        for i, names in enumerate(self.job.units):
+        for name, names in named:
             held = [n in own for n in names]
             if not any(held):
                 continue
-            assert all(held), f"unit {i} ({', '.join(names)}) lies across ranks"
-            spec = UnitSpec(f"u{i}", tuple(names), (), True, Span.point(1, 1), 0)
+            assert all(held), f"unit {name} ({', '.join(names)}) lies across ranks"
+            spec = UnitSpec(name, tuple(names), (), True, Span.point(1, 1), 0)
             c = self.comm
             unit = FlatUnit(spec, cfg, own, c.shard, c.shards, self.job.gather, upcast)
             out.append(unit)
@@ -313,25 +301,25 @@ class ShardedStages(StageSync):
 
     def begin_step(self) -> None:
         super().begin_step()
-        self.gathers = None
+        self.gathers, self.gathered = {}, set()
+
+    def before(self, act: Op) -> None:
+        """The all-gathers the plan launches before `act`: before the rank's first forward
+        of the step, every unit's (torchtitan under PP: reshard_after_forward=False, so each
+        is gathered once a step)."""
+        for u in self.launch.get(act, ()):
+            full = u.alloc_full()
+            shard = u.shard.to(full.dtype)
+            work = self._collective(CPUBackend.all_gather(full, shard), (full, shard))
+            self.gathers[u] = (work, shard)
 
     def before_forward(self, stage: int) -> None:
-        """At the rank's first forward of the step every unit's all-gather is launched
-        (torchtitan under PP: reshard_after_forward=False, so each is gathered once a step),
-        and the stage's own are waited for."""
-        if self.gathers is None:
-            self.gathers = {}
-            for i, u in enumerate(self.units):
-                full = u.alloc_full()
-                shard = u.shard.to(full.dtype)
-                work = self._collective(
-                    CPUBackend.all_gather(full, shard),
-                    (full, shard),
-                )
-                self.gathers[i] = (work, shard)
+        """The stage's units' gathers waited for."""
         for u in self.readers[stage]:
-            if (g := self.gathers.pop(self.units.index(u), None)) is not None:
-                g[0].wait()
+            if u not in self.gathered:
+                assert u in self.gathers, f"unit {u.name} is not gathered this step"
+                self.gathers.pop(u)[0].wait()
+                self.gathered.add(u)
 
     def before_backward(self, stage: int) -> None:
         """Before a backward that writes the stage's weights: their .grad are views of each
@@ -353,9 +341,9 @@ class ShardedStages(StageSync):
         shard is then summed over the replicate group, as the DP executor's HSDP does
         (exec/strategies.py `Sharded._replicate`): x / dp summed over S ranks and then over R
         is the mean over all dp = R x S replicas."""
-        for unit in done:
+        for unit, divisor in done:
             grad = unit.take_grad(0)
-            send = _share(grad, self.comm.replicas, self.reduce)
+            send = _share(grad, divisor, self.reduce)
             out = torch.empty(unit.shard_len, dtype=self.reduce)
             work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
             unit.release()  # the stage is done with its weights this step
@@ -364,17 +352,21 @@ class ShardedStages(StageSync):
                 unit.new_shard_grad().copy_(out)  # cast back into the fp32 gradient shard
 
             if self.comm.replicate is not None:  # launched once the reduce-scatter is done
-                self.reductions.append((work, self._replicate(out, land)))
+                divisor = self.divisor.get(unit.name, 1)
+                self.reductions.append((work, self._replicate(out, land, divisor)))
             else:
                 self.reductions.append((work, land))
 
-    def _replicate(self, out: torch.Tensor, land: Callable[[], None]) -> Callable[[], None]:
-        """HSDP: what lands a reduce-scatter: its output shard all-reduced (summed) in place
-        over the replicate group, async, landed once that is done."""
+    def _replicate(self, out: torch.Tensor, land: Callable[[], None], divisor: int):
+        """HSDP: what lands a reduce-scatter: its output shard all-reduced (summed, each
+        share / `divisor`, the plan's: 1) in place over the replicate group, async, landed
+        once that is done."""
         group = self.comm.replicate
         assert group is not None
 
         def launch() -> None:
+            if divisor != 1:
+                out.div_(divisor)
             self.reductions.append((CPUBackend.all_reduce(out)(group), land))
 
         return launch
@@ -421,18 +413,13 @@ class ShardedStages(StageSync):
 
 
 def stage_sync(
-    job: PipeJob,
-    comm: PipeComm,
-    model: RankModel,
-    program: list[Item],
-    stages: list[int],
-    bound: Bound | None = None,
+    job: PipeJob, comm: PipeComm, model: RankModel, stages: list[int], bound: Bound
 ) -> StageSync:
-    """The rank's StageSync: FSDP per stage when the job has units, else DDP (its buckets
-    from the rank's bound plan, where it has one)."""
-    if job.units is not None:
-        return ShardedStages(job, comm, model, program, stages)
-    return ReplicatedStages(job, comm, model, program, bound)
+    """The rank's StageSync, as its bound plan says: FSDP per stage where it holds units,
+    else DDP."""
+    if bound.units:
+        return ShardedStages(job, comm, model, stages, bound)
+    return ReplicatedStages(job, comm, model, bound)
 
 
 def _share(grad: torch.Tensor, dp: int, dtype: torch.dtype) -> torch.Tensor:

@@ -46,7 +46,7 @@ from schedc.exec.train import (
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
-from schedc.passes.pipeline_bind import bind_rank, binds
+from schedc.passes.pipeline_bind import bind_rank
 from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
 
@@ -103,9 +103,9 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
         **precision(spec),
     )
     generated = Generated(pipe, plan.programs)
-    # the plan the proof read, where it is bound (DDP per stage): its operands are run
-    bound = bind_rank(spec, pipe, plan.programs, comm.rank) if binds(spec) else None
-    return PipelineExecutor(job, generated, pipe_comm, timed=timed, bound=bound)
+    # the plan the proof read, bound to this rank: its collectives and operands are run
+    bound = bind_rank(spec, pipe, plan.programs, comm.rank)
+    return PipelineExecutor(job, generated, pipe_comm, bound, timed=timed)
 
 
 def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:
@@ -123,21 +123,16 @@ def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm
 
 
 def precision(spec) -> dict:
-    """PipeJob's FSDP units or DDP buckets and dtypes from the schedule: compute
-    (autocast), gather (the units', under FSDP only) and reduce; None where it is the run's
-    own fp32."""
+    """PipeJob's dtypes from the schedule: compute (autocast), gather (FSDP per stage's
+    units' only) and reduce; None where it is the run's own fp32."""
     pipe, n = spec.pipeline, spec.numerics
-    units = tuple(u.params for u in pipe.units) if pipe and pipe.units else None
-    buckets = tuple(b.params for b in pipe.buckets) if pipe and pipe.buckets else None
 
     def low(d: Dtype) -> torch.dtype | None:
         return None if d is Dtype.FP32 else TORCH_DTYPES[d]
 
     return {
-        "units": units,
-        "buckets": buckets,
         "compute": low(n.compute),
-        "gather": low(n.gather) if units else None,
+        "gather": low(n.gather) if pipe and pipe.units else None,
         "reduce": low(n.reduce),
     }
 

@@ -6,41 +6,45 @@ Global rank g = p x dp + d runs pipeline rank p's program on replica d's slice o
 issues it (exec/pipeline.py: the host runs an item at a time; a receive is waited for by the
 compute that reads it, which the proof models as the receive's pending buffer):
 
+    run allgather[<unit>]@mb0:fwd          FSDP per stage: before the rank's first F, each
+                                           unit it holds, over its shard group
     run F[s]@j, B[s]@j, I[s]@j, W[s]@j      the program's computes, in its order
     run SEND_F[s]@j ... RECV_B[s]@j          its transfers, each with the pair of global
                                              ranks (sender, receiver) as its group
-    run allreduce[<bucket>]@mb{m-1}          dp > 1: each DDP bucket of the rank's stages,
+    run allreduce[<bucket>]@mb{m-1}          DDP, dp > 1: each bucket of the rank's stages,
                                              right after the action that last writes it
                                              (pipelining's REDUCE_GRAD), over the ranks
                                              holding it in every replica, each share / dp
+    run reducescatter[<unit>]@mb{m-1}        FSDP: each unit there likewise, over its shard
+    run free[<unit>]@mb{m-1}:bwd             group, each share / dp, and its weights freed
+    run allreduce[<unit>]@mb{m-1}            HSDP per stage: each gradient shard summed over
+                                             its replicate group, in the same order, once
+                                             the update waits for the reductions
     run allreduce[wte.weight]@mb{m-1}        the tied embedding's two copies (first stage's
                                              embed, last stage's head, on two ranks) summed
-                                             over that pair of the replica, before the update
+                                             over that pair of the replica, before the
+                                             update (under FSDP its unit's shards)
     run optimizer.step
 
 with the operands: the replica's batch slices (model/batching.py sequence_ids for rank d of
-dp), the loss scale 1/m on the last stage's loss, the rank's parameters and its buckets
+dp), the loss scale 1/m on the last stage's loss, the rank's parameters, its buckets
 (passes/pipeline_memory.py `stage_buckets`: a ddp block's buckets held here, ir/spec.py
-`rank_buckets`, or one a stage, as the ledger counts them). FSDP per stage is not bound
-yet (`binds`).
+`rank_buckets`, or one a stage, as the ledger counts them) and, under FSDP, its shard: its
+index in its shard group (ir/spec.py `stage_mesh`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from schedc.ir.bound import Bound
-from schedc.ir.op import COMPUTE, STEP, Kind, Op
+from schedc.ir.op import COMPUTE, STEP, Kind, Op, Phase
 from schedc.ir.pipeline import Item, Pipeline, last_grad_writers
 from schedc.ir.plan import Action, Instr, Plan
-from schedc.ir.spec import TIED, Spec
+from schedc.ir.spec import REPLICATE, SHARD, TIED, Spec, StageUnit
 from schedc.model.batching import sequence_ids
 from schedc.passes.pipeline_memory import stage_buckets, stage_params
-
-
-def binds(spec: Spec) -> bool:
-    """Whether the pipeline's plans can be bound and proven (not yet FSDP per stage)."""
-    return spec.pipeline is not None and not spec.pipeline.units
 
 
 def bind_pipeline(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]]) -> list[Bound]:
@@ -48,31 +52,54 @@ def bind_pipeline(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]]) -
     return [bind_rank(spec, pipe, programs, g) for g in range(pipe.pp * spec.dp)]
 
 
+@dataclass
+class _Sync:
+    """A rank's collectives around its program (those before its first forward, those
+    each stage op completes) and its buckets or its shard."""
+
+    before: list[Instr] = field(default_factory=list)
+    after: dict[Op, list[Instr]] = field(default_factory=dict)
+    buckets: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    shard: int | None = None
+    replicate: tuple[int, ...] = ()  # HSDP: the ranks each gradient shard is summed over
+    units: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FSDP: name -> params
+
+
 def bind_rank(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]], me: int) -> Bound:
     """Global rank `me`'s bound plan: what its executor runs."""
-    dp, m = spec.dp, pipe.microbatches
+    assert spec.pipeline is not None
+    dp, m, units = spec.dp, pipe.microbatches, spec.pipeline.units
     p, d = divmod(me, dp)
-    program = programs[p]
-    held = _held(spec, pipe, p)
-    buckets, after = _buckets(spec, pipe, program, p)
-    replicas = tuple(p * dp + r for r in range(dp))
+    program, held = programs[p], _held(spec, pipe, p)
+    sync = _units(spec, pipe, program, me, held) if units else _buckets(spec, pipe, program, me)
     instrs: list[Instr] = []
+    first_f = next((a for item in program for a in item if a.kind is Kind.F), None)
     for item in program:
         for op in item:
+            if op == first_f:
+                instrs += sync.before
             instrs.append(Instr(Action.RUN, COMPUTE, op, group=_pair(pipe, op, me, dp, d)))
-            for b in after.get(op, ()) if dp > 1 else ():
-                reduce = Op(Kind.ALLREDUCE, b, m - 1)
-                instrs.append(Instr(Action.RUN, COMPUTE, reduce, group=replicas, divisor=dp))
+            instrs += sync.after.get(op, ())
+    if len(sync.replicate) > 1:  # HSDP: in the order the reduce-scatters launch
+        scattered = [i.op.target for i in instrs if i.op and i.op.kind is Kind.REDUCESCATTER]
+        instrs += [_run(Op(Kind.ALLREDUCE, u, m - 1), sync.replicate) for u in scattered]
     first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
     if first != last and p in (first, last):
         pair = (first * dp + d, last * dp + d)
-        instrs.append(Instr(Action.RUN, COMPUTE, Op(Kind.ALLREDUCE, TIED, m - 1), group=pair))
+        instrs.append(_run(Op(Kind.ALLREDUCE, TIED, m - 1), pair))
     instrs.append(Instr(Action.RUN, COMPUTE, STEP))
     plan = Plan(me, (COMPUTE,), tuple(instrs), {}, {})
     B, S = spec.micro, spec.seqs
     batch = tuple((ids.start, len(ids)) for ids in (sequence_ids(0, d, j, B, dp, S)
                                                     for j in range(m)))  # fmt: skip
-    return Bound(me, plan, batch, Fraction(1, m), buckets, params=held)
+    return Bound(
+        me, plan, batch, Fraction(1, m), sync.buckets, shard=sync.shard, params=held,
+        units=sync.units,
+    )  # fmt: skip
+
+
+def _run(op: Op, group: tuple[int, ...], divisor: int = 1) -> Instr:
+    return Instr(Action.RUN, COMPUTE, op, group=group, divisor=divisor)
 
 
 def _pair(pipe: Pipeline, op: Op, me: int, dp: int, d: int) -> tuple[int, ...]:
@@ -90,24 +117,54 @@ def _held(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
     return tuple(q.name for q in spec.model.params if q.name in names)
 
 
-def _buckets(
-    spec: Spec, pipe: Pipeline, program: list[Item], p: int
-) -> tuple[dict[str, tuple[str, ...]], dict[Op, list[str]]]:
-    """The rank's buckets (name -> parameters, passes/pipeline_memory.py `stage_buckets`,
-    what the ledger counts) and, per action, those it completes in launch order: each right
-    after the last backward that writes one of its parameters."""
-    assert spec.pipeline is not None
-    ps, stages = spec.pipeline, pipe.stages_of(p)
+def _done_by(spec: Spec, pipe: Pipeline, program: list[Item], p: int, params) -> Op:
+    """The action after which nothing in the program writes `params`' gradients: the last
+    backward of the rank's stages that compute with one of them."""
     writers = last_grad_writers(program)
     index = {a: i for i, item in enumerate(program) for a in item}
+    stages = pipe.stages_of(p)
+    done = [writers[t] for t in stages if set(params) & set(stage_params(spec, t))]
+    return max(done, key=index.__getitem__)
+
+
+def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
+    """DDP per stage: the rank's buckets (name -> parameters, passes/pipeline_memory.py
+    `stage_buckets`, what the ledger counts), each all-reduced over the replicas right after
+    the last backward that writes one of its parameters, in launch order."""
+    ps, dp, m = spec.pipeline, spec.dp, pipe.microbatches
+    assert ps is not None
+    p = me // dp
+    stages = pipe.stages_of(p)
     block = {q: b.name for b in ps.buckets for q in b.params}  # a ddp block's names
-    out: dict[str, tuple[str, ...]] = {}
-    after: dict[Op, list[str]] = {}
+    replicas = tuple(p * dp + r for r in range(dp))
+    sync = _Sync()
     for s in stages:
         for bucket in stage_buckets(spec, s, stages):
             own = next((q for q in bucket if q != TIED), TIED)  # the head's copy: its bucket
             name = block[own] if ps.buckets else ps.stages[s].name
-            out[name] = tuple(bucket)
-            done = [writers[t] for t in stages if set(bucket) & set(stage_params(spec, t))]
-            after.setdefault(max(done, key=index.__getitem__), []).append(name)
-    return out, after
+            sync.buckets[name] = tuple(bucket)
+            if dp > 1:
+                reduce = _run(Op(Kind.ALLREDUCE, name, m - 1), replicas, dp)
+                sync.after.setdefault(_done_by(spec, pipe, program, p, bucket), []).append(reduce)
+    return sync
+
+
+def _units(spec: Spec, pipe: Pipeline, program: list[Item], me: int, held) -> _Sync:
+    """FSDP per stage: the units whose parameters the rank holds (the tied wte's on both
+    ends), gathered over the shard group before its first forward, reduce-scattered there
+    and freed after the last backward that writes them, and under HSDP each shard summed
+    over the replicate group before the update."""
+    assert spec.pipeline is not None
+    dp, m, mesh = spec.dp, pipe.microbatches, spec.stage_mesh
+    p, d = divmod(me, dp)
+    shards = tuple(p * dp + r for r in mesh.members(d, SHARD))
+    replicate = tuple(p * dp + r for r in mesh.members(d, REPLICATE))
+    sync = _Sync(shard=mesh.index(d, SHARD), replicate=replicate)
+    mine: list[StageUnit] = [u for u in spec.pipeline.units if set(u.params) <= set(held)]
+    for u in mine:
+        sync.units[u.name] = u.params
+        sync.before.append(_run(Op(Kind.ALLGATHER, u.name, 0, Phase.FWD), shards))
+        done = sync.after.setdefault(_done_by(spec, pipe, program, p, u.params), [])
+        done.append(_run(Op(Kind.REDUCESCATTER, u.name, m - 1), shards, dp))
+        done.append(Instr(Action.RUN, COMPUTE, Op(Kind.FREE, u.name, m - 1, Phase.BWD)))
+    return sync

@@ -32,10 +32,11 @@ from fractions import Fraction
 
 from schedc.ir.bound import Bound
 from schedc.ir.effects import gathers_read
-from schedc.ir.op import Kind, Op
+from schedc.ir.op import Kind, Op, Phase
 from schedc.ir.sizes import padded
 from schedc.ir.spec import SHARD, Spec, Strategy
 from schedc.lang.diagnostics import count
+from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
 from schedc.passes.prove_stage import StageRank, transfer
 from schedc.passes.values import Maps, Theorem, Wrong
@@ -69,14 +70,14 @@ def prove(spec: Spec, bounds: list[Bound]) -> Proof:
     """Prove `bounds` (every rank's bound plan) compute the single-process update, or raise
     Refuted."""
     t0 = time.perf_counter()
-    _Prover(spec, bounds).run()
-    fsdp = spec.kind is Strategy.FSDP
+    prover = _Prover(spec, bounds)
+    prover.run()
     return Proof(
         seqs=spec.seqs,
         per_token=spec.loss_weight(),
         ranks=len(bounds),
-        units=len(spec.fsdp.units) if fsdp else 0,
-        shards=spec.mesh.shard if fsdp else 0,
+        units=len(prover.layout),
+        shards=prover.mesh.shard if prover.fsdp else 0,
         ms=(time.perf_counter() - t0) * 1e3,
     )
 
@@ -90,7 +91,10 @@ class _Prover:
 
     def __init__(self, spec: Spec, bounds: list[Bound]):
         self.spec, self.bounds = spec, bounds
-        self.fsdp = spec.kind is Strategy.FSDP
+        self.fsdp = spec.sync is Strategy.FSDP
+        # the ranks a unit is sharded over, as replicate x shard (a pipeline: of a stage's)
+        self.mesh = spec.stage_mesh if spec.pipeline is not None else spec.mesh
+        self.hsdp = self.fsdp and self.mesh.replicate > 1
         self._gathers: dict[Op, tuple[Op, ...]] = {}
         self.maps = Maps()
         slices = {(b.rank, m): b.positions(m) for b in bounds for m in range(len(b.batch))}
@@ -104,6 +108,8 @@ class _Prover:
                 self.written_by[w].append(p)
         self.layout: dict[str, list[tuple[str, int, int]]] = {}
         self.chunk: dict[str, int] = {}
+        self.unit_of: dict[str, str] = {}
+        self.stage_gathers: dict[int, tuple[Op, ...]] = {}  # FSDP per stage: what it reads
         if self.fsdp:
             self._fsdp_layout()
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
@@ -112,7 +118,10 @@ class _Prover:
         self.ranks = [rank(self, b) for b in bounds]
 
     def gathers(self, op: Op) -> tuple[Op, ...]:
-        """The all-gathers whose buffers compute op `op` reads (ir/effects.py)."""
+        """The all-gathers whose buffers compute op `op` reads (ir/effects.py; a stage op:
+        its stage's units')."""
+        if op.kind.on_stage:
+            return self.stage_gathers.get(op.stage, ()) if not op.kind.is_p2p else ()
         if op not in self._gathers:
             self._gathers[op] = gathers_read(self.spec, op)
         return self._gathers[op]
@@ -120,9 +129,16 @@ class _Prover:
     def _fsdp_layout(self) -> None:
         """Each unit's flat parameter: decay parameters first, then the rest (exec/flat.py),
         padded to a multiple of the shard group."""
-        model, D = self.spec.model, self.spec.mesh.shard
-        self.unit_of = {p: u.name for u in self.spec.fsdp.units for p in u.params}
-        for u in self.spec.fsdp.units:
+        model, D = self.spec.model, self.mesh.shard
+        ps = self.spec.pipeline
+        units = ps.units if ps is not None else self.spec.fsdp.units
+        self.unit_of = {p: u.name for u in units for p in u.params}
+        for s in range(len(ps.stages) if ps is not None else 0):
+            params = set(stage_params(self.spec, s))
+            self.stage_gathers[s] = tuple(
+                Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in units if params & set(u.params)
+            )
+        for u in units:
             order = [p for p in u.params if model.param(p).decay]
             order += [p for p in u.params if not model.param(p).decay]
             off, out = 0, []
@@ -256,9 +272,9 @@ class _Prover:
 
     def _shards_once(self) -> None:
         """Every chunk of every unit is updated by exactly one rank of each shard group."""
-        if self.spec.kind is not Strategy.FSDP:
+        if not self.fsdp:
             return
-        for group in self.spec.mesh.groups(SHARD):
+        for group in self._shard_groups():
             held = sorted(self.bounds[r].shard or 0 for r in group)
             if held != list(range(len(group))):
                 r = next(r for r in group if held.count(self.bounds[r].shard or 0) > 1)
@@ -268,6 +284,16 @@ class _Prover:
                     f"the ranks {group} update chunks {held} of each unit: every chunk must "
                     "be updated once",
                 )
+
+    def _shard_groups(self) -> list[tuple[int, ...]]:
+        """Every shard group in global ranks (a pipeline: each pipeline rank's, of its
+        stages' dp replicas, pp-outermost)."""
+        groups = self.mesh.groups(SHARD)
+        if self.spec.pipeline is None:
+            return groups
+        dp = self.spec.dp
+        pp = len(self.bounds) // dp
+        return [tuple(p * dp + d for d in g) for p in range(pp) for g in groups]
 
     def wrong(self, piece: Piece, rank: int, m: int) -> str | None:
         """Why map `m` is not `piece`'s single-process gradient, if it is not."""

@@ -73,6 +73,7 @@ class _Rank:
         self.landing = 0  # FSDP: reductions issued that land in a gradient shard, not done
         self.bucket_of = {p: b for b, ps in bound.buckets.items() for p in ps}
         self.held = bound.params or tuple(prover.writers)  # the parameters it updates
+        self.units = list(prover.layout)  # FSDP: the units whose shard it updates
         self._written: dict[tuple[str, int], dict[str, list[str]]] = {}
         self._touches: dict[Op, list[str]] = {}
 
@@ -175,12 +176,16 @@ class _Rank:
         assert ins.op is not None
         if not self.ready(*self.touches(ins.op)):
             return False
-        if ins.op.kind is Kind.STEP and self.landing:
+        if self.landing and self.reads_shards(ins.op):
             return False  # a gradient shard is still being reduced into
         at = self._at(ins.stream, k)
         self.run(ins, at)
         self._done(at)
         return True
+
+    def reads_shards(self, op: Op) -> bool:
+        """Whether `op` reads the gradient shards (FSDP), which reductions may land in."""
+        return op.kind is Kind.STEP
 
     def touches(self, op: Op) -> list[str]:
         """The buffers `op` reads or writes that a collective may still be producing."""
@@ -318,11 +323,23 @@ class _Rank:
         buf.pending, buf.version = False, version
 
     def free(self, op: Op, at: At) -> None:
-        name = f"gathered[{gather_freed(self.spec, op).target}]"
+        name = f"gathered[{self.freed(op)}]"
         if name not in self.bufs:
             raise self.fail(at[2], f"{op} frees {name}, which is not gathered")
         self.write(name, at)
         del self.bufs[name]
+
+    def freed(self, op: Op) -> str:
+        """The unit whose gathered buffer a free releases (ir/effects.py `gather_freed`)."""
+        return gather_freed(self.spec, op).target
+
+    def unsharded(self, op: Op, at: At) -> str:
+        """The unsharded gradient a reduce-scatter sends: the micro-step's, or under no_sync's
+        upcast the accumulator, with what is not yet folded into it folded now (take_grad)."""
+        if self.upcast:
+            self.fold(op.target, op.mb, at)
+            return f"acc[{op.target}]"
+        return f"grad[{op.target}]@mb{self.bound.grad_keys[op.mb]}"
 
     def reduce(self, ins: Instr, at: At) -> None:
         """A reduction: what it sends is read now (and, but for DDP's in place, taken)."""
@@ -330,14 +347,11 @@ class _Rank:
         assert op is not None
         if op.kind is Kind.ALLREDUCE:
             src = op.target if not self.fsdp else f"rs_out[{op.target}]@mb{op.mb}"
-        elif self.upcast:
-            self.fold(op.target, op.mb, at)  # a micro-step's gradient not yet folded (take_grad)
-            src = f"acc[{op.target}]"
         else:
-            src = f"grad[{op.target}]@mb{self.bound.grad_keys[op.mb]}"
+            src = self.unsharded(op, at)
         buf = self.read(src, at)
         issue = _Issue(self.rank, at[2], ins, at, dict(buf.pieces))
-        if self.fsdp and (op.kind is Kind.ALLREDUCE or not self.spec.hsdp):
+        if self.fsdp and (op.kind is Kind.ALLREDUCE or not self.p.hsdp):
             self.landing += 1  # lands in the gradient shard when done
         if op.kind is Kind.REDUCESCATTER:
             del self.bufs[src]  # handed over (FlatUnit.take_grad)
@@ -357,7 +371,7 @@ class _Rank:
             buf.pieces, buf.pending = out, False
             return
         name = f"rs_out[{op.target}]@mb{op.mb}"
-        if op.kind is Kind.REDUCESCATTER and self.spec.hsdp:
+        if op.kind is Kind.REDUCESCATTER and self.p.hsdp:
             self.bufs[name].pieces, self.bufs[name].pending = out, False
             return  # the replicate all-reduce sums it first
         self.bufs.pop(name, None)
@@ -373,8 +387,8 @@ class _Rank:
         """The optimizer reads every gradient it updates with: each must be the
         single-process one (passes/values.py's theorem)."""
         if self.fsdp:
-            for u in self.spec.fsdp.units:
-                self.check_shard(u.name, at)
+            for u in self.units:
+                self.check_shard(u, at)
         else:
             for p in self.held:
                 n = self.p.numel[p]
@@ -385,9 +399,7 @@ class _Rank:
 
     def check_shard(self, unit: str, at: At) -> None:
         name = f"shard_grad[{unit}]"
-        if name not in self.bufs:
-            raise self.fail(at[2], f"the update reads {name}, which no reduce-scatter wrote")
-        buf = self.read(name, at)
+        buf = self.read_shard(name, at)
         pieces = buf.pieces
         del self.bufs[name]
         held = self.bound.shard or 0
@@ -400,6 +412,15 @@ class _Rank:
             )
         for pc, m in pieces.items():
             self.check(pc, m, at, buf)
+
+    def read_shard(self, name: str, at: At) -> _Buf:
+        """Read a unit's gradient shard, which a reduction must have landed in."""
+        if name not in self.bufs:
+            how = "its reduce-scatter" + (" and the replicate all-reduce" if self.p.hsdp else "")
+            raise self.fail(
+                at[2], f"{self.name(at)} reads {name}, which {how} never landed in this step"
+            )
+        return self.read(name, at)
 
     def _full(self, unit: str) -> list[Piece]:
         return [(p, 0, n) for p, _, n in self.p.layout[unit]]

@@ -39,11 +39,15 @@ class StageRank(_Rank):
         ps = prover.spec.pipeline
         self.layers = [st.layers for st in ps.stages]
         self.pipe = ps.pipeline(prover.spec.accum)
+        held = set(self.held)  # FSDP per stage: the units of its parameters (both tied ends)
+        self.units = [u for u, pieces in prover.layout.items() if {p for p, *_ in pieces} <= held]
 
     def run(self, ins, at: At) -> None:
         op = ins.op
         if not op.kind.on_stage:
             return super().run(ins, at)
+        if not op.kind.is_p2p:
+            self.read_gathered(op, at)  # FSDP: the stage's units, gathered since the update
         if op.kind is Kind.F:
             self.forward(op, at)
         elif op.kind in (Kind.B, Kind.I):
@@ -151,31 +155,61 @@ class StageRank(_Rank):
 
     def _touched(self, op: Op) -> list[str]:
         if op.kind.on_stage:
-            names = [_recv(op)] if op.kind in (Kind.F, Kind.B, Kind.I) else []
+            names = [f"gathered[{g.target}]" for g in self.p.gathers(op)]
+            names += [_recv(op)] if op.kind in (Kind.F, Kind.B, Kind.I) else []
             if op.kind in (Kind.B, Kind.W):
                 for layer in self.layers[op.stage]:
                     names += list(self.written(Op(Kind.BWD, layer, op.mb)))
             return names
-        if op.kind is Kind.ALLREDUCE and op.target not in self.bound.buckets:
-            return [self.grad_of(op.target)]
+        if self.tied(op):
+            return [self.tied_grad(op.target)]
         return super()._touched(op)
+
+    # -- FSDP per stage: one unsharded gradient a unit, its micro-batches added into it ---
+
+    def grad_of(self, p: str, mb: int = 0, k: int = -1) -> str:
+        return f"grad[{self.p.unit_of[p]}]" if self.fsdp else super().grad_of(p, mb, k)
+
+    def unsharded(self, op: Op, at: At) -> str:
+        return f"grad[{op.target}]"
+
+    def freed(self, op: Op) -> str:
+        return op.target
+
+    # -- the tied copies' all-reduce: a parameter's, over the pair of ranks holding it ---
+
+    def tied(self, op: Op) -> bool:
+        """Whether `op` sums a parameter's two copies (not a bucket's, or a unit shard's
+        over the replicate group)."""
+        return op.kind is Kind.ALLREDUCE and op.target in self.p.numel
+
+    def tied_grad(self, p: str) -> str:
+        """The buffer the tied copy's gradient is in: its bucket, or its unit's shard."""
+        return f"shard_grad[{self.p.unit_of[p]}]" if self.fsdp else self.grad_of(p)
+
+    def reads_shards(self, op: Op) -> bool:
+        return super().reads_shards(op) or (self.fsdp and self.tied(op))
 
     def reduce(self, ins, at: At) -> None:
         op = ins.op
-        if op.target in self.bound.buckets:
+        if not self.tied(op):
             return super().reduce(ins, at)
-        buf = self.read(self.grad_of(op.target), at)  # the tied copy, in its bucket
-        piece = (op.target, 0, self.p.numel[op.target])
-        issue = _Issue(self.rank, at[2], ins, at, {piece: buf.pieces.get(piece, EMPTY)})
-        self.write(self.grad_of(op.target), at).pending = True
-        self.p.issue(issue, at[0])
+        name = self.tied_grad(op.target)
+        buf = self.read_shard(name, at) if self.fsdp else self.read(name, at)
+        if self.fsdp:  # the shard's pieces: the same slice on both ends
+            sends = dict(buf.pieces)
+        else:
+            piece = (op.target, 0, self.p.numel[op.target])
+            sends = {piece: buf.pieces.get(piece, EMPTY)}
+        self.write(name, at).pending = True
+        self.p.issue(_Issue(self.rank, at[2], ins, at, sends), at[0])
 
     def land(self, issue: _Issue, out) -> None:
         op = issue.instr.op
         assert op is not None
-        if op.target in self.bound.buckets:
+        if not self.tied(op):
             return super().land(issue, out)
-        buf = self.bufs[self.grad_of(op.target)]
+        buf = self.bufs[self.tied_grad(op.target)]
         buf.pieces.update(out)
         buf.pending = False
 

@@ -109,6 +109,19 @@ def test_fsdp_per_stage_equals_reference(pool, case):
     assert_matches(run(pool, case), reference(case))
 
 
+@pytest.mark.parametrize("case", [DP_X_PP[1], FSDP_X_PP[1]], ids=str)
+def test_the_executor_runs_the_divisors_its_bound_plan_says(pool, case):
+    """The plan the proof reads is the plan that runs: bound with every dp reduction's
+    divisor 1 (a sum, not the mean over 2 replicas; the proof refutes it), the executor's
+    first gradients are exactly twice the right ones."""
+    import torch
+
+    one = replace(case, steps=1)
+    right, summed = run(pool, one).steps[0], run(pool, replace(one, divisor=1)).steps[0]
+    assert summed.grad_norm == 2 * right.grad_norm
+    assert all(torch.equal(summed.grads[n], 2 * right.grads[n]) for n in right.grads)
+
+
 # HSDP per stage: 2 stages x dp 4 as mesh 2 x 2 on 8 ranks, each unit sharded over its 2-rank
 # shard group and its gradient shard averaged over the 2-rank replicate group; every replica
 # (both copies of a shard included) bitwise equal after each update (`replicas`), fp32 and
@@ -228,11 +241,12 @@ def test_an_unproven_program_is_refused_before_it_runs():
     data = batches(case.seq_len, case.m, case.config.vocab_size)
     job = PipeJob(case.config, case.split(2), data, case.optim, 1, case.seed)
     with pytest.raises(CompileError) as e:
-        PipelineExecutor(job, _swapped(gen), PipeComm(0))
+        PipelineExecutor(job, _swapped(gen), PipeComm(0), case.bound(0))
     assert "pp-fifo" in [d.code for d in e.value.diagnostics]
     with pytest.raises(ValueError, match="contiguous ranges"):
         PipelineExecutor(
             PipeJob(case.config, case.split(2)[::-1], data, case.optim, 1, case.seed),
             gen,
             PipeComm(0),
+            case.bound(0),
         )

@@ -19,7 +19,7 @@ from schedc.ir.spec import TIED
 from schedc.lang.diagnostics import Diagnostics
 from schedc.lang.resources import pipeline_schedules
 from schedc.passes.check import check_proof
-from schedc.passes.pipeline_bind import bind_pipeline, binds
+from schedc.passes.pipeline_bind import bind_pipeline
 from schedc.passes.prove import prove
 from schedc.passes.prove_rank import Refuted
 
@@ -29,17 +29,20 @@ PIPELINES = pipeline_schedules()
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.stem)
 def test_every_bundled_pipeline_is_proved(path):
     c = compile_file(path)
-    if not binds(c.spec):  # FSDP per stage: not yet bound
-        assert c.proof is None and c.spec.pipeline is not None and c.spec.pipeline.units
-        return
-    assert c.proof is not None
+    assert c.proof is not None and c.spec.pipeline is not None
     line = c.proof.line()
     assert f"every update reads {c.spec.seqs:,} sequences once" in line, line
     assert re.search(rf"abstract execution of {c.spec.world} plans?, [\d.]+ ms\)$", line), line
+    units = c.spec.pipeline.units
+    shards = f"{len(units)} units x {c.spec.stage_mesh.shard} shards updated once"
+    assert (shards in line) == bool(units), line
 
 
-def test_most_bundled_pipelines_bind():
-    assert sum(binds(compile_file(p).spec) for p in PIPELINES) >= 7
+def test_every_kind_of_sync_per_stage_is_bundled():
+    """None, DDP, FSDP and HSDP per stage: each is proved above."""
+    specs = [compile_file(p).spec for p in PIPELINES]
+    kinds = {(s.sync.value, s.stage_mesh.replicate > 1 and s.sync.value == "fsdp") for s in specs}
+    assert {("single", False), ("ddp", False), ("fsdp", False), ("fsdp", True)} <= kinds
 
 
 def _bounds(name: str):
@@ -125,6 +128,39 @@ def _other_stage(world: int, dp: int) -> Edit:
     return edit
 
 
+def _move(kind: Kind, to: Callable[[list[Instr]], int]) -> Edit:
+    """The rank's first instruction of `kind` moved to just before index `to(instrs)` of
+    the instructions without it."""
+
+    def edit(instrs):
+        ins = instrs.pop(_first(kind)(instrs))
+        instrs.insert(to(instrs), ins)
+        return instrs
+
+    return edit
+
+
+def _after(kind: Kind) -> Callable[[list[Instr]], int]:
+    return lambda instrs: _first(kind)(instrs) + 1
+
+
+def _divisor(kind: Kind, n: int) -> Edit:
+    return lambda instrs: [dc.replace(i, divisor=n) if i.op.kind is kind else i for i in instrs]
+
+
+def _shard_swapped(spec, bounds):
+    """Replicas 0 and 1 of pipeline rank 0 hold each other's chunk."""
+    return [dc.replace(b, shard=1 - b.shard) if b.rank < 2 else b for b in bounds]
+
+
+def _replicate_dropped(instrs):
+    """HSDP: the first gradient shard's all-reduce over its replicate group dropped."""
+    k = next(n for n, i in enumerate(instrs) if i.op.kind is Kind.ALLREDUCE and len(i.group) == 2
+             and i.op.target != TIED)  # fmt: skip
+    del instrs[k]
+    return instrs
+
+
 def _every(fn: Edit):
     return lambda spec, bounds: [_edit(b, fn) for b in bounds]
 
@@ -187,6 +223,51 @@ MUTATIONS = [
         lambda s, bs: _on(1, _i_made_b)(s, bs),
         "backward once",
     ),
+    # FSDP and HSDP per stage
+    (
+        "scatter-divisor-per-shard-group",  # / S, not / dp: the replicate sum counts twice
+        "tiny_pp2_hsdp",
+        lambda s, bs: _every(_divisor(Kind.REDUCESCATTER, 2))(s, bs),
+        "counted twice",
+    ),
+    (
+        "scattered-before-last-backward",
+        "tiny_pp2_dp2_fsdp",
+        lambda s, bs: _every(_move(Kind.REDUCESCATTER, _after(Kind.B)))(s, bs),
+        "missing",
+    ),
+    (
+        "freed-before-last-backward",
+        "tiny_pp2_dp2_fsdp",
+        lambda s, bs: _every(_move(Kind.FREE, _first(Kind.B)))(s, bs),
+        "which does not exist here",
+    ),
+    (
+        "gather-dropped",
+        "tiny_pp2_dp2_fsdp",
+        lambda s, bs: _every(_drop(Kind.ALLGATHER))(s, bs),
+        "which does not exist here",
+    ),  # fmt: skip
+    (
+        "gathered-after-first-forward",
+        "tiny_pp2_dp2_fsdp",
+        lambda s, bs: _every(_move(Kind.ALLGATHER, _after(Kind.F)))(s, bs),
+        "which does not exist here",
+    ),
+    ("shards-swapped", "tiny_pp2_dp2_fsdp", _shard_swapped, "the gathered unit is shuffled"),
+    (
+        "replicate-sum-dropped",
+        "tiny_pp2_hsdp",
+        lambda s, bs: _every(_replicate_dropped)(s, bs),
+        "reads shard_grad[tied], which its reduce-scatter and the replicate all-reduce never "
+        "landed in this step",
+    ),
+    (
+        "tied-shard-sum-dropped",
+        "tiny_pp2_dp2_fsdp",
+        lambda s, bs: _every(_no_tied)(s, bs),
+        "missing",
+    ),  # fmt: skip
 ]
 
 
