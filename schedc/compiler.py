@@ -1,7 +1,10 @@
 """The whole compiler in one function; every CLI verb goes through it.
 
-    source -> parse -> to_ast -> resolve -> build_graphs -> check -> lower
-                               a pipeline -> generate -> prove -> simulate
+    source -> parse -> to_ast -> resolve -> build_graphs -> check -> lower -> bind -> prove
+                               a pipeline -> generate -> check -> simulate -> bind -> prove
+
+Both end in every rank's bound plan (ir/bound.py) and the one proof over them; a process
+binds once (`Compiled.bound`: the proof's own, where it ran).
 
 Nothing here imports torch: a schedule can be checked, dumped and drawn on any machine.
 """
@@ -29,7 +32,7 @@ from schedc.passes.dump import dump_ast, dump_graph, dump_plan, dump_program
 from schedc.passes.graph import ScheduleGraph, build_graphs
 from schedc.passes.lower import lower
 from schedc.passes.memory import MemoryReport, predict
-from schedc.passes.pipeline_bind import bind_pipeline
+from schedc.passes.pipeline_bind import bind_pipeline, bind_rank
 from schedc.passes.pipeline_memory import check_budget, predict_pipeline
 from schedc.passes.pipeline_plan import PipelinePlan, plan_pipeline
 from schedc.passes.prove import Proof
@@ -45,15 +48,20 @@ class Compiled:
     memories: dict[int | None, MemoryReport]  # predicted per plan
     warnings: tuple[Diagnostic, ...]
     proof: Proof | None = None  # None: compiled without the proof (`prove=False`)
-    # a pipeline schedule's proven programs; it has no DP graphs, plans or memories yet
+    # a pipeline schedule's proven programs; it has no DP graphs or memories yet
     pipeline: PipelinePlan | None = None
+    # every rank's bound plan, as the proof read them (empty: compiled without the proof)
+    bounds: tuple[Bound, ...] = ()
 
     def graph(self, rank: int | None = None) -> ScheduleGraph:
         self.require_dp("a dependency graph")
         return self.graphs.get(rank, self.graphs[None])
 
     def plan(self, rank: int | None = None) -> Plan:
-        self.require_dp("a lowered plan")
+        """Rank `rank`'s plan (None: the one every rank without a program of its own runs);
+        a pipeline's is its global rank's, bound (passes/pipeline_bind.py)."""
+        if self.pipeline is not None:
+            return self.bound(rank or 0).plan
         return self.plans.get(rank, self.plans[None])
 
     def require_dp(self, what: str) -> None:
@@ -67,7 +75,13 @@ class Compiled:
             )
 
     def bound(self, rank: int) -> Bound:
-        """Rank `rank`'s plan with its operands: what its executor runs (ir/bound.py)."""
+        """Rank `rank`'s plan with its operands: what its executor runs (ir/bound.py), the
+        proof's own where it bound them (a process binds once)."""
+        if self.bounds:
+            return self.bounds[rank]
+        if self.pipeline is not None:
+            pipe, programs = self.pipeline.pipeline, self.pipeline.programs
+            return bind_rank(self.spec, pipe, programs, rank)
         return bind(self.spec, self.plan(rank), rank)
 
     def dump(self, stage: str, rank: int | None = None) -> str:
@@ -92,7 +106,8 @@ class Compiled:
 def compile_source(
     source: Source, overrides: Overrides = Overrides(), prove: bool = True
 ) -> Compiled:
-    proof = None
+    proof: Proof | None = None
+    bounds: tuple[Bound, ...] = ()
     with no_cyclic_gc():
         ast = to_ast(parse(source), source)  # grammar/schedc.lark -> frozen AST with spans
         spec, warnings = resolve(ast, overrides)  # names, values, coverage, batch arithmetic
@@ -106,10 +121,11 @@ def compile_source(
             memory = {rank: predict(spec, plan) for rank, plan in plans.items()}
             check_plans(spec, graphs, plans, memory, diag)  # SPMD order, budget
             if prove and not diag.errors:  # every rank's plan computes one process's update
-                bounds = [bind(spec, plans.get(r, plans[None]), r) for r in range(spec.world)]
-                proof = check_proof(spec, bounds, diag)
+                bounds = tuple(bind(spec, plans.get(r, plans[None]), r) for r in range(spec.world))
+                proof = check_proof(spec, list(bounds), diag)
         diag.raise_if_any()
-        return Compiled(source, ast, spec, graphs, plans, memory, tuple(diag.warnings), proof)
+        warned = tuple(diag.warnings)
+        return Compiled(source, ast, spec, graphs, plans, memory, warned, proof, None, bounds)
 
 
 def _compile_pipeline(
@@ -119,7 +135,7 @@ def _compile_pipeline(
     and bound to every rank and proven to compute one process's update."""
     diag = Diagnostics(source)
     diag.extend(warnings)
-    pipeline, proof = plan_pipeline(spec, diag), None
+    pipeline, proof, bounds = plan_pipeline(spec, diag), None, []
     if pipeline is not None:  # each rank's memory along its program, and the budget
         memory = predict_pipeline(spec, pipeline.pipeline, pipeline.programs)
         check_budget(spec, memory, diag)
@@ -128,7 +144,8 @@ def _compile_pipeline(
             bounds = bind_pipeline(spec, pipeline.pipeline, pipeline.programs)
             proof = check_proof(spec, bounds, diag)
     diag.raise_if_any()
-    return Compiled(source, ast, spec, {}, {}, {}, tuple(diag.warnings), proof, pipeline)
+    warned = tuple(diag.warnings)
+    return Compiled(source, ast, spec, {}, {}, {}, warned, proof, pipeline, tuple(bounds))
 
 
 @contextmanager

@@ -112,19 +112,27 @@ def test_check_prints_the_pipeline_line(capsys):
     assert "    s3     rank 3  h.3, head" in out
 
 
-@pytest.mark.parametrize(
-    "argv, what",
-    [
-        (["check", "--dump", "plan"], "a lowered plan"),
-    ],
-)
-def test_verbs_without_pipeline_support_refuse_in_one_line(capsys, argv, what):
-    # render draws a pipeline schedule as its grid (tests/viz/test_pipeline_render.py)
+def test_check_dumps_a_pipeline_ranks_bound_plan(capsys):
+    """`--dump plan --rank g`: global rank g's plan as the proof read it and its executor
+    runs it (passes/pipeline_bind.py), in the one op vocabulary."""
+    path = str(PIPELINE / "tiny_pp2_hsdp.sched")
+    assert main(["check", "--dump", "plan", "--rank", "5", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# plan for rank 5: ")
+    ops = [line.split()[-1] for line in lines[1:]]
+    assert ops[:3] == ["RECV_F[s1]@mb0", "allgather[tied]@mb0:fwd", "allgather[s1.a]@mb0:fwd"]
+    assert "reducescatter[s1.a]@mb1" in ops and ops[-2:] == [
+        "allreduce[wte.weight]@mb1",
+        "optimizer.step",
+    ]
+
+
+def test_a_pipeline_has_no_dependency_graph_yet_and_says_so_in_one_line(capsys):
     path = str(PIPELINE / "tiny_pp4_1f1b.sched")
-    assert main([*argv, path]) == 1
+    assert main(["check", "--dump", "graph", path]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert f"is a pipeline schedule: {what} of pipeline stages is not built yet" in err
+    assert "is a pipeline schedule: a dependency graph of pipeline stages is not built yet" in err
 
 
 @pytest.mark.parametrize(
