@@ -4,9 +4,11 @@
     stats = ex.step()     # one optimizer step over the global batch's m micro-batches
 
 Each item of the rank's program runs in order (`Runner`, one small function a kind):
-- F[s]@j: the stage's layers on micro-batch j: tokens on stage 0, else the activation the
-  previous stage made (received, or local when that stage is on this rank), detached so the
-  stage's backward stops at its input. The last stage makes the loss of its micro-batch.
+- F[s]@j: the stage's layers on micro-batch j: tokens on stage 0 (the positions of the
+  global batch the rank's bound plan gives micro-batch j, as the proof read them), else the
+  activation the previous stage made (received, or local when that stage is on this rank),
+  detached so the stage's backward stops at its input. The last stage makes the loss of its
+  micro-batch.
 - B[s]@j: backward of the stage from the output's gradient (received or local), or from
   loss_j / m on the last stage (the reference's accumulation: the mean loss's gradient);
   the input's gradient is kept for SEND_B or the local stage before.
@@ -118,7 +120,7 @@ class PipelineExecutor:
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
         self.named = list(self.model.named_parameters())
         # the rank's bound plan (passes/pipeline_bind.py): the operands the proof read
-        self.loss_scale = bound.loss_scale
+        self.bound, self.loss_scale = bound, bound.loss_scale
         self.sync = stage_sync(job, comm, self.model, self.stages, bound)
         self.optimizer = self.sync.optimizer()
         self.micro = job.batches.global_seqs // (pipe.microbatches * comm.replicas)
@@ -189,9 +191,7 @@ class PipelineExecutor:
     def forward(self, act: Op, flight: Flight) -> None:
         s, j = act.stage, act.mb
         last = s == self.pipe.stages - 1
-        x, y = self.job.batches.micro_batch(
-            self.step_index, self.comm.replica, j, self.micro, self.comm.replicas
-        )
+        x, y = self.job.batches.rows(self.step_index, self.bound.positions(j))  # as proven
         if s > 0:
             x = self._input(act, flight).detach().requires_grad_()
         flight.inputs[(s, j)] = x
