@@ -188,7 +188,28 @@ def run_case(rank: int, groups, case: Case) -> list:
     job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, dtype, **case.torch_dtypes())
     comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp, case.mesh)
     ex = PipelineExecutor(job, gen, comm, case.bound(rank), record=True)
-    return [ex.step() for _ in range(case.steps)]
+    return steps_as_bound(ex, case.steps)
+
+
+def steps_as_bound(ex, steps: int) -> list:
+    """`steps` steps of the executor, each shown to have run its bound plan: every stage op
+    and collective, with its group's global ranks and its divisor, in the plan's order (the
+    plan the proof read is the plan that ran)."""
+    want = [(str(i.op), i.group, i.divisor) for i in ex.bound.plan.instrs if i.op is not None]
+    out = []
+    for _ in range(steps):
+        out.append(ex.step())
+        ran = [(str(op), group, divisor) for op, group, divisor in ex.sync.ran]
+        assert ran == want, _first_difference(ex.rank, ran, want)
+    return out
+
+
+def _first_difference(rank: int, ran: list, want: list) -> str:
+    k = next((k for k, (a, b) in enumerate(zip(ran, want)) if a != b), min(len(ran), len(want)))
+    return (
+        f"rank {rank} ran {ran[k] if k < len(ran) else 'nothing more'} as its instruction {k}, "
+        f"where its bound plan has {want[k] if k < len(want) else 'nothing more'}"
+    )
 
 
 def stage_buckets(cfg: GPTConfig, split, n: int) -> tuple[tuple[str, ...], ...]:
@@ -309,7 +330,7 @@ def run_file(rank: int, groups, path: str, precision: str | None, steps: int) ->
     """This rank's steps of a bundled pipeline schedule (under `precision`, a named policy,
     if given), as `schedc run` builds its job (exec/pipeline_train.py), on the pool's ranks."""
     ex = file_executor(rank, groups, path, precision, steps)
-    return [ex.step() for _ in range(steps)]
+    return steps_as_bound(ex, steps)
 
 
 def file_executor(rank: int, groups, path: str, precision: str | None, steps: int, record=True):

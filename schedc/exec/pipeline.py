@@ -67,7 +67,7 @@ from schedc.exec.pipeline_comm import PipeComm, Posted, awaited
 from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
 from schedc.ir.bound import Bound
-from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.op import STEP, Kind, Op, stage_op
 from schedc.ir.pipeline import Item, format_item
 from schedc.lang.diagnostics import CompileError
 from schedc.model.reference import clip_coef
@@ -179,6 +179,7 @@ class PipelineExecutor:
     def run_item(self, item: Item, flight: Flight) -> None:
         for act in item:
             self.sync.before(act)
+            self.sync.issue(act, self._pair(act))
         if item[0].kind.is_p2p:
             self.transfer(item, flight)
             return
@@ -296,6 +297,13 @@ class PipelineExecutor:
             kinds.append((act, tensor))
         self.posted.add(kinds, dist.batch_isend_irecv(ops))
 
+    def _pair(self, act: Op) -> tuple[int, ...]:
+        """A transfer's (sender, receiver) in global ranks; () for a compute."""
+        if not act.kind.is_p2p:
+            return ()
+        peer = self.peers[self.pipe.peer(act)]
+        return (self.rank, peer) if act.kind.is_send else (peer, self.rank)
+
     def _payload(self, send: Op, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)
         if send.kind is Kind.SEND_F:
@@ -329,6 +337,7 @@ class PipelineExecutor:
             torch._foreach_mul_(grads, clip_coef(norm, opt.clip))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.sync.issue(STEP, ())
         self.optimizer.step()
         if self.record:
             stats.params = self.sync.full_tensors(grad=False)

@@ -14,7 +14,9 @@ surface (`StageSync`): the optimizer; `begin_step`; `before` an action (the gath
 writes a stage's weights; `after_compute` of each action, which launches the
 reductions of the gradients it is the last to write; `wait` for them before the update;
 for the update the gradients it clips and those the norm counts, whether this rank's
-squares count (`counts_norm`) and `after_update`; full tensors for tests.
+squares count (`counts_norm`) and `after_update`; full tensors for tests; and `ran`, the
+step's plan as it ran (each op with its group's global ranks and divisor, `issue`), which
+tests hold equal to the bound plan.
 
 DP x PP (`replicas` > 1): the pipeline is replicated, ranks laid out pp-outermost
 (exec/pipeline_comm.py); replica d runs micro-batch j of the slice the DP executor gives
@@ -63,9 +65,9 @@ from schedc.exec.flat import FlatUnit
 from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.bound import Bound
-from schedc.ir.op import Kind, Op
+from schedc.ir.op import Kind, Op, Phase
 from schedc.ir.source import Span
-from schedc.ir.spec import REPLICATE, UnitSpec
+from schedc.ir.spec import REPLICATE, TIED, UnitSpec
 from schedc.model.reference import adamw_groups, make_adamw
 
 
@@ -74,12 +76,18 @@ class StageSync:
     completes, and the step's reductions in flight; no-ops where the DDP case has nothing
     to do."""
 
-    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel) -> None:
+    def __init__(self, job: PipeJob, comm: PipeComm, model: RankModel, bound: Bound) -> None:
         self.job, self.comm, self.model = job, comm, model
         self.named = list(model.named_parameters())
         self.reduce = job.reduce or job.dtype
         self.buckets: dict[Op, list] = {}
         self.reductions: list[tuple] = []  # (work, what to do once it is done)
+        self.me = comm.rank * comm.replicas + comm.replica  # the global rank
+        self.last_mb = len(bound.batch) - 1  # the last micro-batch: its reductions' @mb
+        # this step's plan as it ran: each op with its group's global ranks and divisor, in
+        # issue order, as the bound plan's instructions say them (tests compare the two)
+        self.ran: list[tuple[Op, tuple[int, ...], int]] = []
+        self._members: dict = {}
 
     def optimizer(self) -> torch.optim.Optimizer:
         raise NotImplementedError
@@ -95,7 +103,17 @@ class StageSync:
         raise NotImplementedError
 
     def begin_step(self) -> None:
-        self.reductions = []
+        self.reductions, self.ran = [], []
+
+    def issue(self, op: Op, group=None, divisor: int = 1) -> None:
+        """Note `op` as run over `group` (a process group, its global ranks, or None: this
+        rank alone) with `divisor`."""
+        if not isinstance(group, tuple):
+            if group not in self._members:
+                ranks = (self.me,) if group is None else dist.get_process_group_ranks(group)
+                self._members[group] = tuple(ranks)
+            group = self._members[group]
+        self.ran.append((op, group, divisor))
 
     def before(self, act: Op) -> None:
         """Before the program runs `act`: what the plan launches there (FSDP's gathers)."""
@@ -159,7 +177,7 @@ class ReplicatedStages(StageSync):
         """Each bucket's all-reduce where the rank's bound plan runs it: after the stage op
         before it (passes/pipeline_bind.py, what the proof read), with its divisor: per
         action, the buckets it completes, as (parameters, the divisor of each share)."""
-        super().__init__(job, comm, model)
+        super().__init__(job, comm, model, bound)
         own, last = dict(self.named), None
         for ins in bound.plan.instrs:
             op = ins.op
@@ -167,7 +185,7 @@ class ReplicatedStages(StageSync):
                 last = op
             elif op is not None and op.kind is Kind.ALLREDUCE and op.target in bound.buckets:
                 assert last is not None, f"{op} before any stage op"
-                bucket = ([own[n] for n in bound.buckets[op.target]], ins.divisor)
+                bucket = ([own[n] for n in bound.buckets[op.target]], ins.divisor, op)
                 self.buckets.setdefault(last, []).append(bucket)
 
     def optimizer(self) -> torch.optim.Optimizer:
@@ -181,14 +199,15 @@ class ReplicatedStages(StageSync):
         """Each bucket `done` completes, in order, a flat all-reduce: each rank's share
         x / dp before the sum, in the reduce dtype (the DP executor's order: the division in
         the wider dtype)."""
-        for params, divisor in done:
-            self._reduce_bucket(params, divisor)
+        for params, divisor, op in done:
+            self._reduce_bucket(params, divisor, op)
 
-    def _reduce_bucket(self, params: list, divisor: int) -> None:
+    def _reduce_bucket(self, params: list, divisor: int, op: Op) -> None:
         grads = [p.grad for p in params]
         assert all(g is not None for g in grads), "a bucket's gradient was never written"
         flat = torch._utils._flatten_dense_tensors(grads)
         send = _share(flat, divisor, self.reduce)
+        self.issue(op, self.comm.dp, divisor)
         work = self._collective(lambda pg: dist.all_reduce(send, group=pg, async_op=True))
 
         def land(send=send, flat=flat, grads=grads):
@@ -205,6 +224,7 @@ class ReplicatedStages(StageSync):
         wte = self._tied()
         if self.comm.tied is not None and wte is not None:
             assert wte.grad is not None
+            self.issue(Op(Kind.ALLREDUCE, TIED, self.last_mb), self.comm.tied)
             dist.all_reduce(wte.grad, group=self.comm.tied)
         grads = [p.grad for _, p in self.named if p.grad is not None]
         assert len(grads) == len(self.named), "a parameter the loss does not reach"
@@ -230,7 +250,7 @@ class ShardedStages(StageSync):
     def __init__(
         self, job: PipeJob, comm: PipeComm, model: RankModel, stages: list[int], bound: Bound
     ) -> None:
-        super().__init__(job, comm, model)
+        super().__init__(job, comm, model, bound)
         self.units = self._shard(bound.units.items())
         self.readers = {s: self._readers(s) for s in stages}
         self.gathers: dict[FlatUnit, tuple] = {}  # launched, not waited for: (work, shard sent)
@@ -308,6 +328,7 @@ class ShardedStages(StageSync):
         of the step, every unit's (torchtitan under PP: reshard_after_forward=False, so each
         is gathered once a step)."""
         for u in self.launch.get(act, ()):
+            self.issue(Op(Kind.ALLGATHER, u.name, 0, Phase.FWD), self.comm.dp)
             full = u.alloc_full()
             shard = u.shard.to(full.dtype)
             work = self._collective(CPUBackend.all_gather(full, shard), (full, shard))
@@ -345,7 +366,9 @@ class ShardedStages(StageSync):
             grad = unit.take_grad(0)
             send = _share(grad, divisor, self.reduce)
             out = torch.empty(unit.shard_len, dtype=self.reduce)
+            self.issue(Op(Kind.REDUCESCATTER, unit.name, self.last_mb), self.comm.dp, divisor)
             work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
+            self.issue(Op(Kind.FREE, unit.name, self.last_mb, Phase.BWD), ())
             unit.release()  # the stage is done with its weights this step
 
             def land(unit=unit, out=out):
@@ -353,11 +376,11 @@ class ShardedStages(StageSync):
 
             if self.comm.replicate is not None:  # launched once the reduce-scatter is done
                 divisor = self.divisor.get(unit.name, 1)
-                self.reductions.append((work, self._replicate(out, land, divisor)))
+                self.reductions.append((work, self._replicate(unit, out, land, divisor)))
             else:
                 self.reductions.append((work, land))
 
-    def _replicate(self, out: torch.Tensor, land: Callable[[], None], divisor: int):
+    def _replicate(self, unit: FlatUnit, out: torch.Tensor, land: Callable[[], None], divisor):
         """HSDP: what lands a reduce-scatter: its output shard all-reduced (summed, each
         share / `divisor`, the plan's: 1) in place over the replicate group, async, landed
         once that is done."""
@@ -367,6 +390,7 @@ class ShardedStages(StageSync):
         def launch() -> None:
             if divisor != 1:
                 out.div_(divisor)
+            self.issue(Op(Kind.ALLREDUCE, unit.name, self.last_mb), group, divisor)
             self.reductions.append((CPUBackend.all_reduce(out)(group), land))
 
         return launch
@@ -383,6 +407,7 @@ class ShardedStages(StageSync):
             shard = u.live_shard_grad()
             tied = u.layout[0][0] is self._tied()
             if tied and self.comm.tied is not None:
+                self.issue(Op(Kind.ALLREDUCE, TIED, self.last_mb), self.comm.tied)
                 dist.all_reduce(shard, group=self.comm.tied)
             mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
             grads += mine
