@@ -284,6 +284,69 @@ def wrong_group(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
         )
 
 
+# -- the shape of a step, and operands that mean nothing ----------------------------------
+
+
+def update_dropped(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """One rank never updates: its replica drifts from the others (DDP accepted this)."""
+    return _each_run(bounds, lambda i: i.op.kind is Kind.STEP, _drop)
+
+
+def update_twice(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """One rank steps its optimizer twice on the step's gradients."""
+    return _each_run(bounds, lambda i: i.op.kind is Kind.STEP, _twice)
+
+
+def after_update(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """A backward moved after the update on one rank: its gradient is made too late."""
+
+    def edit(ins: list[Instr], k: int) -> str:
+        moved = ins.pop(k)
+        ins.append(moved)
+        return f"{moved.op} after the update"
+
+    return _each_run(bounds, lambda i: i.op.kind is Kind.BWD, edit)
+
+
+def forward_out_of_order(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """Two forwards of one micro-step swapped on one rank: a layer runs before its input."""
+    b = _last_rank(bounds)
+    ins = b.plan.instrs
+    fwd = _runs(b, lambda i: i.op.kind is Kind.FWD)
+    pairs = [(j, k) for j, k in zip(fwd, fwd[1:]) if ins[j].op.mb == ins[k].op.mb]
+    for j, k in _spread(pairs, 3):
+        swapped = list(ins)
+        swapped[j], swapped[k] = swapped[k], swapped[j]
+        yield (
+            f"{ins[k].op} before {ins[j].op} on rank {b.rank}",
+            _on_one_rank(bounds, b.rank, lambda x, s=swapped: _instrs(x, s)),
+        )
+
+
+def slice_outside_batch(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """One rank's micro-step reads the next step's sequences (positions past the batch)."""
+    b = _last_rank(bounds)
+    for m in _spread(list(range(len(b.batch))), 3):
+        batch = list(b.batch)
+        batch[m] = (batch[m][0] + spec.seqs, batch[m][1])
+        yield (
+            f"micro-step {m} of rank {b.rank} reads the next step's slice",
+            _on_one_rank(
+                bounds, b.rank, lambda x, batch=tuple(batch): dataclasses.replace(x, batch=batch)
+            ),
+        )
+
+
+def divisor_zero(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """A reduction whose divisor is 0 (was an internal error, not a refutation)."""
+
+    def edit(ins: list[Instr], k: int) -> str:
+        ins[k] = dataclasses.replace(ins[k], divisor=0)
+        return f"{ins[k].op} divided by 0"
+
+    return _each_run(bounds, lambda i: i.op.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER), edit)
+
+
 CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "drop-collective": drop_collective,
     "duplicate-collective": duplicate_collective,
@@ -300,4 +363,10 @@ CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "loss-scaled-twice": loss_scaled_twice,
     "backward-dropped": backward_dropped,
     "wrong-group": wrong_group,
+    "update-dropped": update_dropped,
+    "update-twice": update_twice,
+    "after-update": after_update,
+    "forward-out-of-order": forward_out_of_order,
+    "slice-outside-batch": slice_outside_batch,
+    "divisor-zero": divisor_zero,
 }

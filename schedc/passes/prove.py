@@ -112,6 +112,8 @@ class _Prover:
         self.stage_gathers: dict[int, tuple[Op, ...]] = {}  # FSDP per stage: what it reads
         if self.fsdp:
             self._fsdp_layout()
+        for b in bounds:  # what can be judged before anything runs
+            _shape(b, spec.seqs)
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
         rank = StageRank if spec.pipeline is not None else _Rank
@@ -299,6 +301,48 @@ class _Prover:
         """Why map `m` is not `piece`'s single-process gradient, if it is not."""
         w = self.theorem.check(m, self.writers[piece[0]])
         return None if w is None else _explain(self.spec, piece, rank, w)
+
+
+def _shape(b: Bound, seqs: int) -> None:
+    """The shape of a step, and operands that mean nothing, before any value is computed:
+    every micro-step reads positions of the step's global batch; every reduction divides by
+    a positive count; the plan holds one update a step, and nothing of the step runs after
+    its last one (a rank that never updates, or updates twice, trains wrong silently)."""
+    for m, (first, n) in enumerate(b.batch):
+        if first < 0 or n < 1 or first + n > seqs:
+            raise Refuted(
+                b.rank,
+                None,
+                f"micro-step {m} of rank {b.rank} reads positions {first} .. {first + n - 1} "
+                f"of a global batch of {seqs} sequences (0 .. {seqs - 1})",
+            )
+    ops = [(k, i.op, i.divisor) for k, i in enumerate(b.plan.instrs) if i.op is not None]
+    for k, op, divisor in ops:
+        if divisor < 1:
+            raise Refuted(
+                b.rank, k, f"{op} divides each member's share by {divisor}: a divisor counts "
+                "ranks, at least 1"
+            )  # fmt: skip
+    _one_update_a_step(b, [(k, op) for k, op, _ in ops])
+
+
+def _one_update_a_step(b: Bound, ops: list[tuple[int, Op]]) -> None:
+    updates = [k for k, op in ops if op.kind is Kind.STEP]
+    if len(updates) != b.steps:
+        at = updates[b.steps] if len(updates) > b.steps else (ops[-1][0] if ops else None)
+        raise Refuted(
+            b.rank,
+            at,
+            f"rank {b.rank}'s plan updates its parameters {len(updates)} "
+            f"time{'s' * (len(updates) != 1)} in {b.steps} step{'s' * (b.steps != 1)}: "
+            "each step is one update",
+        )
+    late = [(k, op) for k, op in ops if updates and k > updates[-1]]
+    if late:
+        k, op = late[0]
+        raise Refuted(
+            b.rank, k, f"{op} runs after the step's update: the step's work comes before it"
+        )
 
 
 def _explain(spec: Spec, piece: Piece, rank: int, w: Wrong) -> str:

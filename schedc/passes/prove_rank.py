@@ -229,6 +229,11 @@ class _Rank:
         """A forward or recompute: it reads the gathered units of its layer."""
         if op.kind is Kind.RECOMPUTE:
             self.after(op, at, Op(Kind.FWD, op.target, op.mb))
+        else:  # a forward reads the output of the layer before it
+            layers = self.spec.model.layers
+            i = layers.index(op.target)
+            if i > 0:
+                self.after(op, at, Op(Kind.FWD, layers[i - 1], op.mb))
         self.read_gathered(op, at)
         self.done[op] = at
 

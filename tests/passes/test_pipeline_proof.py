@@ -267,7 +267,20 @@ MUTATIONS = [
         "tiny_pp2_dp2_fsdp",
         lambda s, bs: _every(_no_tied)(s, bs),
         "missing",
-    ),  # fmt: skip
+    ),
+    # the shape of a step (passes/prove.py `_shape`), as for every schedule
+    (
+        "update-dropped",
+        "tiny_pp2_dp2_ddp",
+        lambda s, bs: _on(3, _drop(Kind.STEP))(s, bs),
+        "rank 3's plan updates its parameters 0 times in 1 step",
+    ),
+    (
+        "update-twice",
+        "tiny_pp2_hsdp",
+        lambda s, bs: _on(5, _twice(Kind.STEP))(s, bs),
+        "rank 5's plan updates its parameters 2 times in 1 step",
+    ),
 ]
 
 
