@@ -15,6 +15,9 @@
                               a missing event shows as changed bits once one side is slow)
     skip-replicate-allreduce  HSDP: the all-reduce of each unit's gradient shard over the
                               replicate group never runs (each replica keeps its own)
+    split-replicate-divisor   not a fault: HSDP's divisor split between the reduce-scatter
+                              (the world / R) and the replicate all-reduce (R), a plan the
+                              proof accepts and the executor must run as it says
     drop-keeps                every instruction's keeps dropped (nothing read across
                               streams is kept alive: a CUDA race the sanitizer cannot see)
     record-keeps              not a fault, an instrument: every keep_alive and all-reduce,
@@ -51,6 +54,26 @@ def _skip_replicate_allreduce(ex, _: str) -> None:
 
     kept = tuple(i for i in ex.plan.instrs if not replicate(i))
     ex.plan = dataclasses.replace(ex.plan, instrs=kept)
+
+
+def _split_replicate_divisor(ex, _: str) -> None:
+    ex.plan = dataclasses.replace(ex.plan, instrs=split_divisor(ex.plan.instrs, ex.spec.mesh))
+
+
+def split_divisor(instrs, mesh) -> tuple:
+    """HSDP's instructions with each reduce-scatter dividing by the world / R and each
+    replicate all-reduce by R: the same mean, another plan."""
+    from schedc.ir.op import Kind
+
+    R = mesh.replicate
+    out = []
+    for i in instrs:
+        if i.op is not None and i.op.kind is Kind.REDUCESCATTER:
+            i = dataclasses.replace(i, divisor=i.divisor // R)
+        elif i.op is not None and i.op.kind is Kind.ALLREDUCE:
+            i = dataclasses.replace(i, divisor=R)
+        out.append(i)
+    return tuple(out)
 
 
 def _reduce_first_micro_step(ex, _: str) -> None:
@@ -231,6 +254,7 @@ FAULTS = {
     "drop-gather-wait": _drop_gather_wait,
     "sleep": _sleep,
     "skip-replicate-allreduce": _skip_replicate_allreduce,
+    "split-replicate-divisor": _split_replicate_divisor,
     "drop-keeps": _drop_keeps,
     "record-keeps": _record_keeps,
 }

@@ -272,7 +272,7 @@ class Sharded(_Base):
         elif op.kind is Kind.REDUCESCATTER:
             self._reduce_scatter(stream, op, keeps, divisor)
         else:
-            self._replicate(stream, op, keeps)
+            self._replicate(stream, op, keeps, divisor)
 
     def _gather(self, stream: str, op: Op) -> None:
         b, unit, S = self.backend, self.units[op.target], self.spec.mesh.shard
@@ -349,14 +349,16 @@ class Sharded(_Base):
             land = None if direct else done
             b.collective(stream, op, launch, self._released(holds, land), dim)
 
-    def _replicate(self, stream: str, op: Op, keeps: tuple[str, ...]) -> None:
-        """HSDP: sum a unit's reduce-scattered gradient shard over the replicate group.
+    def _replicate(self, stream: str, op: Op, keeps: tuple[str, ...], divisor: int = 1) -> None:
+        """HSDP: sum a unit's reduce-scattered gradient shard over the replicate group, each
+        member's share divided by the plan's `divisor` first (1 as lowered: the
+        reduce-scatter already divided by the whole world, each rank's gradient x 1/D summed
+        over the shard group, so the sum over the replicate group is the average over every
+        rank; a plan that splits D between the two runs as it says, as the proof reads it).
 
-        The reduce-scatter already divided by the whole world (each rank's gradient x 1/D,
-        summed over the shard group), so the sum over the replicate group is the average
-        over every rank. It reads the reduce-scatter's output, which the stream's order
-        makes complete first, and then does what the reduce-scatter's completion would have
-        done: add (or cast) the shard into the fp32 gradient shard."""
+        It reads the reduce-scatter's output, which the stream's order makes complete first,
+        and then does what the reduce-scatter's completion would have done: add (or cast)
+        the shard into the fp32 gradient shard."""
         b, unit = self.backend, self.units[op.target]
         held, direct, done = self.scatter_out.pop((op.target, op.mb))
         self.count(op, unit.shard_len, self.reduce_dtype)
@@ -368,6 +370,8 @@ class Sharded(_Base):
         def launch(pg, held=held, keep=keep):
             if keep:
                 b.keep_alive(held["out"], stream)
+            if divisor != 1:
+                held["out"].div_(divisor)
             return b.all_reduce(held["out"])(pg)  # direct: the new gradient shard itself
 
         # the reduce-scatter's output, a temporary unless direct, goes when this retires

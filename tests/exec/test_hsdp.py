@@ -70,6 +70,34 @@ def test_generated_hsdp_schedules_equal_the_reference(pool6, reference, case):
     assert_matches(result, reference(text, case.steps))
 
 
+def test_a_divisor_split_between_scatter_and_replicate_runs_as_the_proof_reads_it(pool6, reference):
+    """The replicate all-reduce's divisor is an operand of both sides: a plan dividing by 2
+    in the reduce-scatter and by 2 in the all-reduce (world 4 as 2 x 2) is proved, and runs
+    to the reference's update, bitwise the lowered plan's (powers of two divide exactly);
+    the executor had ignored it and run a 2x gradient."""
+    import dataclasses
+
+    from schedc.passes.prove import prove
+    from tests.faults import split_divisor
+
+    text = twin("2 x 2")
+    c = compile_text(text)
+    split = [
+        dataclasses.replace(b, plan=dataclasses.replace(b.plan, instrs=split_divisor(
+            b.plan.instrs, c.spec.mesh)))
+        for b in c.bounds
+    ]  # fmt: skip
+    assert split[0].plan.instrs != c.bounds[0].plan.instrs
+    prove(c.spec, split)  # accepted: the same mean
+    import torch
+
+    got = pool6.run(text, 4, fault="split-replicate-divisor", timeout=JOB_S)
+    assert_matches(got, reference(text, 1))
+    (mine,), (lowered,) = got.steps, pool6.run(text, 4, timeout=JOB_S).steps
+    assert mine.grad_norm == lowered.grad_norm
+    assert all(torch.equal(mine.params[n], lowered.params[n]) for n in lowered.params)
+
+
 @pytest.mark.parametrize("mesh", ["2 x 2"])
 def test_skipping_the_replicate_allreduce_is_caught(pool6, reference, mesh):
     text = twin(mesh)
