@@ -347,6 +347,20 @@ def divisor_zero(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     return _each_run(bounds, lambda i: i.op.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER), edit)
 
 
+def bucket_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """One rank lays a bucket's parameters out in another order: the flat buffers it sums
+    element by element with its peers' hold other parameters at the same offsets."""
+    b = _last_rank(bounds)
+    names = [n for n, ps in b.buckets.items() if len(ps) > 1 and spec.world > 1]
+    for name in _spread(names, 3):
+        buckets = dict(b.buckets)
+        buckets[name] = tuple(reversed(buckets[name]))
+        yield (
+            f"{name} laid out in reverse on rank {b.rank}",
+            _on_one_rank(bounds, b.rank, lambda x, bk=buckets: dataclasses.replace(x, buckets=bk)),
+        )
+
+
 CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "drop-collective": drop_collective,
     "duplicate-collective": duplicate_collective,
@@ -369,4 +383,5 @@ CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "forward-out-of-order": forward_out_of_order,
     "slice-outside-batch": slice_outside_batch,
     "divisor-zero": divisor_zero,
+    "bucket-layout": bucket_layout,
 }

@@ -204,8 +204,10 @@ class _Prover:
         keeps chunk p), each contribution divided by its sender's divisor."""
         op = issues[0].instr.op
         assert op is not None
-        pieces = issues[0].sends.keys()
+        pieces, layout = issues[0].sends.keys(), issues[0].layout
         for i in issues[1:]:
+            if i.layout != layout:  # the executor sums flat buffers element by element
+                raise self._layouts(op, issues[0], i)
             if i.sends.keys() != pieces:
                 raise Refuted(
                     i.rank,
@@ -219,6 +221,25 @@ class _Prover:
         if op.kind is Kind.ALLREDUCE:
             return [dict(total) for _ in issues]
         return [self._chunk_of(op.target, p, total) for p in range(len(issues))]
+
+    def _layouts(self, op: Op, first: _Issue, other: _Issue) -> Refuted:
+        """Two members of a bucket's all-reduce lay its parameters out differently."""
+        k = next(
+            (k for k, (a, b) in enumerate(zip(first.layout, other.layout)) if a != b),
+            min(len(first.layout), len(other.layout)),
+        )
+        at = sum(self.numel[p] for p in first.layout[:k])
+
+        def holds(issue: _Issue) -> str:
+            return issue.layout[k] if k < len(issue.layout) else "nothing"
+
+        return Refuted(
+            other.rank,
+            other.index,
+            f"{op} sums the flat buffers element by element, and at element {at:,} rank "
+            f"{other.rank}'s holds {holds(other)} where rank {first.rank}'s holds "
+            f"{holds(first)}: its members lay the bucket out differently",
+        )
 
     def _chunk_of(self, unit: str, p: int, full: dict[Piece, int]) -> dict[Piece, int]:
         """The pieces of chunk `p` of `unit`'s flat gradient, with their maps."""

@@ -276,6 +276,17 @@ MUTATIONS = [
         "rank 3's plan updates its parameters 0 times in 1 step",
     ),
     (
+        "bucket-laid-out-another-way",
+        "tiny_pp2_dp2_ddp",
+        lambda s, bs: [
+            dc.replace(b, buckets={n: ps[::-1] for n, ps in b.buckets.items()})
+            if b.rank == 3
+            else b
+            for b in bs
+        ],
+        "its members lay the bucket out differently",
+    ),
+    (
         "update-twice",
         "tiny_pp2_hsdp",
         lambda s, bs: _on(5, _twice(Kind.STEP))(s, bs),
