@@ -361,6 +361,36 @@ def bucket_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
         )
 
 
+def streams_in_a_circle(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """HSDP 2 x 2: two collectives of two communicators, adjacent on one stream, swapped on
+    ranks 0 and 3 only. Each communicator stays in order by itself, but rank 0 waits for
+    rank 2, which waits for 3, which waits for 1, which waits for 0: a deadlock."""
+    if spec.kind is not Strategy.FSDP or (spec.mesh.replicate, spec.mesh.shard) != (2, 2):
+        return
+    ins = bounds[0].plan.instrs
+    colls = [k for k, i in enumerate(ins) if i.op is not None and i.op.is_collective]
+    pairs = [
+        (a, b)
+        for a, b in zip(colls, colls[1:])
+        if ins[a].stream == ins[b].stream
+        and spec.dim_of(ins[a].op) != spec.dim_of(ins[b].op)
+        and ins[a].op.target != ins[b].op.target  # not a unit's scatter and its all-reduce
+        and all(x.plan.instrs[a].op == ins[a].op and x.plan.instrs[b].op == ins[b].op
+                for x in bounds)
+    ]  # fmt: skip
+    for a, b in _spread(pairs, 3):
+
+        def swap(x: Bound, a=a, b=b) -> Bound:
+            out = list(x.plan.instrs)
+            out[a], out[b] = out[b], out[a]
+            return _instrs(x, out)
+
+        yield (
+            f"{ins[b].op} before {ins[a].op} on ranks 0 and 3",
+            [swap(x) if x.rank in (0, 3) else x for x in bounds],
+        )
+
+
 CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "drop-collective": drop_collective,
     "duplicate-collective": duplicate_collective,
@@ -384,4 +414,5 @@ CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "slice-outside-batch": slice_outside_batch,
     "divisor-zero": divisor_zero,
     "bucket-layout": bucket_layout,
+    "streams-in-a-circle": streams_in_a_circle,
 }

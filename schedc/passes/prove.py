@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 
+import networkx as nx
+
 from schedc.ir.bound import Bound
 from schedc.ir.effects import gathers_read
 from schedc.ir.op import Kind, Op, Phase
@@ -115,6 +117,7 @@ class _Prover:
         for b in bounds:  # what can be judged before anything runs
             _shape(b, spec.seqs)
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
+        self.collectives: list[list[_Issue]] = []  # every collective computed: its members
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
         rank = StageRank if spec.pipeline is not None else _Rank
         self.ranks = [rank(self, b) for b in bounds]
@@ -157,6 +160,7 @@ class _Prover:
                 progressed |= r.advance()
             if all(r.finished for r in self.ranks):
                 self._all_matched()
+                self._no_circle_of_streams()
                 self._shards_once()
                 return
             if not progressed:
@@ -174,6 +178,11 @@ class _Prover:
                 f"{issue.instr.op}: its group {issue.instr.group} does not hold its rank",
             )
         queues[issue.rank].append(issue)
+        op = issue.instr.op
+        if op is not None and op.kind.is_collective:  # a transfer: its own model (the module doc)
+            r = self.ranks[issue.rank]
+            issue.after = r.blocked_by(issue.at)
+            r.issued[issue.at[0]].append((issue.at[1], issue))
         n = self.matched.get(key, 0)
         while all(len(q) > n for q in queues.values()):
             self._collective([q[n] for q in queues.values()], stream)
@@ -181,6 +190,9 @@ class _Prover:
 
     def _collective(self, issues: list[_Issue], stream: str) -> None:
         first = issues[0]
+        for i in issues:
+            i.node = len(self.collectives)
+        self.collectives.append(issues)
         if first.instr.op is not None and first.instr.op.kind.is_p2p:
             return transfer(self.ranks, issues)
         for i in issues[1:]:
@@ -276,6 +288,41 @@ class _Prover:
             for q in queues.values():
                 if len(q) > n:
                     self._unanswered(q[n], stream, group, queues)
+
+    def _no_circle_of_streams(self) -> None:
+        """No collective waits for itself: a collective starts on a member's stream once the
+        collective before it there, and the latest of each stream its events waited for, are
+        complete, and completes once every member started it. A circle of these (two
+        communicators on one stream in opposite orders on two ranks, or waits across streams
+        through collectives) is a deadlock even where every communicator is in order."""
+        graph = nx.DiGraph()
+        for n, members in enumerate(self.collectives):
+            graph.add_edges_from({(b.node, n) for i in members for b in i.after if b.node != n})
+        try:
+            cycle = nx.find_cycle(graph)
+        except nx.NetworkXNoCycle:
+            return
+        raise self._circle([c for c, _ in cycle])
+
+    def _circle(self, nodes: list[int]) -> Refuted:
+        """Where the circle shows: a member whose collective waits for the next one's."""
+        steps = []
+        for a, b in zip(nodes, nodes[1:] + nodes[:1]):
+            i = next(i for i in self.collectives[b] if any(d.node == a for d in i.after))
+            d = next(d for d in i.after if d.node == a)
+            steps.append((i, d))
+        i, d = steps[0]
+        said = "; ".join(
+            f"rank {i.rank}'s {i.instr.op} on stream '{i.at[0]}' waits for its "
+            f"{d.instr.op} on stream '{d.at[0]}'"
+            for i, d in steps
+        )
+        return Refuted(
+            i.rank,
+            i.index,
+            f"the collectives wait for each other in a circle: {said}, and each completes "
+            "only once every member has started it",
+        )
 
     def _deadlock(self) -> None:
         self._all_matched()  # names a collective some rank never issues, if there is one

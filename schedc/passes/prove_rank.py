@@ -4,6 +4,7 @@ waits, and the gradient values of passes/values.py in its buffers."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -52,6 +53,10 @@ class _Issue:
     version: int = 0
     value: Any = None  # a transfer: what its send carries
     layout: tuple[str, ...] = ()  # a bucket's all-reduce: its parameters in flat order
+    # the collectives this one cannot start before (its stream runs one op at a time, and
+    # waits for what its events cover): the latest issued before it on each stream
+    after: tuple[_Issue, ...] = ()
+    node: int = -1  # the collective it is one member of, once every member issued it
 
 
 class _Rank:
@@ -67,6 +72,8 @@ class _Rank:
         self.updates = 0
         self.pos = {s: -1 for s in bound.plan.streams}
         self.front: dict[str, dict[str, int]] = {s: {} for s in bound.plan.streams}
+        # per stream, the collectives issued on it: (position, issue), in order
+        self.issued: dict[str, list[tuple[int, _Issue]]] = {s: [] for s in bound.plan.streams}
         self.events: dict[int, dict[str, int]] = {}
         self.bufs: dict[str, _Buf] = {}
         self.done: dict[Op, At] = {}  # this step's forwards, recomputes and backwards
@@ -108,6 +115,18 @@ class _Rank:
 
     def _done(self, at: At) -> None:
         self.front[at[0]][at[0]] = at[1]
+
+    def blocked_by(self, at: At) -> tuple[_Issue, ...]:
+        """The collectives an op at `at` cannot start before: on each stream, the latest
+        one issued that the op's stream has reached (its own stream: the one before it)."""
+        out = []
+        front = self.front[at[0]]
+        for stream, issued in self.issued.items():
+            limit = at[1] - 1 if stream == at[0] else front.get(stream, -1)
+            k = bisect_right(issued, limit, key=lambda pi: pi[0])
+            if k:
+                out.append(issued[k - 1][1])
+        return tuple(out)
 
     def covered(self, at: At, w: At) -> bool:
         """Whether `w` is complete before the op at `at` starts."""
