@@ -25,6 +25,11 @@
 
 Each is applied to a built Executor by `inject(ex, fault)`, on every rank of the job: the
 fault's first word picks its function in FAULTS, which gets the words after it.
+
+    mutation CLASS            not applied to an executor: the first variant of a plan-mutation
+                              class (tests/plan_mutations.py) bound into the Compiled the
+                              executor is built from (`mutated`), the proof bypassed: what
+                              a wrong plan the proof refutes would do if it ran
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+
+
+def mutated(compiled, cls: str):
+    """`compiled` with every rank's bound plan replaced by the first variant of mutation
+    class `cls`, as if a lowering had made it and no proof had looked."""
+    from tests.plan_mutations import CLASSES
+
+    bounds = [compiled.bound(r) for r in range(compiled.spec.world)]
+    _, variant = next(CLASSES[cls](compiled.spec, bounds))
+    return dataclasses.replace(compiled, bounds=tuple(variant))
 
 
 def inject(ex, fault: str) -> None:
