@@ -22,6 +22,7 @@ from tests.pool import JobFailed, Pool  # noqa: E402
 
 DDP = (ROOT / "schedules" / "tiny_ddp_overlap.sched").read_text()
 HSDP = (ROOT / "schedules" / "tiny_hsdp.sched").read_text()
+FSDP = (ROOT / "schedules" / "tiny_fsdp_prefetch.sched").read_text()
 # (class, schedule text, world): the schedule whose plans the class has variants on
 CASES = [
     ("update-dropped", DDP, 2),
@@ -32,6 +33,7 @@ CASES = [
     ("divisor-zero", DDP, 2),
     ("bucket-layout", DDP, 2),
     ("streams-in-a-circle", HSDP, 4),
+    ("unit-layout", FSDP, 2),
 ]
 STEPS = 2
 TIMEOUT_S = 30

@@ -361,6 +361,20 @@ def bucket_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
         )
 
 
+def unit_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """One rank lays an FSDP unit's parameters out in another order: the chunks it gathers
+    and reduce-scatters with its peers hold other parameters at the same offsets."""
+    b = _last_rank(bounds)
+    names = [n for n, ps in b.units.items() if len(ps) > 1 and spec.world > 1]
+    for name in _spread(names, 3):
+        units = dict(b.units)
+        units[name] = tuple(reversed(units[name]))
+        yield (
+            f"unit {name} laid out in reverse on rank {b.rank}",
+            _on_one_rank(bounds, b.rank, lambda x, u=units: dataclasses.replace(x, units=u)),
+        )
+
+
 def streams_in_a_circle(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """HSDP 2 x 2: two collectives of two communicators, adjacent on one stream, swapped on
     ranks 0 and 3 only. Each communicator stays in order by itself, but rank 0 waits for
@@ -415,4 +429,5 @@ CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "divisor-zero": divisor_zero,
     "bucket-layout": bucket_layout,
     "streams-in-a-circle": streams_in_a_circle,
+    "unit-layout": unit_layout,
 }

@@ -77,17 +77,20 @@ class FlatUnit:
     ):
         self.name = spec.name
         self.keep = spec.keep
-        decay = [n for n in spec.params if cfg.param(n).decay]
-        plain = [n for n in spec.params if not cfg.param(n).decay]
-        # (param, offset, numel, shape): the shape is kept, since a freed parameter is empty
+        # (param, offset, numel, shape) in the order given (the bound plan's flat order,
+        # cfg.flat_order): the shape is kept, since a freed parameter is empty
         self.layout: list[tuple[nn.Parameter, int, int, torch.Size]] = []
+        self.runs: list[tuple[int, int, bool]] = []  # (start, end, decayed): AdamW's groups
         off = 0
-        for name in decay + plain:
-            p = params[name]
+        for name in spec.params:
+            p, decay = params[name], cfg.param(name).decay
             self.layout.append((p, off, p.numel(), p.shape))
+            if self.runs and self.runs[-1][2] == decay:
+                self.runs[-1] = (self.runs[-1][0], off + p.numel(), decay)
+            else:
+                self.runs.append((off, off + p.numel(), decay))
             off += p.numel()
         self.numel = off
-        self.n_decay = sum(params[n].numel() for n in decay)
         self.padded = padded(self.numel, world)
         self.shard_len = self.padded // world
         self.rank, self.world = rank, world
@@ -212,10 +215,10 @@ class FlatUnit:
     def _make_optimizer_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         lo, hi = self.rank * self.shard_len, (self.rank + 1) * self.shard_len
         out: tuple[list, list] = ([], [])
-        for group, (a, b) in enumerate(((0, self.n_decay), (self.n_decay, self.numel))):
+        for a, b, decay in self.runs:  # decay-first: one run of each, as lowered
             a, b = max(a, lo), min(b, hi)
             if a < b:
-                out[group].append(nn.Parameter(self.shard[a - lo : b - lo]))
+                out[0 if decay else 1].append(nn.Parameter(self.shard[a - lo : b - lo]))
         return out
 
     def new_shard_grad(self) -> torch.Tensor:

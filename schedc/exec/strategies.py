@@ -25,6 +25,7 @@ dtype and adds the result into the fp32 gradient shard.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -177,9 +178,11 @@ class Sharded(_Base):
         # accumulate in the reduce dtype (flat.py FlatUnit.fold)
         self.upcast = upcast(spec)
         accumulate = reduce_dtype if self.upcast else None
+        # each unit laid out in its bound flat order (the proof's layout, ir/bound.py)
+        laid = (replace(u, params=bound.units[u.name]) for u in fsdp.units)
         self.units = {
             u.name: FlatUnit(u, spec.model, params, index, S, gather_dtype, accumulate)
-            for u in fsdp.units
+            for u in laid
         }
         if log is not None:
             for u in self.units.values():

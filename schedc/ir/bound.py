@@ -22,8 +22,11 @@ executor takes these from the bound plan and from nowhere else, and the proof
     params          a pipeline rank: the parameters it holds and updates (its stages'; empty:
                     every parameter); its batch is its replica's, its loss scale the last
                     stage's (passes/pipeline_bind.py)
-    units           FSDP per stage: the units the rank holds, each with its parameters (the
-                    tied wte's on both ends), by the names its collectives target
+    units           FSDP: each unit the rank holds (per stage: the tied wte's on both ends),
+                    by the name its collectives target, with its parameters in the order
+                    its padded flat parameter lays them out (model/arch.py flat_order:
+                    decayed first): the layout its gathers and reduce-scatters move in
+                    chunks, which every member must share
     Instr.group     every collective: the ranks of its process group, in group order (a
                     reduce-scatter's chunk p goes to group[p], an all-gather's comes from it)
     Instr.divisor   every reduction: what each member's contribution is divided by before
@@ -55,7 +58,7 @@ class Bound:
     shard: int | None = None
     steps: int = 1  # optimizer steps the plan holds (more: a plan unrolled over steps)
     params: tuple[str, ...] = ()  # a pipeline rank's parameters; empty: every parameter
-    units: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # FSDP per stage
+    units: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # FSDP: flat layouts
 
     def positions(self, mb: int) -> range:
         """The positions of the step's global batch that micro-step `mb` reads."""

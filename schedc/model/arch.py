@@ -71,6 +71,14 @@ class GPTConfig:
     def param(self, name: str) -> ParamSpec:
         return self._by_name[name]
 
+    def flat_order(self, names) -> tuple[str, ...]:
+        """An FSDP unit's parameters as its flat parameter lays them out: those AdamW decays
+        first, then the rest, each in the order given (passes/bind.py binds it; exec/flat.py
+        lays a unit out in the bound order)."""
+        return tuple(n for n in names if self.param(n).decay) + tuple(
+            n for n in names if not self.param(n).decay
+        )
+
     # -- sizes -------------------------------------------------------------------------
 
     def layer_numel(self, layer: str) -> int:

@@ -33,6 +33,7 @@ def bind(spec: Spec, plan: Plan, rank: int) -> Bound:
             grad_keys=tuple(grad_key(spec, m) for m in range(spec.accum)),
             folds=_folds(spec),
             shard=spec.mesh.index(rank, SHARD),
+            units={u.name: spec.model.flat_order(u.params) for u in spec.fsdp.units},
         )
     if isinstance(spec.strategy, DDPSpec):
         buckets = {b.name: b.params for b in spec.strategy.buckets}

@@ -162,7 +162,7 @@ def _units(spec: Spec, pipe: Pipeline, program: list[Item], me: int, held) -> _S
     sync = _Sync(shard=mesh.index(d, SHARD), replicate=replicate)
     mine: list[StageUnit] = [u for u in spec.pipeline.units if set(u.params) <= set(held)]
     for u in mine:
-        sync.units[u.name] = u.params
+        sync.units[u.name] = spec.model.flat_order(u.params)
         sync.before.append(_run(Op(Kind.ALLGATHER, u.name, 0, Phase.FWD), shards))
         done = sync.after.setdefault(_done_by(spec, pipe, program, p, u.params), [])
         done.append(_run(Op(Kind.REDUCESCATTER, u.name, m - 1), shards, dp))

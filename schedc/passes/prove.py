@@ -41,7 +41,7 @@ from schedc.lang.diagnostics import count
 from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
 from schedc.passes.prove_stage import StageRank, transfer
-from schedc.passes.values import Maps, Theorem, Wrong
+from schedc.passes.values import EMPTY, Maps, Theorem, Wrong
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,10 @@ class _Prover:
         return self._gathers[op]
 
     def _fsdp_layout(self) -> None:
-        """Each unit's flat parameter: decay parameters first, then the rest (exec/flat.py),
-        padded to a multiple of the shard group."""
-        model, D = self.spec.model, self.mesh.shard
-        ps = self.spec.pipeline
+        """Each unit's flat parameter as the bound plans lay it out (ir/bound.py `units`),
+        padded to a multiple of the shard group: every rank holding a unit must lay it out
+        alike, since its collectives move flat chunks of it."""
+        D, ps = self.mesh.shard, self.spec.pipeline
         units = ps.units if ps is not None else self.spec.fsdp.units
         self.unit_of = {p: u.name for u in units for p in u.params}
         for s in range(len(ps.stages) if ps is not None else 0):
@@ -144,14 +144,37 @@ class _Prover:
                 Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in units if params & set(u.params)
             )
         for u in units:
-            order = [p for p in u.params if model.param(p).decay]
-            order += [p for p in u.params if not model.param(p).decay]
+            order = self._agreed(u.name, u.params)
             off, out = 0, []
             for p in order:
                 out.append((p, off, self.numel[p]))
                 off += self.numel[p]
             self.layout[u.name] = out
             self.chunk[u.name] = padded(off, D) // D
+
+    def _agreed(self, unit: str, params: tuple[str, ...]) -> tuple[str, ...]:
+        """The flat order of `unit` every rank holding it binds; it must hold the unit's
+        parameters, each once."""
+        holders = [b for b in self.bounds if unit in b.units]
+        if not holders:
+            raise Refuted(0, None, f"no rank's bound plan lays out unit {unit}")
+        first = holders[0]
+        order = tuple(first.units[unit])
+        if sorted(order) != sorted(params):
+            raise Refuted(
+                first.rank, None, f"rank {first.rank} lays unit {unit} out as "
+                f"{', '.join(order)}, not its parameters {', '.join(params)} once each"
+            )  # fmt: skip
+        for b in holders[1:]:
+            if tuple(b.units[unit]) != order:
+                k = next(k for k, (x, y) in enumerate(zip(order, b.units[unit])) if x != y)
+                raise Refuted(
+                    b.rank, None, f"rank {b.rank} lays unit {unit} out with "
+                    f"{b.units[unit][k]} where rank {first.rank} has {order[k]} (parameter "
+                    f"{k} of its flat layout): the unit's gathers and reduce-scatters move "
+                    "flat chunks, so every rank holding it must lay it out alike"
+                )  # fmt: skip
+        return order
 
     def run(self) -> None:
         while True:
@@ -261,7 +284,7 @@ class _Prover:
         for name, off, n in self.layout[unit]:
             a, b = max(lo, off), min(hi, off + n)
             if a < b:
-                out[(name, a - off, b - off)] = full[(name, 0, n)]
+                out[(name, a - off, b - off)] = full.get((name, 0, n), EMPTY)  # none: unwritten
         return out
 
     def _gather(self, issues: list[_Issue]) -> None:
