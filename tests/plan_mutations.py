@@ -350,28 +350,26 @@ def divisor_zero(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 def bucket_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank lays a bucket's parameters out in another order: the flat buffers it sums
     element by element with its peers' hold other parameters at the same offsets."""
-    b = _last_rank(bounds)
-    names = [n for n, ps in b.buckets.items() if len(ps) > 1 and spec.world > 1]
-    for name in _spread(names, 3):
-        buckets = dict(b.buckets)
-        buckets[name] = tuple(reversed(buckets[name]))
-        yield (
-            f"{name} laid out in reverse on rank {b.rank}",
-            _on_one_rank(bounds, b.rank, lambda x, bk=buckets: dataclasses.replace(x, buckets=bk)),
-        )
+    return _reversed_layout(spec, bounds, "buckets")
 
 
 def unit_layout(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank lays an FSDP unit's parameters out in another order: the chunks it gathers
     and reduce-scatters with its peers hold other parameters at the same offsets."""
+    return _reversed_layout(spec, bounds, "units")
+
+
+def _reversed_layout(spec: Spec, bounds: list[Bound], field: str) -> Iterator[Variant]:
+    """The last rank's flat layout (its bound `buckets` or `units`) of up to three of its
+    buffers reversed, one at a time."""
     b = _last_rank(bounds)
-    names = [n for n, ps in b.units.items() if len(ps) > 1 and spec.world > 1]
+    layouts = getattr(b, field)
+    names = [n for n, ps in layouts.items() if len(ps) > 1 and spec.world > 1]
     for name in _spread(names, 3):
-        units = dict(b.units)
-        units[name] = tuple(reversed(units[name]))
+        changed = {**layouts, name: tuple(reversed(layouts[name]))}
         yield (
-            f"unit {name} laid out in reverse on rank {b.rank}",
-            _on_one_rank(bounds, b.rank, lambda x, u=units: dataclasses.replace(x, units=u)),
+            f"{name} laid out in reverse on rank {b.rank}",
+            _on_one_rank(bounds, b.rank, lambda x, c=changed: dataclasses.replace(x, **{field: c})),
         )
 
 
