@@ -6,6 +6,9 @@ job's timeout), or an update that differs from the reference's.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/mutants_run.py [CLASS ...]
 
+on the bundled tiny DDP (world 2), FSDP (world 2) and HSDP (2 x 2) schedules, each class on
+each one it has a variant on.
+
 Not part of the test suite (a hang costs its whole timeout); docs/proof.md records a run.
 """
 
@@ -20,32 +23,40 @@ sys.path.insert(0, str(ROOT))
 from tests.oracle import assert_matches, reference_steps  # noqa: E402
 from tests.pool import JobFailed, Pool  # noqa: E402
 
-DDP = (ROOT / "schedules" / "tiny_ddp_overlap.sched").read_text()
-HSDP = (ROOT / "schedules" / "tiny_hsdp.sched").read_text()
-FSDP = (ROOT / "schedules" / "tiny_fsdp_prefetch.sched").read_text()
-# (class, schedule text, world): the schedule whose plans the class has variants on
-CASES = [
-    ("update-dropped", DDP, 2),
-    ("update-twice", DDP, 2),
-    ("after-update", DDP, 2),
-    ("forward-out-of-order", DDP, 2),
-    ("slice-outside-batch", DDP, 2),
-    ("divisor-zero", DDP, 2),
-    ("bucket-layout", DDP, 2),
-    ("streams-in-a-circle", HSDP, 4),
-    ("unit-layout", FSDP, 2),
-]
+SCHEDULES = {  # name: (text, world)
+    "ddp": ((ROOT / "schedules" / "tiny_ddp_overlap.sched").read_text(), 2),
+    "fsdp": ((ROOT / "schedules" / "tiny_fsdp_prefetch.sched").read_text(), 2),
+    "hsdp": ((ROOT / "schedules" / "tiny_hsdp.sched").read_text(), 4),
+}
+NEW = (  # the classes added for issue #44
+    "update-dropped",
+    "update-twice",
+    "after-update",
+    "forward-out-of-order",
+    "slice-outside-batch",
+    "divisor-zero",
+    "bucket-layout",
+    "streams-in-a-circle",
+    "unit-layout",
+)
 STEPS = 2
 TIMEOUT_S = 30
 
 
 def main(argv: list[str]) -> int:
-    wanted = set(argv) or {c for c, _, _ in CASES}
+    """Each class (those named, or every new one) on each schedule it has a variant on."""
+    from schedc.compiler import compile_text
+    from tests.plan_mutations import CLASSES
+
+    compiled = {k: compile_text(text, f"{k}.sched") for k, (text, _) in SCHEDULES.items()}
     pool = Pool(4)
     try:
-        for cls, text, world in CASES:
-            if cls in wanted:
-                print(f"{cls:<22} {_run(pool, cls, text, world)}", flush=True)
+        for cls in argv or NEW:
+            for k, (text, world) in SCHEDULES.items():
+                c = compiled[k]
+                if next(CLASSES[cls](c.spec, list(c.bounds)), None) is None:
+                    continue  # no variant here (a bucket in FSDP, a circle without HSDP)
+                print(f"{cls:<22} {k:<5} {_run(pool, cls, text, world)}", flush=True)
     finally:
         pool.close()
     return 0
