@@ -117,14 +117,19 @@ def _held(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
     return tuple(q.name for q in spec.model.params if q.name in names)
 
 
-def _done_by(spec: Spec, pipe: Pipeline, program: list[Item], p: int, params) -> Op:
-    """The action after which nothing in the program writes `params`' gradients: the last
-    backward of the rank's stages that compute with one of them."""
+def _done_by(spec: Spec, pipe: Pipeline, program: list[Item], p: int):
+    """For pipeline rank `p`'s program, a function of parameters: the action after which
+    nothing writes their gradients, the last backward of the rank's stages that compute
+    with one of them (the program walked once, not once a bucket or unit)."""
     writers = last_grad_writers(program)
     index = {a: i for i, item in enumerate(program) for a in item}
-    stages = pipe.stages_of(p)
-    done = [writers[t] for t in stages if set(params) & set(stage_params(spec, t))]
-    return max(done, key=index.__getitem__)
+    stages = [(t, set(stage_params(spec, t))) for t in pipe.stages_of(p)]
+
+    def done_by(params) -> Op:
+        done = [writers[t] for t, held in stages if held.intersection(params)]
+        return max(done, key=index.__getitem__)
+
+    return done_by
 
 
 def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
@@ -137,6 +142,7 @@ def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
     stages = pipe.stages_of(p)
     block = {q: b.name for b in ps.buckets for q in b.params}  # a ddp block's names
     replicas = tuple(p * dp + r for r in range(dp))
+    done_by = _done_by(spec, pipe, program, p)
     sync = _Sync()
     for s in stages:
         for bucket in stage_buckets(spec, s, stages):
@@ -145,7 +151,7 @@ def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
             sync.buckets[name] = tuple(bucket)
             if dp > 1:
                 reduce = _run(Op(Kind.ALLREDUCE, name, m - 1), replicas, dp)
-                sync.after.setdefault(_done_by(spec, pipe, program, p, bucket), []).append(reduce)
+                sync.after.setdefault(done_by(bucket), []).append(reduce)
     return sync
 
 
@@ -161,10 +167,11 @@ def _units(spec: Spec, pipe: Pipeline, program: list[Item], me: int, held) -> _S
     replicate = tuple(p * dp + r for r in mesh.members(d, REPLICATE))
     sync = _Sync(shard=mesh.index(d, SHARD), replicate=replicate)
     mine: list[StageUnit] = [u for u in spec.pipeline.units if set(u.params) <= set(held)]
+    done_by = _done_by(spec, pipe, program, p)
     for u in mine:
         sync.units[u.name] = spec.model.flat_order(u.params)
         sync.before.append(_run(Op(Kind.ALLGATHER, u.name, 0, Phase.FWD), shards))
-        done = sync.after.setdefault(_done_by(spec, pipe, program, p, u.params), [])
+        done = sync.after.setdefault(done_by(u.params), [])
         done.append(_run(Op(Kind.REDUCESCATTER, u.name, m - 1), shards, dp))
         done.append(Instr(Action.RUN, COMPUTE, Op(Kind.FREE, u.name, m - 1, Phase.BWD)))
     return sync
