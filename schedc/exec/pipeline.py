@@ -131,7 +131,7 @@ class PipelineExecutor:
         self.step_index = 0
         self.reads = awaited(self.program)
         self.posted = Posted()
-        self.rank = comm.rank * comm.replicas + comm.replica  # global
+        self.rank = comm.me  # global
         self.spans: list[ItemSpan] | None = [] if timed else None
         """With `timed`: each item's start and end, every step (perf_counter: the host's
         monotonic clock, one for its ranks), for a trace (analysis/pipeline_trace.py)."""

@@ -65,6 +65,11 @@ class PipeComm:
     mesh: Mesh | None = None  # HSDP: the dp replicas as replicate x shard; None: 1 x dp
 
     @property
+    def me(self) -> int:
+        """This rank's global rank: pipeline rank x dp + replica (pp-outermost)."""
+        return self.rank * self.replicas + self.replica
+
+    @property
     def shards(self) -> int:
         """The ranks a unit is sharded over (S; all dp replicas without a mesh)."""
         return self.mesh.shard if self.mesh else self.replicas

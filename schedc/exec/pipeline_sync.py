@@ -65,7 +65,8 @@ from schedc.exec.flat import FlatUnit
 from schedc.exec.pipeline_comm import PipeComm
 from schedc.exec.pipeline_model import PipeJob, RankModel
 from schedc.ir.bound import Bound
-from schedc.ir.op import Kind, Op, Phase
+from schedc.ir.op import Kind, Op
+from schedc.ir.plan import Instr
 from schedc.ir.source import Span
 from schedc.ir.spec import REPLICATE, TIED, UnitSpec
 from schedc.model.reference import adamw_groups, make_adamw
@@ -82,8 +83,8 @@ class StageSync:
         self.reduce = job.reduce or job.dtype
         self.buckets: dict[Op, list] = {}
         self.reductions: list[tuple] = []  # (work, what to do once it is done)
-        self.me = comm.rank * comm.replicas + comm.replica  # the global rank
-        self.last_mb = len(bound.batch) - 1  # the last micro-batch: its reductions' @mb
+        # the plan's sum of the tied wte's two copies, if this rank holds one end
+        self.tied_op = next((i.op for i in bound.plan.instrs if _is_tied(i.op)), None)
         # this step's plan as it ran: each op with its group's global ranks and divisor, in
         # issue order, as the bound plan's instructions say them (tests compare the two)
         self.ran: list[tuple[Op, tuple[int, ...], int]] = []
@@ -110,7 +111,7 @@ class StageSync:
         rank alone) with `divisor`."""
         if not isinstance(group, tuple):
             if group not in self._members:
-                ranks = (self.me,) if group is None else dist.get_process_group_ranks(group)
+                ranks = (self.comm.me,) if group is None else dist.get_process_group_ranks(group)
                 self._members[group] = tuple(ranks)
             group = self._members[group]
         self.ran.append((op, group, divisor))
@@ -222,9 +223,9 @@ class ReplicatedStages(StageSync):
         of ranks holding them (embed's part + head's part); and those the norm counts (the
         tied weight once, on the embed's rank)."""
         wte = self._tied()
-        if self.comm.tied is not None and wte is not None:
-            assert wte.grad is not None
-            self.issue(Op(Kind.ALLREDUCE, TIED, self.last_mb), self.comm.tied)
+        if self.tied_op is not None:  # this rank holds one end of the pair
+            assert wte is not None and wte.grad is not None and self.comm.tied is not None
+            self.issue(self.tied_op, self.comm.tied)
             dist.all_reduce(wte.grad, group=self.comm.tied)
         grads = [p.grad for _, p in self.named if p.grad is not None]
         assert len(grads) == len(self.named), "a parameter the loss does not reach"
@@ -255,8 +256,9 @@ class ShardedStages(StageSync):
         self.readers = {s: self._readers(s) for s in stages}
         self.gathers: dict[FlatUnit, tuple] = {}  # launched, not waited for: (work, shard sent)
         self.gathered: set[FlatUnit] = set()  # this step's, waited for
-        self.launch: dict[Op, list[FlatUnit]] = {}  # the gathers launched before an action
-        self.divisor: dict[str, int] = {}  # HSDP: each shard's replicate all-reduce's
+        # the plan's gathers launched before an action, as (unit, op)
+        self.launch: dict[Op, list[tuple[FlatUnit, Op]]] = {}
+        self.replicated: dict[str, Instr] = {}  # HSDP: each shard's replicate all-reduce
         self._bound_units(bound)
 
     def _bound_units(self, bound: Bound) -> None:
@@ -264,36 +266,36 @@ class ShardedStages(StageSync):
         each unit's collectives: its all-gather before the stage op after it, its
         reduce-scatter after the stage op before it, with their divisors."""
         by_name = {u.name: u for u in self.units}
-        before: list[FlatUnit] = []
+        before: list[tuple[FlatUnit, Op]] = []
         last = None
         for ins in bound.plan.instrs:
             op = ins.op
-            if op is None or op.kind is Kind.FREE:
-                continue  # a unit is freed with its reduce-scatter (`_reduce`)
+            if op is None:
+                continue
             if op.kind.on_stage:
                 self.launch.setdefault(op, []).extend(before)
                 before, last = [], op
             elif op.kind is Kind.ALLGATHER:
-                before.append(by_name[op.target])
+                before.append((by_name[op.target], op))
             elif op.kind is Kind.REDUCESCATTER:
                 assert last is not None, f"{op} before any stage op"
-                self.buckets.setdefault(last, []).append((by_name[op.target], ins.divisor))
+                self.buckets.setdefault(last, []).append([by_name[op.target], ins.divisor, op])
+            elif op.kind is Kind.FREE:  # run with the reduce-scatter before it (`_reduce`)
+                assert last is not None and self.buckets[last][-1][0].name == op.target, op
+                self.buckets[last][-1].append(op)
             elif op.kind is Kind.ALLREDUCE and op.target in by_name:
-                self.divisor[op.target] = ins.divisor
+                self.replicated[op.target] = ins
 
     def _shard(self, named) -> list[FlatUnit]:
         """This rank's units: each sharded over the shard group (replica d keeps shard d; under
         HSDP the S ranks of its replicate index, `PipeComm.shard` its index there), the
-        fp32 shard its own, gathered in the gather dtype. Its own units are those whose
-        parameters it holds: a stage's, and the tied wte's on the embed's and head's ranks
-        (one layout, so shard d is the same slice of wte on both)."""
+        fp32 shard its own, gathered in the gather dtype. Its units are its bound plan's: a
+        stage's, and the tied wte's on the embed's and head's ranks (one layout, so shard d
+        is the same slice of wte on both), each laid out in the bound flat order."""
         own, cfg, out = dict(self.named), self.job.model, []
         upcast = self.job.reduce if _wider(self.job.reduce, self.job.gather) else None
         for name, names in named:
-            held = [n in own for n in names]
-            if not any(held):
-                continue
-            assert all(held), f"unit {name} ({', '.join(names)}) lies across ranks"
+            assert all(n in own for n in names), f"unit {name} ({', '.join(names)}) not held"
             spec = UnitSpec(name, tuple(names), (), True, Span.point(1, 1), 0)
             c = self.comm
             unit = FlatUnit(spec, cfg, own, c.shard, c.shards, self.job.gather, upcast)
@@ -327,8 +329,8 @@ class ShardedStages(StageSync):
         """The all-gathers the plan launches before `act`: before the rank's first forward
         of the step, every unit's (torchtitan under PP: reshard_after_forward=False, so each
         is gathered once a step)."""
-        for u in self.launch.get(act, ()):
-            self.issue(Op(Kind.ALLGATHER, u.name, 0, Phase.FWD), self.comm.dp)
+        for u, op in self.launch.get(act, ()):
+            self.issue(op, self.comm.dp)
             full = u.alloc_full()
             shard = u.shard.to(full.dtype)
             work = self._collective(CPUBackend.all_gather(full, shard), (full, shard))
@@ -362,35 +364,35 @@ class ShardedStages(StageSync):
         shard is then summed over the replicate group, as the DP executor's HSDP does
         (exec/strategies.py `Sharded._replicate`): x / dp summed over S ranks and then over R
         is the mean over all dp = R x S replicas."""
-        for unit, divisor in done:
+        for unit, divisor, scatter, free in done:
             grad = unit.take_grad(0)
             send = _share(grad, divisor, self.reduce)
             out = torch.empty(unit.shard_len, dtype=self.reduce)
-            self.issue(Op(Kind.REDUCESCATTER, unit.name, self.last_mb), self.comm.dp, divisor)
+            self.issue(scatter, self.comm.dp, divisor)
             work = self._collective(CPUBackend.reduce_scatter(out, send), (out, send))
-            self.issue(Op(Kind.FREE, unit.name, self.last_mb, Phase.BWD), ())
+            self.issue(free, ())
             unit.release()  # the stage is done with its weights this step
 
             def land(unit=unit, out=out):
                 unit.new_shard_grad().copy_(out)  # cast back into the fp32 gradient shard
 
-            if self.comm.replicate is not None:  # launched once the reduce-scatter is done
-                divisor = self.divisor.get(unit.name, 1)
-                self.reductions.append((work, self._replicate(unit, out, land, divisor)))
+            if (replicate := self.replicated.get(unit.name)) is not None:  # HSDP
+                self.reductions.append((work, self._replicate(replicate, out, land)))
             else:
                 self.reductions.append((work, land))
 
-    def _replicate(self, unit: FlatUnit, out: torch.Tensor, land: Callable[[], None], divisor):
-        """HSDP: what lands a reduce-scatter: its output shard all-reduced (summed, each
-        share / `divisor`, the plan's: 1) in place over the replicate group, async, landed
-        once that is done."""
+    def _replicate(self, ins: Instr, out: torch.Tensor, land: Callable[[], None]):
+        """HSDP: what lands a reduce-scatter, launched once it is done: its output shard
+        all-reduced (summed, each share / the plan's divisor: 1) in place over the replicate
+        group, async, landed once that is done."""
         group = self.comm.replicate
-        assert group is not None
+        op = ins.op
+        assert group is not None and op is not None
 
         def launch() -> None:
-            if divisor != 1:
-                out.div_(divisor)
-            self.issue(Op(Kind.ALLREDUCE, unit.name, self.last_mb), group, divisor)
+            if ins.divisor != 1:
+                out.div_(ins.divisor)
+            self.issue(op, group, ins.divisor)
             self.reductions.append((CPUBackend.all_reduce(out)(group), land))
 
         return launch
@@ -406,8 +408,9 @@ class ShardedStages(StageSync):
         for u in self.units:
             shard = u.live_shard_grad()
             tied = u.layout[0][0] is self._tied()
-            if tied and self.comm.tied is not None:
-                self.issue(Op(Kind.ALLREDUCE, TIED, self.last_mb), self.comm.tied)
+            if tied and self.tied_op is not None:  # this rank holds one end of the pair
+                assert self.comm.tied is not None
+                self.issue(self.tied_op, self.comm.tied)
                 dist.all_reduce(shard, group=self.comm.tied)
             mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
             grads += mine
@@ -445,6 +448,11 @@ def stage_sync(
     if bound.units:
         return ShardedStages(job, comm, model, stages, bound)
     return ReplicatedStages(job, comm, model, bound)
+
+
+def _is_tied(op: Op | None) -> bool:
+    """Whether `op` is the sum of the tied wte's two copies (passes/pipeline_bind.py)."""
+    return op is not None and op.kind is Kind.ALLREDUCE and op.target == TIED
 
 
 def _share(grad: torch.Tensor, dp: int, dtype: torch.dtype) -> torch.Tensor:
