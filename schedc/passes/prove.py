@@ -116,6 +116,8 @@ class _Prover:
             self._fsdp_layout()
         for b in bounds:  # what can be judged before anything runs
             _shape(b, spec.seqs)
+        for name in dict.fromkeys(n for b in bounds for n in b.buckets):
+            self._agreed("buckets", name)  # one flat layout a bucket, on every holder
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
         self.collectives: list[list[_Issue]] = []  # every collective computed: its members
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -144,7 +146,12 @@ class _Prover:
                 Op(Kind.ALLGATHER, u.name, 0, Phase.FWD) for u in units if params & set(u.params)
             )
         for u in units:
-            order = self._agreed(u.name, u.params)
+            order = self._agreed("units", u.name)
+            if sorted(order) != sorted(u.params):
+                raise Refuted(
+                    0, None, f"unit {u.name} is laid out as {', '.join(order)}, not its "
+                    f"parameters {', '.join(u.params)} once each"
+                )  # fmt: skip
             off, out = 0, []
             for p in order:
                 out.append((p, off, self.numel[p]))
@@ -152,29 +159,46 @@ class _Prover:
             self.layout[u.name] = out
             self.chunk[u.name] = padded(off, D) // D
 
-    def _agreed(self, unit: str, params: tuple[str, ...]) -> tuple[str, ...]:
-        """The flat order of `unit` every rank holding it binds; it must hold the unit's
-        parameters, each once."""
-        holders = [b for b in self.bounds if unit in b.units]
+    def _agreed(self, field: str, name: str) -> tuple[str, ...]:
+        """The flat order of a bucket or unit (`field`: the bound plans' `buckets` or `units`)
+        every rank holding `name` binds: its collectives move flat buffers element by
+        element, so every holder must lay it out alike. Located at the first collective of
+        the rank that differs."""
+        holders = [b for b in self.bounds if name in getattr(b, field)]
         if not holders:
-            raise Refuted(0, None, f"no rank's bound plan lays out unit {unit}")
+            raise Refuted(0, None, f"no rank's bound plan lays out {name}")
         first = holders[0]
-        order = tuple(first.units[unit])
-        if sorted(order) != sorted(params):
-            raise Refuted(
-                first.rank, None, f"rank {first.rank} lays unit {unit} out as "
-                f"{', '.join(order)}, not its parameters {', '.join(params)} once each"
-            )  # fmt: skip
+        order = tuple(getattr(first, field)[name])
         for b in holders[1:]:
-            if tuple(b.units[unit]) != order:
-                k = next(k for k, (x, y) in enumerate(zip(order, b.units[unit])) if x != y)
-                raise Refuted(
-                    b.rank, None, f"rank {b.rank} lays unit {unit} out with "
-                    f"{b.units[unit][k]} where rank {first.rank} has {order[k]} (parameter "
-                    f"{k} of its flat layout): the unit's gathers and reduce-scatters move "
-                    "flat chunks, so every rank holding it must lay it out alike"
-                )  # fmt: skip
+            mine = tuple(getattr(b, field)[name])
+            if mine != order:
+                raise self._laid_out(field, name, first.rank, order, b, mine)
         return order
+
+    def _laid_out(self, field: str, name: str, r0: int, order, b: Bound, mine) -> Refuted:
+        what = "bucket" if field == "buckets" else "unit"
+        why = (
+            "its all-reduce sums the flat buffers element by element"
+            if what == "bucket"
+            else "its gathers and reduce-scatters move flat chunks"
+        )
+        k = next((k for k, (x, y) in enumerate(zip(order, mine)) if x != y), len(order))
+        at = sum(self.numel[p] for p in order[:k])
+
+        def holds(layout) -> str:
+            return layout[k] if k < len(layout) else "nothing"
+
+        index = next(
+            (n for n, i in enumerate(b.plan.instrs) if i.op is not None and i.op.target == name),
+            None,
+        )
+        return Refuted(
+            b.rank,
+            index,
+            f"rank {b.rank}'s {what} {name} holds {holds(mine)} at element {at:,} where rank "
+            f"{r0}'s holds {holds(order)}: {why}, and its members lay the {what} out "
+            "differently",
+        )
 
     def run(self) -> None:
         while True:
@@ -239,10 +263,8 @@ class _Prover:
         keeps chunk p), each contribution divided by its sender's divisor."""
         op = issues[0].instr.op
         assert op is not None
-        pieces, layout = issues[0].sends.keys(), issues[0].layout
+        pieces = issues[0].sends.keys()
         for i in issues[1:]:
-            if i.layout != layout:  # the executor sums flat buffers element by element
-                raise self._layouts(op, issues[0], i)
             if i.sends.keys() != pieces:
                 raise Refuted(
                     i.rank,
@@ -256,25 +278,6 @@ class _Prover:
         if op.kind is Kind.ALLREDUCE:
             return [dict(total) for _ in issues]
         return [self._chunk_of(op.target, p, total) for p in range(len(issues))]
-
-    def _layouts(self, op: Op, first: _Issue, other: _Issue) -> Refuted:
-        """Two members of a bucket's all-reduce lay its parameters out differently."""
-        k = next(
-            (k for k, (a, b) in enumerate(zip(first.layout, other.layout)) if a != b),
-            min(len(first.layout), len(other.layout)),
-        )
-        at = sum(self.numel[p] for p in first.layout[:k])
-
-        def holds(issue: _Issue) -> str:
-            return issue.layout[k] if k < len(issue.layout) else "nothing"
-
-        return Refuted(
-            other.rank,
-            other.index,
-            f"{op} sums the flat buffers element by element, and at element {at:,} rank "
-            f"{other.rank}'s holds {holds(other)} where rank {first.rank}'s holds "
-            f"{holds(first)}: its members lay the bucket out differently",
-        )
 
     def _chunk_of(self, unit: str, p: int, full: dict[Piece, int]) -> dict[Piece, int]:
         """The pieces of chunk `p` of `unit`'s flat gradient, with their maps."""

@@ -52,7 +52,6 @@ class _Issue:
     sends: dict[Piece, int] = field(default_factory=dict)
     version: int = 0
     value: Any = None  # a transfer: what its send carries
-    layout: tuple[str, ...] = ()  # a bucket's all-reduce: its parameters in flat order
     # the collectives this one cannot start before (its stream runs one op at a time, and
     # waits for what its events cover): the latest issued before it on each stream
     after: tuple[_Issue, ...] = ()
@@ -376,7 +375,6 @@ class _Rank:
             src = self.unsharded(op, at)
         buf = self.read(src, at)
         issue = _Issue(self.rank, at[2], ins, at, dict(buf.pieces))
-        issue.layout = tuple(self.bound.buckets.get(op.target, ())) if not self.fsdp else ()
         if self.fsdp and (op.kind is Kind.ALLREDUCE or not self.p.hsdp):
             self.landing += 1  # lands in the gradient shard when done
         if op.kind is Kind.REDUCESCATTER:
