@@ -68,7 +68,7 @@ from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
 from schedc.ir.bound import Bound
 from schedc.ir.op import STEP, Kind, Op, stage_op
-from schedc.ir.pipeline import Item, format_item
+from schedc.ir.pipeline import Item, format_item, items_of
 from schedc.lang.diagnostics import CompileError
 from schedc.model.reference import clip_coef
 from schedc.passes.pipeline_check import prove
@@ -114,7 +114,9 @@ class PipelineExecutor:
         if not proof.ok:
             raise CompileError([f.diagnostic for f in proof.findings])
         self.job, self.pipe, self.comm, self.record = job, pipe, comm, record
-        self.program: list[Item] = programs[comm.rank]
+        # the rank's bound plan's stage ops, in its order: what the proof read is what runs
+        self.program: list[Item] = items_of(bound.plan.instrs)
+        _one_update_last(bound)
         self.stages = pipe.stages_of(comm.rank)
         layers = [name for s in self.stages for name in job.split[s]]
         self.model = RankModel(job.model, layers, job.seed, job.dtype)
@@ -345,6 +347,18 @@ class PipelineExecutor:
         stats.loss = (totals[1] / (self.pipe.microbatches * self.comm.replicas)).item()
         stats.grad_norm = norm.item()
         return stats
+
+
+def _one_update_last(bound: Bound) -> None:
+    """The executor updates once, after the plan's every other instruction (`update`): a
+    plan that says otherwise is not run (the proof refutes it: passes/prove.py `_shape`)."""
+    instrs = bound.plan.instrs
+    updates = [k for k, i in enumerate(instrs) if i.op is not None and i.op.kind is Kind.STEP]
+    if updates != [len(instrs) - 1]:
+        raise ValueError(
+            f"rank {bound.rank}'s bound plan updates at instructions {updates} of "
+            f"{len(instrs)}: a step is one update, after everything else"
+        )
 
 
 def _scaled(loss: torch.Tensor, scale: Fraction) -> torch.Tensor:

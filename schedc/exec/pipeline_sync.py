@@ -84,7 +84,7 @@ class StageSync:
         self.buckets: dict[Op, list] = {}
         self.reductions: list[tuple] = []  # (work, what to do once it is done)
         # the plan's sum of the tied wte's two copies, if this rank holds one end
-        self.tied_op = next((i.op for i in bound.plan.instrs if _is_tied(i.op)), None)
+        self.tied = next((i for i in bound.plan.instrs if _is_tied(i.op)), None)
         # this step's plan as it ran: each op with its group's global ranks and divisor, in
         # issue order, as the bound plan's instructions say them (tests compare the two)
         self.ran: list[tuple[Op, tuple[int, ...], int]] = []
@@ -165,6 +165,15 @@ class StageSync:
             copy_alone(*copy)
         return DONE
 
+    def sum_tied(self, grad: torch.Tensor) -> None:
+        """The plan's sum of the tied copies' gradients (or shards) over their pair of
+        ranks, each share divided by the instruction's divisor (1: a sum)."""
+        assert self.tied is not None and self.tied.op is not None and self.comm.tied is not None
+        self.issue(self.tied.op, self.comm.tied, self.tied.divisor)
+        if self.tied.divisor != 1:
+            grad.div_(self.tied.divisor)
+        dist.all_reduce(grad, group=self.comm.tied)
+
     def _tied(self) -> torch.nn.Parameter | None:
         return dict(self.named).get("wte.weight")
 
@@ -223,10 +232,9 @@ class ReplicatedStages(StageSync):
         of ranks holding them (embed's part + head's part); and those the norm counts (the
         tied weight once, on the embed's rank)."""
         wte = self._tied()
-        if self.tied_op is not None:  # this rank holds one end of the pair
-            assert wte is not None and wte.grad is not None and self.comm.tied is not None
-            self.issue(self.tied_op, self.comm.tied)
-            dist.all_reduce(wte.grad, group=self.comm.tied)
+        if self.tied is not None:  # this rank holds one end of the pair
+            assert wte is not None and wte.grad is not None
+            self.sum_tied(wte.grad)
         grads = [p.grad for _, p in self.named if p.grad is not None]
         assert len(grads) == len(self.named), "a parameter the loss does not reach"
         counted = [g for (n, _), g in zip(self.named, grads) if not self._tied_copy(n)]
@@ -408,10 +416,8 @@ class ShardedStages(StageSync):
         for u in self.units:
             shard = u.live_shard_grad()
             tied = u.layout[0][0] is self._tied()
-            if tied and self.tied_op is not None:  # this rank holds one end of the pair
-                assert self.comm.tied is not None
-                self.issue(self.tied_op, self.comm.tied)
-                dist.all_reduce(shard, group=self.comm.tied)
+            if tied and self.tied is not None:  # this rank holds one end of the pair
+                self.sum_tied(shard)
             mine = [p.grad for group in u.optimizer_params() for p in group if p.grad is not None]
             grads += mine
             if not (tied and self.model.holds_tied_copy):

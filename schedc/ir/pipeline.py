@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from schedc.ir.op import Kind, Op, stage_op
+from schedc.ir.plan import Instr
 
 Item = tuple[Op, ...]  # one action, or a group of transfers issued together
 
@@ -109,6 +110,20 @@ def _stage(text: str) -> Op:
     if not op.kind.on_stage:
         raise ValueError(f"not a pipeline action: {text!r}")
     return op
+
+
+def items_of(instrs: Iterable[Instr]) -> list[Item]:
+    """A bound plan's stage ops as the program items they run as: each compute alone, each
+    transfer with those it is posted with (`Instr.batched`); collectives left out."""
+    out: list[list[Op]] = []
+    for i in instrs:
+        if i.op is None or not i.op.kind.on_stage:
+            continue
+        if i.batched and out and out[-1][0].kind.is_p2p:
+            out[-1].append(i.op)
+        else:
+            out.append([i.op])
+    return [tuple(item) for item in out]
 
 
 def actions(program: list[Item]) -> list[Op]:

@@ -44,6 +44,9 @@ class Instr:
     # reduction the divisor of each member's contribution; not in the text form
     group: tuple[int, ...] = ()
     divisor: int = 1
+    # a pipeline transfer posted together with the transfer before it (one item of its
+    # program: one batch_isend_irecv); not in the text form
+    batched: bool = False
 
     def __str__(self) -> str:
         if self.kind is Action.RUN:

@@ -75,10 +75,11 @@ def bind_rank(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]], me: i
     instrs: list[Instr] = []
     first_f = next((a for item in program for a in item if a.kind is Kind.F), None)
     for item in program:
-        for op in item:
+        for k, op in enumerate(item):
             if op == first_f:
                 instrs += sync.before
-            instrs.append(Instr(Action.RUN, COMPUTE, op, group=_pair(pipe, op, me, dp, d)))
+            group = _pair(pipe, op, me, dp, d)
+            instrs.append(Instr(Action.RUN, COMPUTE, op, group=group, batched=k > 0))
             instrs += sync.after.get(op, ())
     if len(sync.replicate) > 1:  # HSDP: in the order the reduce-scatters launch
         scattered = [i.op.target for i in instrs if i.op and i.op.kind is Kind.REDUCESCATTER]
