@@ -4,9 +4,9 @@
     python bench/proof.py --show CLASS [FILE]   # one mutation of CLASS (tests/plan_mutations.py)
                                                 # on FILE's plans, as `schedc check` reports it
 
-Counts: every class of tests/plan_mutations.py on the bundled tiny schedules and the proof
+Counts: every class of tests/plan_mutations.py on the bundled tiny schedules, the proof
 tests' own sources (tests/passes/test_proof.py: FSDP's upcast, recompute with a chunked
-loss); every variant must be refuted.
+loss) and every bundled pipeline schedule, per family; every variant must be refuted.
 
 Cost: `schedc check schedules/gpt2_8gpu.sched` in a fresh process, the median of --repeat
 runs, and the proof's own time (its line says it); then the compile of generated GPT-2 XL
@@ -37,7 +37,7 @@ from schedc.lang.read import source_from_text  # noqa: E402
 from schedc.passes.check import check_proof  # noqa: E402
 from schedc.passes.prove import prove  # noqa: E402
 from schedc.passes.prove_rank import Refuted  # noqa: E402
-from tests.passes.test_proof import SOURCES  # noqa: E402
+from tests.passes.test_proof import PIPELINES, SOURCES  # noqa: E402
 from tests.plan_mutations import CLASSES  # noqa: E402
 
 
@@ -57,9 +57,24 @@ def show(cls: str, path: str) -> int:
     return 0
 
 
+FAMILIES = ("DDP", "FSDP", "HSDP", "pipeline")
+
+
+def sources() -> dict[str, str]:
+    """The proof tests' sources and every bundled pipeline schedule."""
+    return {**SOURCES, **PIPELINES}
+
+
+def family(spec) -> str:
+    if spec.pipeline is not None:
+        return "pipeline"
+    return "HSDP" if spec.hsdp else str(spec.kind).upper()
+
+
 def counts() -> Counter:
+    """Refuted variants per (class, family); any variant the proof accepts stops the run."""
     out: Counter = Counter()
-    for name, text in SOURCES.items():
+    for name, text in sources().items():
         c = compile_text(text, f"{name}.sched")
         bounds = [c.bound(r) for r in range(c.spec.world)]
         for cls, mutate in CLASSES.items():
@@ -67,7 +82,7 @@ def counts() -> Counter:
                 try:
                     prove(c.spec, variant)
                 except Refuted:
-                    out[cls] += 1
+                    out[cls, family(c.spec)] += 1
                     continue
                 raise SystemExit(f"NOT REFUTED: {name}: {cls}: {label}")
     return out
@@ -125,8 +140,10 @@ def main() -> int:
         return show(args.show, args.file)
     found = counts()
     print(f"plan mutations refuted: {sum(found.values())} of {sum(found.values())}")
+    print(f"  {'class':22} " + " ".join(f"{f:>8}" for f in FAMILIES) + "     all")
     for cls in CLASSES:
-        print(f"  {cls:22} {found[cls]}")
+        row = [found[cls, f] for f in FAMILIES]
+        print(f"  {cls:22} " + " ".join(f"{n:>8}" for n in row) + f" {sum(row):>7}")
     path = "schedules/gpt2_8gpu.sched"
     wall, proof_ms = check_seconds(path, args.repeat)
     print(

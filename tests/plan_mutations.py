@@ -51,6 +51,38 @@ def _last_rank(bounds: list[Bound]) -> Bound:
     return bounds[-1]
 
 
+def _replicas(spec: Spec) -> int:
+    """How many ranks hold each parameter (a pipeline's replicas of a stage)."""
+    return spec.world // spec.pipeline.degree if spec.pipeline else spec.world
+
+
+def _batch_readers(spec: Spec, bounds: list[Bound]) -> list[Bound]:
+    """The ranks that read the batch: every rank, or a pipeline's first and last stages'
+    (a middle stage's bound slice is its replica's, which it never reads)."""
+    if spec.pipeline is None:
+        return bounds
+    ends = {0, len(spec.pipeline.stages) - 1}
+    return [
+        b
+        for b in bounds
+        if any(i.op is not None and i.op.kind is Kind.F and i.op.stage in ends
+               for i in b.plan.instrs)
+    ]  # fmt: skip
+
+
+def _loss_rank(spec: Spec, bounds: list[Bound]) -> Bound:
+    """The last rank that takes a loss (a pipeline's last stage: in a V, the first rank)."""
+    if spec.pipeline is None:
+        return bounds[-1]
+    last = len(spec.pipeline.stages) - 1
+    return next(
+        b
+        for b in reversed(bounds)
+        if any(i.op is not None and i.op.kind is Kind.F and i.op.stage == last
+               for i in b.plan.instrs)
+    )  # fmt: skip
+
+
 # -- the classes ---------------------------------------------------------------------------------
 
 
@@ -207,11 +239,13 @@ def nosync_last_skipped(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 
 
 def batch_slice(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
-    """One rank's micro-step reads another rank's slice of the batch."""
-    if spec.world < 2:
+    """One rank's micro-step reads another rank's slice of the batch (one of another
+    replica: a pipeline's stages of one replica read one slice)."""
+    b = bounds[-1]
+    other = next((x for x in bounds if x.batch != b.batch), None)
+    if other is None:
         return
-    b, other = bounds[-1], bounds[0]
-    for m in _spread(list(range(spec.accum)), 3):
+    for m in _spread([m for m in range(spec.accum) if b.batch[m] != other.batch[m]], 3):
         batch = list(b.batch)
         batch[m] = other.batch[m]
         yield (
@@ -238,7 +272,7 @@ def fold_skipped(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 
 def param_left_out(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """A parameter left out of every bucket, on every rank: its gradient is never reduced."""
-    if spec.kind is Strategy.FSDP or spec.world < 2:
+    if spec.kind is Strategy.FSDP or _replicas(spec) < 2:
         return
     b = _last_rank(bounds)
     params = [p for ps in b.buckets.values() for p in ps]
@@ -256,7 +290,7 @@ def loss_scaled_twice(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank applies the accumulation's 1/k twice (a divisor applied twice)."""
     if spec.accum < 2:
         return
-    b = _last_rank(bounds)
+    b = _loss_rank(spec, bounds)
     scale = b.loss_scale * Fraction(1, spec.accum)
     yield (
         f"rank {b.rank} scales its loss by {scale}",
@@ -287,14 +321,25 @@ def wrong_group(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 # -- the shape of a step, and operands that mean nothing ----------------------------------
 
 
+def _each_update(bounds: list[Bound], edit: Callable[[list[Instr], int], str]) -> Iterator[Variant]:
+    """`edit` at the update of each of up to three ranks (one update a rank's step)."""
+    for b in _spread(bounds, 3):
+        ins = list(b.plan.instrs)
+        said = edit(ins, next(iter(_runs(b, lambda i: i.op.kind is Kind.STEP))))
+        yield (
+            f"{said} on rank {b.rank}",
+            _on_one_rank(bounds, b.rank, lambda x, ins=ins: _instrs(x, ins)),
+        )
+
+
 def update_dropped(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank never updates: its replica drifts from the others (DDP accepted this)."""
-    return _each_run(bounds, lambda i: i.op.kind is Kind.STEP, _drop)
+    return _each_update(bounds, _drop)
 
 
 def update_twice(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank steps its optimizer twice on the step's gradients."""
-    return _each_run(bounds, lambda i: i.op.kind is Kind.STEP, _twice)
+    return _each_update(bounds, _twice)
 
 
 def after_update(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
@@ -305,14 +350,14 @@ def after_update(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
         ins.append(moved)
         return f"{moved.op} after the update"
 
-    return _each_run(bounds, lambda i: i.op.kind is Kind.BWD, edit)
+    return _each_run(bounds, lambda i: i.op.kind in (Kind.BWD, Kind.B, Kind.W), edit)
 
 
 def forward_out_of_order(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """Two forwards of one micro-step swapped on one rank: a layer runs before its input."""
     b = _last_rank(bounds)
     ins = b.plan.instrs
-    fwd = _runs(b, lambda i: i.op.kind is Kind.FWD)
+    fwd = _runs(b, lambda i: i.op.kind in (Kind.FWD, Kind.F))
     pairs = [(j, k) for j, k in zip(fwd, fwd[1:]) if ins[j].op.mb == ins[k].op.mb]
     for j, k in _spread(pairs, 3):
         swapped = list(ins)
@@ -325,8 +370,8 @@ def forward_out_of_order(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 
 def slice_outside_batch(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank's micro-step reads the next step's sequences (positions past the batch)."""
-    b = _last_rank(bounds)
-    for m in _spread(list(range(len(b.batch))), 3):
+    at = [(b, m) for b in reversed(_batch_readers(spec, bounds)) for m in range(len(b.batch))]
+    for b, m in _spread(at[: max(3, len(bounds[-1].batch))], 3):
         batch = list(b.batch)
         batch[m] = (batch[m][0] + spec.seqs, batch[m][1])
         yield (
@@ -364,7 +409,7 @@ def _reversed_layout(spec: Spec, bounds: list[Bound], field: str) -> Iterator[Va
     buffers reversed, one at a time."""
     b = _last_rank(bounds)
     layouts = getattr(b, field)
-    names = [n for n, ps in layouts.items() if len(ps) > 1 and spec.world > 1]
+    names = [n for n, ps in layouts.items() if len(ps) > 1 and _replicas(spec) > 1]
     for name in _spread(names, 3):
         changed = {**layouts, name: tuple(reversed(layouts[name]))}
         yield (
@@ -403,6 +448,25 @@ def streams_in_a_circle(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
         )
 
 
+def rendezvous_in_a_circle(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
+    """A pipeline's last stage runs every forward before its first backward (GPipe's order on
+    one rank) where the first stage waits for a backward before it sends its next forward:
+    each waits for the other's transfer (one stage a rank, each rank in order by itself)."""
+    if spec.pipeline is None or len(spec.pipeline.stages) != spec.pipeline.degree:
+        return
+    kinds = [i.op.kind for i in bounds[0].plan.instrs if i.op is not None and i.op.kind.on_stage]
+    first_b = next(n for n, k in enumerate(kinds) if k in (Kind.B, Kind.I))
+    if Kind.SEND_F not in kinds[first_b:]:
+        return  # every forward sent before the first backward: no circle
+    b = _loss_rank(spec, bounds)
+    ins = b.plan.instrs
+    fwd = [i for i in ins if i.op is not None and i.op.kind in (Kind.RECV_F, Kind.F)]
+    yield (
+        f"rank {b.rank} runs every forward before its first backward",
+        _on_one_rank(bounds, b.rank, lambda x: _instrs(x, fwd + [i for i in ins if i not in fwd])),
+    )
+
+
 CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "drop-collective": drop_collective,
     "duplicate-collective": duplicate_collective,
@@ -428,4 +492,5 @@ CLASSES: dict[str, Callable[[Spec, list[Bound]], Iterator[Variant]]] = {
     "bucket-layout": bucket_layout,
     "streams-in-a-circle": streams_in_a_circle,
     "unit-layout": unit_layout,
+    "rendezvous-in-a-circle": rendezvous_in_a_circle,
 }

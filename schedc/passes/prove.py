@@ -40,6 +40,7 @@ from schedc.ir.spec import SHARD, Spec, Strategy
 from schedc.lang.diagnostics import count
 from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
+from schedc.passes.prove_shape import shape
 from schedc.passes.prove_stage import StageRank, transfer
 from schedc.passes.values import EMPTY, Maps, Theorem, Wrong
 
@@ -115,7 +116,7 @@ class _Prover:
         if self.fsdp:
             self._fsdp_layout()
         for b in bounds:  # what can be judged before anything runs
-            _shape(b, spec.seqs)
+            shape(spec, b)
         for name in dict.fromkeys(n for b in bounds for n in b.buckets):
             self._agreed("buckets", name)  # one flat layout a bucket, on every holder
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
@@ -312,8 +313,29 @@ class _Prover:
         for (stream, group), queues in self.queues.items():
             n = self.matched.get((stream, group), 0)
             for q in queues.values():
-                if len(q) > n:
+                if len(q) > n and not self._ahead(q[n], queues, n):
                     self._unanswered(q[n], stream, group, queues)
+
+    def _ahead(self, issue: _Issue, queues, n: int) -> bool:
+        """Whether every member that has not issued its part of `issue` still would, where
+        it stopped: then the ranks wait for each other, none leaves it out."""
+        op, group = issue.instr.op, issue.instr.group
+        assert op is not None
+        for m, q in queues.items():
+            r = self.ranks[m]
+            if len(q) > n:
+                continue
+            if r.finished:
+                return False
+            rest = r.instrs[r.pc % len(r.instrs) :] if r.started >= r.rounds - 1 else r.instrs
+            if not any(
+                i.op is not None
+                and i.group == group
+                and (i.op.tag if op.kind.is_p2p else i.op) == (op.tag if op.kind.is_p2p else op)
+                for i in rest
+            ):
+                return False
+        return True
 
     def _no_circle_of_streams(self) -> None:
         """No collective waits for itself: a collective starts on a member's stream once the
@@ -352,8 +374,13 @@ class _Prover:
 
     def _deadlock(self) -> None:
         self._all_matched()  # names a collective some rank never issues, if there is one
-        r = next(r for r in self.ranks if not r.finished)
-        raise Refuted(r.rank, r.pc % len(r.instrs), "the ranks wait for each other forever")
+        stuck = [r for r in self.ranks if not r.finished]
+        where = "; ".join(f"rank {r.rank} {r.stopped()}" for r in stuck[:4])
+        more = f"; and {len(stuck) - 4} more" if len(stuck) > 4 else ""
+        r = stuck[0]
+        raise Refuted(
+            r.rank, r.pc % len(r.instrs), f"the ranks wait for each other forever: {where}{more}"
+        )
 
     def _unanswered(self, issue: _Issue, stream: str, group, queues) -> None:
         n = self.matched.get((stream, group), 0)
@@ -395,48 +422,6 @@ class _Prover:
         """Why map `m` is not `piece`'s single-process gradient, if it is not."""
         w = self.theorem.check(m, self.writers[piece[0]])
         return None if w is None else _explain(self.spec, piece, rank, w)
-
-
-def _shape(b: Bound, seqs: int) -> None:
-    """The shape of a step, and operands that mean nothing, before any value is computed:
-    every micro-step reads positions of the step's global batch; every reduction divides by
-    a positive count; the plan holds one update a step, and nothing of the step runs after
-    its last one (a rank that never updates, or updates twice, trains wrong silently)."""
-    for m, (first, n) in enumerate(b.batch):
-        if first < 0 or n < 1 or first + n > seqs:
-            raise Refuted(
-                b.rank,
-                None,
-                f"micro-step {m} of rank {b.rank} reads positions {first} .. {first + n - 1} "
-                f"of a global batch of {seqs} sequences (0 .. {seqs - 1})",
-            )
-    ops = [(k, i.op, i.divisor) for k, i in enumerate(b.plan.instrs) if i.op is not None]
-    for k, op, divisor in ops:
-        if divisor < 1:
-            raise Refuted(
-                b.rank, k, f"{op} divides each member's share by {divisor}: a divisor counts "
-                "ranks, at least 1"
-            )  # fmt: skip
-    _one_update_a_step(b, [(k, op) for k, op, _ in ops])
-
-
-def _one_update_a_step(b: Bound, ops: list[tuple[int, Op]]) -> None:
-    updates = [k for k, op in ops if op.kind is Kind.STEP]
-    if len(updates) != b.steps:
-        at = updates[b.steps] if len(updates) > b.steps else (ops[-1][0] if ops else None)
-        raise Refuted(
-            b.rank,
-            at,
-            f"rank {b.rank}'s plan updates its parameters {len(updates)} "
-            f"time{'s' * (len(updates) != 1)} in {b.steps} step{'s' * (b.steps != 1)}: "
-            "each step is one update",
-        )
-    late = [(k, op) for k, op in ops if updates and k > updates[-1]]
-    if late:
-        k, op = late[0]
-        raise Refuted(
-            b.rank, k, f"{op} runs after the step's update: the step's work comes before it"
-        )
 
 
 def _explain(spec: Spec, piece: Piece, rank: int, w: Wrong) -> str:

@@ -202,6 +202,13 @@ class _Rank:
         self._done(at)
         return True
 
+    def stopped(self) -> str:
+        """Where the rank waits, and for what (a deadlock's report)."""
+        ins = self.instrs[self.pc % len(self.instrs)]
+        assert ins.op is not None
+        pending = [n for n in self.touches(ins.op) if n in self.bufs and self.bufs[n].pending]
+        return f"stops at {ins.op}, waiting for {', '.join(pending) or 'a gradient shard'}"
+
     def reads_shards(self, op: Op) -> bool:
         """Whether `op` reads the gradient shards (FSDP), which reductions may land in."""
         return op.kind is Kind.STEP

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from schedc.ir.op import Kind, Op, stage_op
+from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import At, Refuted, _Issue, _Rank
 from schedc.passes.values import EMPTY
 
@@ -40,7 +41,22 @@ class StageRank(_Rank):
         self.layers = [st.layers for st in ps.stages]
         self.pipe = ps.pipeline(prover.spec.accum)
         held = set(self.held)  # FSDP per stage: the units of its parameters (both tied ends)
+        self._holds_its_stages(bound)
         self.units = [u for u, pieces in prover.layout.items() if {p for p, *_ in pieces} <= held]
+
+    def _holds_its_stages(self, bound) -> None:
+        """The parameters the rank updates (`Bound.params`) are exactly those its stages'
+        layers compute with: the executor updates its stages' parameters, the proof these."""
+        stages = {i.op.stage for i in bound.plan.instrs if i.op is not None and i.op.kind.on_stage}
+        want = {p for s in stages for p in stage_params(self.spec, s)}
+        if set(self.held) != want:
+            odd = sorted(want ^ set(self.held))
+            raise self.fail(
+                None,
+                f"rank {self.rank} is bound to update {len(self.held)} parameters, but its "
+                f"stages {', '.join(map(str, sorted(stages)))} compute with {len(want)}: "
+                f"{', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} in one and not the other",
+            )
 
     def run(self, ins, at: At) -> None:
         op = ins.op
@@ -74,8 +90,22 @@ class StageRank(_Rank):
             data = self.current(op, name, self.read(name, at), at)
         else:
             data = self.current(op, _recv(op), self.take(_recv(op), at), at)
+        if s == self.pipe.stages - 1:
+            self.targets(op, data, at)
         self.write(f"act[{s}]@mb{j}", at).value = (data, self.started)
         self.done[op] = at
+
+    def targets(self, op: Op, data: Data, at: At) -> None:
+        """The last stage's loss reads its targets at its own slice of the batch, which must
+        be the slice whose tokens its input carries."""
+        mine, theirs = self.bound.positions(op.mb), self.p.bounds[data[0]].positions(data[1])
+        if mine != theirs:
+            raise self.fail(
+                at[2],
+                f"{op} takes its loss against the targets of positions {_span(mine)} of the "
+                f"step's batch, but its input carries the tokens of {_data(data)}, positions "
+                f"{_span(theirs)}",
+            )
 
     def backward_input(self, op: Op, at: At) -> None:
         """B or I: the stage's output and the gradient that reaches it, the input gradient
@@ -236,6 +266,10 @@ def _recv(op: Op) -> str:
     RECV_B for a backward): named by the receive."""
     forward = op.kind in (Kind.F, Kind.RECV_F)
     return str(stage_op(Kind.RECV_F if forward else Kind.RECV_B, op.stage, op.mb))
+
+
+def _span(r: range) -> str:
+    return f"{r.start} .. {r.stop - 1}"
 
 
 def _data(data: Data) -> str:

@@ -161,6 +161,13 @@ def _replicate_dropped(instrs):
     return instrs
 
 
+def _forwards_first(instrs):
+    """The rank's receives and forwards of every micro-batch before its first backward
+    (GPipe's order on one rank of a 1F1B pipeline)."""
+    fwd = [i for i in instrs if i.op is not None and i.op.kind in (Kind.RECV_F, Kind.F)]
+    return fwd + [i for i in instrs if i not in fwd]
+
+
 def _every(fn: Edit):
     return lambda spec, bounds: [_edit(b, fn) for b in bounds]
 
@@ -285,6 +292,20 @@ MUTATIONS = [
             for b in bs
         ],
         "its members lay the bucket out differently",
+    ),
+    (
+        "targets-of-another-replica",  # the last stage's loss against rank 0's targets
+        "tiny_pp2_dp2_ddp",
+        lambda spec, bs: [dc.replace(b, batch=bs[0].batch) if b.rank == 3 else b for b in bs],
+        "takes its loss against the targets of positions 0 .. 1 of the step's batch, but its "
+        "input carries the tokens of micro-batch 0 of rank 1, positions 2 .. 3",
+    ),
+    (
+        "rendezvous-in-a-circle",  # the first stage waits for B@0 before F@4; the last for F@4
+        "tiny_pp4_1f1b",
+        lambda s, bs: _on(3, _forwards_first)(s, bs),
+        "the ranks wait for each other forever: rank 0 stops at B[s0]@mb0, waiting for "
+        "RECV_B[s0]@mb0",
     ),
     (
         "update-twice",

@@ -57,6 +57,8 @@ SOURCES = {
     "upcast": UPCAST,
     "recompute": RECOMPUTE,
 }
+# every bundled pipeline schedule: the plan mutations apply to their bound plans too
+PIPELINES = {p.stem: p.read_text() for p in sorted((REPO / "schedules/pipeline").glob("*.sched"))}
 
 
 def bounds_of(c: Compiled) -> list:
@@ -94,7 +96,7 @@ def test_every_plan_mutation_is_refuted_with_where():
     """Every variant of every class on every source is refuted, at an instruction of the
     rank it names or with the ranks named; every class has variants."""
     counts: Counter = Counter()
-    for name, text in SOURCES.items():
+    for name, text in {**SOURCES, **PIPELINES}.items():
         c = compile_text(text, f"{name}.sched")
         bounds = bounds_of(c)
         for cls, mutate in CLASSES.items():
