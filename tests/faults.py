@@ -30,6 +30,7 @@ fault's first word picks its function in FAULTS, which gets the words after it.
                               class (tests/plan_mutations.py) bound into the Compiled the
                               executor is built from (`mutated`), the proof bypassed: what
                               a wrong plan the proof refutes would do if it ran
+    mutation perturb LABEL    likewise, one operand perturbed (tests/operand_perturbations.py)
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ import os
 import time
 
 
-def mutated(compiled, cls: str):
-    """`compiled` with every rank's bound plan replaced by the first variant of mutation
-    class `cls`, as if a lowering had made it and no proof had looked."""
-    from tests.plan_mutations import CLASSES
+def mutated(compiled, name: str):
+    """`compiled` with every rank's bound plan replaced by a wrong plan (`variant`: a plan-
+    mutation class's first variant, or `perturb LABEL`), as if a lowering had made it and
+    no proof had looked."""
+    from tests.operand_perturbations import variant
 
     bounds = [compiled.bound(r) for r in range(compiled.spec.world)]
-    _, variant = next(CLASSES[cls](compiled.spec, bounds))
-    return dataclasses.replace(compiled, bounds=tuple(variant))
+    return dataclasses.replace(compiled, bounds=tuple(variant(compiled.spec, bounds, name)))
 
 
 def inject(ex, fault: str) -> None:

@@ -55,6 +55,9 @@ class Case:
     # a wrong binding: every dp reduction's divisor bound as this (0: as bound); the proof
     # refutes it, and the executor runs it, since it runs what its bound plan says
     divisor: int = 0
+    # a wrong plan bound into every rank's plan as if no proof had looked ("": as bound):
+    # a class of tests/plan_mutations.py (its first variant) or "perturb LABEL"
+    mutation: str = ""
 
     @property
     def world(self) -> int:
@@ -154,6 +157,8 @@ class Case:
         from schedc.compiler import compile_text
         from schedc.passes.pipeline_bind import bind_rank
 
+        if self.mutation:
+            return _mutated(self)[rank]
         c = compile_text(self.text(), f"<{self}>", prove=False)
         assert c.pipeline is not None, self.text()
         bound = bind_rank(c.spec, c.pipeline.pipeline, c.pipeline.programs, rank)
@@ -163,6 +168,16 @@ class Case:
             replace(i, divisor=self.divisor) if i.divisor > 1 else i for i in bound.plan.instrs
         )
         return replace(bound, plan=replace(bound.plan, instrs=instrs))
+
+
+@lru_cache(maxsize=4)
+def _mutated(case: Case) -> list:
+    """Every rank's bound plan of the case with its mutation's first variant in them."""
+    from schedc.compiler import compile_text
+    from tests.operand_perturbations import variant
+
+    c = compile_text(replace(case, mutation="").text(), f"<{case}>", prove=False)
+    return variant(c.spec, [c.bound(r) for r in range(c.spec.world)], case.mutation)
 
 
 @lru_cache(maxsize=8)

@@ -468,7 +468,7 @@ def summary() -> list[str]:
         by = ", ".join(f"{kind} w{w}: {n}" for (kind, w), n in sorted(eq.items()))
         lines.append(f"equivalence cases (fp32, vs the reference): {sum(eq.values())} [{by}]")
     families = ("precision", "recompute", "float64", "pairs", "rewritten", "roundtrip", "fuzz")
-    for family in (*families, "pipeline"):
+    for family in (*families, "pipeline", "operand perturbations"):
         sub = {k[1:]: n for k, n in TALLY.items() if k[0] == family}
         if sub:
             by = ", ".join(
