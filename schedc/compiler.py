@@ -121,7 +121,10 @@ def compile_source(
             memory = {rank: predict(spec, plan) for rank, plan in plans.items()}
             check_plans(spec, graphs, plans, memory, diag)  # SPMD order, budget
             if prove and not diag.errors:  # every rank's plan computes one process's update
-                bounds = tuple(bind(spec, plans.get(r, plans[None]), r) for r in range(spec.world))
+                memo: dict = {}  # one bound instruction per instruction and group
+                bounds = tuple(
+                    bind(spec, plans.get(r, plans[None]), r, memo) for r in range(spec.world)
+                )
                 proof = check_proof(spec, list(bounds), diag)
         diag.raise_if_any()
         warned = tuple(diag.warnings)

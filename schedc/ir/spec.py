@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
+from functools import lru_cache
 
 from schedc.ir.op import COMM, COMPUTE, Kind, Op
 from schedc.ir.pipeline import Pipeline, Placement, Programs, Schedule, Written
@@ -219,6 +220,30 @@ SHARD = "shard"
 REPLICATE = "replicate"
 
 
+class Group(tuple[int, ...]):
+    """A process group's ranks in group order, interned (`Mesh.members`): one object per
+    group, its hash computed once, so the proof and the executor key on it in O(1) however
+    large the world (a world-length tuple hashed at every collective made check quadratic)."""
+
+    _hash: int
+
+    def __new__(cls, ranks) -> Group:
+        g = super().__new__(cls, ranks)
+        g._hash = tuple.__hash__(g)
+        return g
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (Group, (tuple(self),))
+
+
+@lru_cache(maxsize=1 << 16)
+def _group(first: int, stop: int, step: int) -> Group:
+    return Group(range(first, stop, step))
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The world as replicate x shard, in torchrun's rank order.
@@ -246,12 +271,13 @@ class Mesh:
     def size(self, dim: str) -> int:
         return self.shard if dim == SHARD else self.replicate
 
-    def members(self, rank: int, dim: str) -> tuple[int, ...]:
-        """The ranks of `rank`'s group along `dim`, in rank order."""
+    def members(self, rank: int, dim: str) -> Group:
+        """The ranks of `rank`'s group along `dim`, in rank order (one interned object a
+        group)."""
         if dim == SHARD:
             first = rank - rank % self.shard
-            return tuple(range(first, first + self.shard))
-        return tuple(range(rank % self.shard, self.world, self.shard))
+            return _group(first, first + self.shard, 1)
+        return _group(rank % self.shard, self.world, self.shard)
 
     def index(self, rank: int, dim: str) -> int:
         """`rank`'s position in its group along `dim` (its shard, along SHARD)."""

@@ -18,14 +18,16 @@ from schedc.ir.spec import SHARD, DDPSpec, Spec, Strategy
 from schedc.model.batching import sequence_ids
 
 
-def bind(spec: Spec, plan: Plan, rank: int) -> Bound:
-    """`plan` as rank `rank` runs it (ir/bound.py)."""
+def bind(spec: Spec, plan: Plan, rank: int, memo: dict | None = None) -> Bound:
+    """`plan` as rank `rank` runs it (ir/bound.py). `memo`, shared by the ranks of one
+    compile, keeps one bound instruction per instruction and group, not one per rank."""
     B, D, S = spec.micro, spec.world, spec.seqs
     batch = tuple(
         (ids.start, len(ids))
         for ids in (sequence_ids(0, rank, m, B, D, S) for m in range(spec.accum))
     )
-    instrs = tuple(_bind(spec, ins, rank) for ins in plan.instrs)
+    memo = {} if memo is None else memo
+    instrs = tuple(_bind(spec, plan, k, rank, memo) for k in range(len(plan.instrs)))
     bound = Bound(rank, dataclasses.replace(plan, instrs=instrs), batch, Fraction(1, spec.accum))
     if spec.kind is Strategy.FSDP:
         return dataclasses.replace(
@@ -42,11 +44,21 @@ def bind(spec: Spec, plan: Plan, rank: int) -> Bound:
     return dataclasses.replace(bound, buckets=buckets)
 
 
-def _bind(spec: Spec, ins: Instr, rank: int) -> Instr:
+def _bind(spec: Spec, plan: Plan, k: int, rank: int, memo: dict) -> Instr:
+    ins = plan.instrs[k]
     op = ins.op
     if op is None or not op.is_collective:
         return ins
     group = spec.mesh.members(rank, spec.dim_of(op))
+    key = (id(plan), k, group)
+    if key not in memo:
+        memo[key] = _bound(spec, ins, group)
+    return memo[key]
+
+
+def _bound(spec: Spec, ins: Instr, group: tuple[int, ...]) -> Instr:
+    op = ins.op
+    assert op is not None
     # every gradient is averaged over the whole world: DDP's all-reduce and FSDP's
     # reduce-scatter divide by it; HSDP's replicate all-reduce then only sums
     divisor = 1

@@ -122,6 +122,7 @@ class _Prover:
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
         self.collectives: list[list[_Issue]] = []  # every collective computed: its members
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.counts: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         rank = StageRank if spec.pipeline is not None else _Rank
         self.ranks = [rank(self, b) for b in bounds]
 
@@ -218,21 +219,29 @@ class _Prover:
 
     def issue(self, issue: _Issue, stream: str) -> None:
         key = (stream, issue.instr.group)
-        queues = self.queues.setdefault(key, {m: [] for m in issue.instr.group})
-        if issue.rank not in queues:
+        queues = self.queues.get(key)
+        if queues is None:
+            queues = self.queues[key] = {m: [] for m in issue.instr.group}
+            self.counts[key] = []
+        mine = queues.get(issue.rank)
+        if mine is None:
             raise Refuted(
                 issue.rank,
                 issue.index,
                 f"{issue.instr.op}: its group {issue.instr.group} does not hold its rank",
             )
-        queues[issue.rank].append(issue)
+        mine.append(issue)
+        counts = self.counts[key]  # position -> members that have issued there
+        if len(mine) > len(counts):
+            counts.append(0)
+        counts[len(mine) - 1] += 1
         op = issue.instr.op
         if op is not None and op.kind.is_collective:  # a transfer: its own model (the module doc)
             r = self.ranks[issue.rank]
             issue.after = r.blocked_by(issue.at)
             r.issued[issue.at[0]].append((issue.at[1], issue))
         n = self.matched.get(key, 0)
-        while all(len(q) > n for q in queues.values()):
+        while n < len(counts) and counts[n] == len(queues):  # every member issued its n-th
             self._collective([q[n] for q in queues.values()], stream)
             n = self.matched[key] = n + 1
 
