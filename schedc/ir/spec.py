@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
-from functools import lru_cache
 
+from schedc.ir.mesh import REPLICATE, SHARD, Mesh
 from schedc.ir.op import COMM, COMPUTE, Kind, Op
 from schedc.ir.pipeline import Pipeline, Placement, Programs, Schedule, Written
 from schedc.ir.source import Source, Span
@@ -212,81 +212,6 @@ class ProgramSpec:
     rank: int | None  # None: every rank
     instrs: tuple[InstrSpec, ...]
     span: Span
-
-
-# the two dimensions of a mesh: gradients are reduce-scattered and parameters gathered over the
-# shard dimension, all-reduced over the replicate dimension
-SHARD = "shard"
-REPLICATE = "replicate"
-
-
-class Group(tuple[int, ...]):
-    """A process group's ranks in group order, interned (`Mesh.members`): one object per
-    group, its hash computed once, so the proof and the executor key on it in O(1) however
-    large the world (a world-length tuple hashed at every collective made check quadratic)."""
-
-    _hash: int
-
-    def __new__(cls, ranks) -> Group:
-        g = super().__new__(cls, ranks)
-        g._hash = tuple.__hash__(g)
-        return g
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self):
-        return (Group, (tuple(self),))
-
-
-@lru_cache(maxsize=1 << 16)
-def _group(first: int, stop: int, step: int) -> Group:
-    return Group(range(first, stop, step))
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The world as replicate x shard, in torchrun's rank order.
-
-    torchrun numbers ranks node by node (rank = node x nproc_per_node + local_rank), so a
-    shard group is `shard` consecutive ranks (one node, when shard = nproc_per_node) and a
-    replicate group is the ranks `shard` apart (the same local rank on every node):
-
-        mesh 2 x 4:  shard groups {0 1 2 3} {4 5 6 7}, replicate groups {0 4} {1 5} {2 6} {3 7}
-
-    Flat DDP is replicate = world (shard 1), flat FSDP shard = world (replicate 1); only
-    HSDP (FSDP with both dimensions above 1) has two groups per rank.
-    """
-
-    replicate: int
-    shard: int
-
-    @property
-    def world(self) -> int:
-        return self.replicate * self.shard
-
-    def __str__(self) -> str:
-        return f"{self.replicate} x {self.shard}"
-
-    def size(self, dim: str) -> int:
-        return self.shard if dim == SHARD else self.replicate
-
-    def members(self, rank: int, dim: str) -> Group:
-        """The ranks of `rank`'s group along `dim`, in rank order (one interned object a
-        group)."""
-        if dim == SHARD:
-            first = rank - rank % self.shard
-            return _group(first, first + self.shard, 1)
-        return _group(rank % self.shard, self.world, self.shard)
-
-    def index(self, rank: int, dim: str) -> int:
-        """`rank`'s position in its group along `dim` (its shard, along SHARD)."""
-        return rank % self.shard if dim == SHARD else rank // self.shard
-
-    def groups(self, dim: str) -> list[tuple[int, ...]]:
-        """Every group along `dim`, in the order of their lowest rank."""
-        firsts = range(0, self.world, self.shard) if dim == SHARD else range(self.shard)
-        return [self.members(r, dim) for r in firsts]
 
 
 @dataclass(frozen=True)
