@@ -17,7 +17,8 @@ holds: the same micro-batch and micro-steps a rank) changed:
 Each check runs in a fresh process (`python -m schedc check FILE`), its wall time and peak
 RSS (the child's ru_maxrss) measured; a check that runs past the limit or out of memory is
 reported as such. "start-up" is what a rank of `schedc run` compiles before its first step
-(`schedc.exec.startup.compile_rank`, the same process measure). A benchmark to read, not a
+(bench/startup.py: compiled without the proof, its own plan bound, the plans' digest; the
+same process measure). A benchmark to read, not a
 test: docs/benchmarks.md records its runs.
 """
 
@@ -138,7 +139,7 @@ def main() -> int:
                 what, wall, rss = measure("schedc", ["check", str(path)], args.limit)
                 up = ("", float("nan"), float("nan"))
                 if args.startup:
-                    up = measure("schedc.exec.startup", [str(path), str(world // 2)], args.limit)
+                    up = measure("bench.startup", [str(path), str(world // 2)], args.limit)
                 print(
                     f"| {name} | {world:,} | {wall:.1f} | {rss:,.0f} | {what} | "
                     f"{up[1]:.1f} | {up[2]:,.0f} |",

@@ -12,6 +12,7 @@ Nothing here imports torch: a schedule can be checked, dumped and drawn on any m
 from __future__ import annotations
 
 import gc
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -83,6 +84,19 @@ class Compiled:
             pipe, programs = self.pipeline.pipeline, self.pipeline.programs
             return bind_rank(self.spec, pipe, programs, rank)
         return bind(self.spec, self.plan(rank), rank)
+
+    @property
+    def plans_digest(self) -> str:
+        """A digest of every plan (a pipeline's programs) in its text form. Bound plans are
+        the binder's function of these and of the schedule's meaning (passes/agree.py), so
+        ranks that agree on both run plans one proof covers (exec/train.py)."""
+        plans = (
+            self.pipeline.dump()
+            if self.pipeline is not None
+            else "\n".join(f"{r}\n{dump_plan(p)}" for r, p in sorted(
+                self.plans.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
+        )  # fmt: skip
+        return hashlib.sha256(plans.encode()).hexdigest()[:16]
 
     def dump(self, stage: str, rank: int | None = None) -> str:
         """A stage's text form (`schedc check --dump`): ast, graph, program or plan."""
@@ -169,8 +183,10 @@ def no_cyclic_gc():
             gc.enable()
 
 
-def compile_file(path: str | Path, overrides: Overrides = Overrides()) -> Compiled:
-    return compile_source(read_source(path), overrides)
+def compile_file(
+    path: str | Path, overrides: Overrides = Overrides(), prove: bool = True
+) -> Compiled:
+    return compile_source(read_source(path), overrides, prove)
 
 
 def compile_text(

@@ -225,7 +225,11 @@ def _need_torch() -> None:
 def run(args: argparse.Namespace) -> int:
     ov = overrides(args)
     _check_flags(args)
-    compiled = compile_file(args.file or str(default_schedule()), ov)
+    # the proof runs once a job: in the launching process, and on rank 0, which refuses to
+    # start if it fails; every other rank binds its own plan only, and all agree on the
+    # plans' digest before step 1 (exec/train.py), so rank 0's proof covers theirs
+    prover = os.environ.get("RANK", "0") == "0"
+    compiled = compile_file(args.file or str(default_schedule()), ov, prove=prover)
     if compiled.pipeline is not None:
         refuse_for_pipeline(args, compiled)
     init = _init_dir(args, compiled.spec)

@@ -84,7 +84,9 @@ def agree_at_startup(
     data: str,
     flags: dict[str, str] | None = None,
 ) -> None:
-    """Every rank runs the same thing, or none starts: the schedule's meaning (agree.meaning:
+    """Every rank runs the same thing, or none starts: the plans rank 0 proved (their
+    digest: the other ranks bind their own plan without proving every rank's), the
+    schedule's meaning (agree.meaning:
     model, batch, steps, seed after flags, resolved data source, optimizer, strategy; not its
     text, so comments and spelling may differ), the same collectives in the same order, the
     same data (a fingerprint of the tokens read), and the same run flags (`flags`: resume
@@ -99,6 +101,7 @@ def agree_at_startup(
         "path": compiled.source.path,
         "fields": {
             **meaning(compiled.spec),
+            "plans": compiled.plans_digest,  # what rank 0's proof covered (cli/run.py)
             "collectives": plan.collective_digest(),
             "data": data,
             **(flags or {}),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from schedc.compiler import Compiled, compile_file, compile_text
 from schedc.lang.diagnostics import CompileError
+from schedc.passes.agree import meaning
 from schedc.passes.prove import prove
 from schedc.passes.prove_rank import Refuted
 from tests.goldens import REPO
@@ -185,3 +186,24 @@ def test_generated_hsdp_schedules_are_proved(case):
     assert c.proof is not None and c.proof.shards == case.mesh[1]
     e = refute(c.spec, next(CLASSES["replicate-skipped"](c.spec, bounds_of(c)))[1])
     assert "missing" in e.message or "never landed" in e.message, e.message
+
+
+def test_a_rank_that_does_not_prove_binds_the_plan_rank_0_proved():
+    """`schedc run` proves on rank 0 only (cli/run.py): every other rank compiles without
+    the proof and binds its own plan, which is the plan the proof read, and the ranks agree
+    on the plans' digest and the schedule's meaning before step 1, which together tell
+    every source apart."""
+    for name, text in {**SOURCES, **PIPELINES}.items():
+        proved = compile_text(text, f"{name}.sched")
+        mine = compile_text(text, f"{name}.sched", prove=False)
+        assert mine.proof is None and not mine.bounds
+        assert mine.plans_digest == proved.plans_digest, name
+        for r in {1, proved.spec.world - 1}:
+            assert mine.bound(r) == proved.bound(r), (name, r)
+    seen = {
+        (c.plans_digest, str(sorted(meaning(c.spec).items())))
+        for c in map(compile_text, (*SOURCES.values(), *PIPELINES.values()))
+    }
+    assert len(seen) == len(SOURCES) + len(PIPELINES)
+    a, b = (compile_text(SOURCES[n]).plans_digest for n in ("upcast", "recompute"))
+    assert a != b
