@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from fractions import Fraction
 
 from schedc.ir.bound import Bound
@@ -47,8 +49,30 @@ def _on_every_rank(bounds: list[Bound], change: Callable[[Bound], Bound]) -> lis
     return [change(b) for b in bounds]
 
 
+# the rank a mutation changes: the last one, unless a test picks another (`on_rank`)
+TARGET: ContextVar[int | None] = ContextVar("TARGET", default=None)
+
+
+@contextmanager
+def on_rank(rank: int) -> Iterator[None]:
+    """Mutations made inside change rank `rank` (one in the middle of a large world),
+    not the last one; consume the variants inside."""
+    token = TARGET.set(rank)
+    try:
+        yield
+    finally:
+        TARGET.reset(token)
+
+
 def _last_rank(bounds: list[Bound]) -> Bound:
-    return bounds[-1]
+    """The rank a mutation changes (`TARGET`: the last, by default)."""
+    target = TARGET.get()
+    return bounds[-1] if target is None else bounds[target]
+
+
+def _ranks(bounds: list[Bound], n: int) -> list[Bound]:
+    """Up to `n` ranks spread over the world, or the one `TARGET` picks."""
+    return _spread(bounds, n) if TARGET.get() is None else [_last_rank(bounds)]
 
 
 def _replicas(spec: Spec) -> int:
@@ -73,7 +97,7 @@ def _batch_readers(spec: Spec, bounds: list[Bound]) -> list[Bound]:
 def _loss_rank(spec: Spec, bounds: list[Bound]) -> Bound:
     """The last rank that takes a loss (a pipeline's last stage: in a V, the first rank)."""
     if spec.pipeline is None:
-        return bounds[-1]
+        return _last_rank(bounds)
     last = len(spec.pipeline.stages) - 1
     return next(
         b
@@ -241,7 +265,7 @@ def nosync_last_skipped(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 def batch_slice(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank's micro-step reads another rank's slice of the batch (one of another
     replica: a pipeline's stages of one replica read one slice)."""
-    b = bounds[-1]
+    b = _last_rank(bounds)
     other = next((x for x in bounds if x.batch != b.batch), None)
     if other is None:
         return
@@ -323,7 +347,7 @@ def wrong_group(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 
 def _each_update(bounds: list[Bound], edit: Callable[[list[Instr], int], str]) -> Iterator[Variant]:
     """`edit` at the update of each of up to three ranks (one update a rank's step)."""
-    for b in _spread(bounds, 3):
+    for b in _ranks(bounds, 3):
         ins = list(b.plan.instrs)
         said = edit(ins, next(iter(_runs(b, lambda i: i.op.kind is Kind.STEP))))
         yield (
@@ -370,7 +394,10 @@ def forward_out_of_order(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
 
 def slice_outside_batch(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
     """One rank's micro-step reads the next step's sequences (positions past the batch)."""
-    at = [(b, m) for b in reversed(_batch_readers(spec, bounds)) for m in range(len(b.batch))]
+    readers = _batch_readers(spec, bounds)
+    if TARGET.get() is not None:
+        readers = [_last_rank(bounds)]
+    at = [(b, m) for b in reversed(readers) for m in range(len(b.batch))]
     for b, m in _spread(at[: max(3, len(bounds[-1].batch))], 3):
         batch = list(b.batch)
         batch[m] = (batch[m][0] + spec.seqs, batch[m][1])
@@ -419,32 +446,38 @@ def _reversed_layout(spec: Spec, bounds: list[Bound], field: str) -> Iterator[Va
 
 
 def streams_in_a_circle(spec: Spec, bounds: list[Bound]) -> Iterator[Variant]:
-    """HSDP 2 x 2: two collectives of two communicators, adjacent on one stream, swapped on
-    ranks 0 and 3 only. Each communicator stays in order by itself, but rank 0 waits for
-    rank 2, which waits for 3, which waits for 1, which waits for 0: a deadlock."""
-    if spec.kind is not Strategy.FSDP or (spec.mesh.replicate, spec.mesh.shard) != (2, 2):
+    """HSDP: two collectives of two communicators, adjacent on one stream, swapped on rank a
+    and on the rank d one shard and one replica on from it (2 x 2: ranks 0 and 3). Each
+    communicator stays in order by itself, but a waits for its replica c, which waits for
+    d, which waits for its replica b, which waits for a: a deadlock."""
+    if spec.kind is not Strategy.FSDP or min(spec.mesh.replicate, spec.mesh.shard) < 2:
         return
-    ins = bounds[0].plan.instrs
+    S = spec.mesh.shard
+    a = TARGET.get() or 0
+    if a % S == S - 1 or a + S + 1 >= spec.world:
+        return  # no rank one shard and one replica on
+    d = a + S + 1
+    ins = bounds[a].plan.instrs
     colls = [k for k, i in enumerate(ins) if i.op is not None and i.op.is_collective]
     pairs = [
-        (a, b)
-        for a, b in zip(colls, colls[1:])
-        if ins[a].stream == ins[b].stream
-        and spec.dim_of(ins[a].op) != spec.dim_of(ins[b].op)
-        and ins[a].op.target != ins[b].op.target  # not a unit's scatter and its all-reduce
-        and all(x.plan.instrs[a].op == ins[a].op and x.plan.instrs[b].op == ins[b].op
-                for x in bounds)
+        (x, y)
+        for x, y in zip(colls, colls[1:])
+        if ins[x].stream == ins[y].stream
+        and spec.dim_of(ins[x].op) != spec.dim_of(ins[y].op)
+        and ins[x].op.target != ins[y].op.target  # not a unit's scatter and its all-reduce
+        and all(b.plan.instrs[x].op == ins[x].op and b.plan.instrs[y].op == ins[y].op
+                for b in (bounds[a], bounds[d]))
     ]  # fmt: skip
-    for a, b in _spread(pairs, 3):
+    for x, y in _spread(pairs, 3):
 
-        def swap(x: Bound, a=a, b=b) -> Bound:
-            out = list(x.plan.instrs)
-            out[a], out[b] = out[b], out[a]
-            return _instrs(x, out)
+        def swap(b: Bound, x=x, y=y) -> Bound:
+            out = list(b.plan.instrs)
+            out[x], out[y] = out[y], out[x]
+            return _instrs(b, out)
 
         yield (
-            f"{ins[b].op} before {ins[a].op} on ranks 0 and 3",
-            [swap(x) if x.rank in (0, 3) else x for x in bounds],
+            f"{ins[y].op} before {ins[x].op} on ranks {a} and {d}",
+            [swap(b) if b.rank in (a, d) else b for b in bounds],
         )
 
 

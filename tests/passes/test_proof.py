@@ -18,7 +18,7 @@ from schedc.passes.agree import meaning
 from schedc.passes.prove import prove
 from schedc.passes.prove_rank import Refuted
 from tests.goldens import REPO
-from tests.plan_mutations import CLASSES
+from tests.plan_mutations import CLASSES, on_rank
 from tests.strategies import PRECISIONS, cases, examples, hsdp_cases, program_lines, programs_of
 from tests.strategies import tally as tally_case
 
@@ -207,3 +207,55 @@ def test_a_rank_that_does_not_prove_binds_the_plan_rank_0_proved():
     assert len(seen) == len(SOURCES) + len(PIPELINES)
     a, b = (compile_text(SOURCES[n]).plans_digest for n in ("upcast", "recompute"))
     assert a != b
+
+
+def _scaled(text: str, world: int, mesh: str | None = None) -> str:
+    """A tiny source at `world` ranks, two micro-steps of its micro-batch a rank."""
+    micro = int(re.search(r"^micro (\d+)", text, re.M).group(1))
+    text = re.sub(r"^world \d+", f"world {world}", text, flags=re.M)
+    text = re.sub(r"^batch \d+", f"batch {2 * micro * world}", text, flags=re.M)
+    return re.sub(r"^mesh .*$", f"mesh {mesh}", text, flags=re.M) if mesh else text
+
+
+@pytest.mark.parametrize(("name", "mesh"), [
+    ("tiny_ddp_overlap", None),
+    ("tiny_hsdp", "32 x 32"),  # HSDP's classes hold FSDP's
+    ("upcast", None),  # and no_sync's upcast, its fold
+])  # fmt: skip
+def test_a_mutation_of_one_rank_in_a_world_of_1024_is_refuted(name, mesh):
+    """Every class with a variant here, its first variant made on rank 500 of 1,024 (not the
+    last: a rank whose groups and slices are in the middle of the mesh), is refuted, located
+    (issue #45: the proof at cluster scale still refutes every class)."""
+    c = compile_text(_scaled(SOURCES[name], 1024, mesh), f"{name}_1024.sched")
+    bounds = bounds_of(c)
+    refuted = []
+    with on_rank(500):
+        for cls, mutate in CLASSES.items():
+            first = next(mutate(c.spec, bounds), None)
+            if first is None:
+                continue
+            label, variant = first
+            e = refute(c.spec, variant)
+            assert e.index is not None or "rank" in e.message, (label, e.message)
+            refuted.append(cls)
+    assert refuted == _with_variants(c, bounds)
+
+
+AT_1024 = [("tiny_ddp_overlap", None), ("tiny_hsdp", "32 x 32"), ("upcast", None)]
+
+
+def _with_variants(c: Compiled, bounds: list) -> list[str]:
+    """The classes with a variant on rank 500 of these plans."""
+    with on_rank(500):
+        return [cls for cls, mutate in CLASSES.items() if next(mutate(c.spec, bounds), None)]
+
+
+def test_the_world_1024_cases_cover_every_class_but_the_pipelines_own():
+    """Between them the sources above have a variant of every class (a pipeline's
+    rendezvous circle needs one stage a rank over many micro-batches; it is refuted on the
+    bundled pipelines: tests/passes/test_pipeline_proof.py)."""
+    covered = set()
+    for name, mesh in AT_1024:
+        c = compile_text(_scaled(SOURCES[name], 1024, mesh), f"{name}_1024.sched", prove=False)
+        covered |= set(_with_variants(c, bounds_of(c)))
+    assert set(CLASSES) - covered == {"rendezvous-in-a-circle"}
