@@ -72,7 +72,7 @@ class Maps:
 
     def add(self, m: int, key: Key, w: Fraction) -> int:
         """`m` with `w` more of `key`."""
-        memo = ("add", m, key, w)
+        memo = ("add", m, key, w.numerator, w.denominator)  # a Fraction's hash is a pow()
         if memo not in self._memo:
             rank, mb, layer = key
             outer = dict(self.outers[m])
