@@ -99,7 +99,7 @@ INSTR: dict[str, Change] = {
 }
 
 
-def _moved(layouts, one_piece: bool = False):
+def _moved(layouts):
     """The last name of the first layout with two or more moved to the next layout."""
     names = list(layouts)
     for a, b in zip(names, names[1:]):
@@ -116,18 +116,18 @@ def _bound_changes(spec: Spec, b: Bound) -> Iterator[tuple[str, dict]]:
     yield "loss_scale", {"loss_scale": b.loss_scale * Fraction(2)}
     if (buckets := _moved(b.buckets)) is not None:
         yield "buckets", {"buckets": buckets}
-    if len(set(b.grad_keys)) > 1 or (b.grad_keys and len(b.grad_keys) > 1):
+    if len(b.grad_keys) > 1:  # the first and last swapped, or (one key: no_sync) the first moved
         keys = list(b.grad_keys)
         keys[0], keys[-1] = keys[-1], keys[0]
-        if keys != list(b.grad_keys):
-            yield "grad_keys", {"grad_keys": tuple(keys)}
-        else:
-            yield "grad_keys", {"grad_keys": (keys[0] + 1, *keys[1:])}
+        if keys == list(b.grad_keys):
+            keys[0] += 1
+        yield "grad_keys", {"grad_keys": tuple(keys)}
     if b.folds:
         layer = next(iter(b.folds))
         yield "folds", {"folds": {**b.folds, layer: ()}}
-    if b.shard is not None:
-        yield "shard", {"shard": (b.shard + 1) % max(2, spec.mesh.shard)}
+    if b.shard is not None:  # the next chunk (past the last, where a group has one)
+        mesh = spec.stage_mesh if spec.pipeline is not None else spec.mesh
+        yield "shard", {"shard": (b.shard + 1) % max(2, mesh.shard)}
     yield "steps", {"steps": b.steps + 1}
     if b.params:
         yield "params", {"params": b.params[:-1]}
