@@ -1,6 +1,6 @@
 """Every operand of a bound plan perturbed, one at a time: each perturbed plan is either
 refuted by the proof or, run on CPU ranks with the proof bypassed, still computes the
-reference's update (tests/test_operands.py). That is "the plan the proof read is the plan
+reference's update (tests/exec/test_operands.py). That is "the plan the proof read is the plan
 that runs" tested from both sides: an operand the executor uses that the proof did not
 read would show as an accepted plan that runs wrong.
 
