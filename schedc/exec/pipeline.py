@@ -351,7 +351,7 @@ class PipelineExecutor:
 
 def _one_update_last(bound: Bound) -> None:
     """The executor updates once, after the plan's every other instruction (`update`): a
-    plan that says otherwise is not run (the proof refutes it: passes/prove.py `_shape`)."""
+    plan that says otherwise is not run (the proof refutes it: passes/prove_shape.py)."""
     instrs = bound.plan.instrs
     updates = [k for k, i in enumerate(instrs) if i.op is not None and i.op.kind is Kind.STEP]
     if updates != [len(instrs) - 1]:

@@ -17,23 +17,7 @@ def shape(spec: Spec, b: Bound) -> None:
     """Every micro-step reads positions of the step's global batch; every reduction divides
     by a positive count; one update a step, nothing of the step after it; every buffer read
     across streams kept alive there."""
-    _positions_and_divisors(b, spec.seqs)
-    _kept_alive(spec, b)
-
-
-def _positions_and_divisors(b: Bound, seqs: int) -> None:
-    """The shape of a step, and operands that mean nothing, before any value is computed:
-    every micro-step reads positions of the step's global batch; every reduction divides by
-    a positive count; the plan holds one update a step, and nothing of the step runs after
-    its last one (a rank that never updates, or updates twice, trains wrong silently)."""
-    for m, (first, n) in enumerate(b.batch):
-        if first < 0 or n < 1 or first + n > seqs:
-            raise Refuted(
-                b.rank,
-                None,
-                f"micro-step {m} of rank {b.rank} reads positions {first} .. {first + n - 1} "
-                f"of a global batch of {seqs} sequences (0 .. {seqs - 1})",
-            )
+    _inside_the_batch(b, spec.seqs)
     ops = [(k, i.op, i.divisor) for k, i in enumerate(b.plan.instrs) if i.op is not None]
     for k, op, divisor in ops:
         if divisor < 1:
@@ -42,6 +26,18 @@ def _positions_and_divisors(b: Bound, seqs: int) -> None:
                 "ranks, at least 1"
             )  # fmt: skip
     _one_update_a_step(b, [(k, op) for k, op, _ in ops])
+    _kept_alive(spec, b)
+
+
+def _inside_the_batch(b: Bound, seqs: int) -> None:
+    for m, (first, n) in enumerate(b.batch):
+        if first < 0 or n < 1 or first + n > seqs:
+            raise Refuted(
+                b.rank,
+                None,
+                f"micro-step {m} of rank {b.rank} reads positions {first} .. {first + n - 1} "
+                f"of a global batch of {seqs} sequences (0 .. {seqs - 1})",
+            )
 
 
 def _kept_alive(spec: Spec, b: Bound) -> None:
@@ -60,6 +56,7 @@ def _kept_alive(spec: Spec, b: Bound) -> None:
 
 
 def _one_update_a_step(b: Bound, ops: list[tuple[int, Op]]) -> None:
+    """A rank that never updates, or updates twice, trains wrong silently."""
     updates = [k for k, op in ops if op.kind is Kind.STEP]
     if len(updates) != b.steps:
         at = updates[b.steps] if len(updates) > b.steps else (ops[-1][0] if ops else None)

@@ -22,6 +22,7 @@ from schedc.passes.check import check_proof
 from schedc.passes.pipeline_bind import bind_pipeline
 from schedc.passes.prove import prove
 from schedc.passes.prove_rank import Refuted
+from tests.plan_mutations import CLASSES
 
 PIPELINES = pipeline_schedules()
 
@@ -161,13 +162,6 @@ def _replicate_dropped(instrs):
     return instrs
 
 
-def _forwards_first(instrs):
-    """The rank's receives and forwards of every micro-batch before its first backward
-    (GPipe's order on one rank of a 1F1B pipeline)."""
-    fwd = [i for i in instrs if i.op is not None and i.op.kind in (Kind.RECV_F, Kind.F)]
-    return fwd + [i for i in instrs if i not in fwd]
-
-
 def _every(fn: Edit):
     return lambda spec, bounds: [_edit(b, fn) for b in bounds]
 
@@ -303,7 +297,7 @@ MUTATIONS = [
     (
         "rendezvous-in-a-circle",  # the first stage waits for B@0 before F@4; the last for F@4
         "tiny_pp4_1f1b",
-        lambda s, bs: _on(3, _forwards_first)(s, bs),
+        lambda s, bs: next(CLASSES["rendezvous-in-a-circle"](s, bs))[1],  # on rank 3
         "the ranks wait for each other forever: rank 0 stops at B[s0]@mb0, waiting for "
         "RECV_B[s0]@mb0",
     ),
