@@ -300,11 +300,12 @@ class PipelineExecutor:
         self.posted.add(kinds, dist.batch_isend_irecv(ops))
 
     def _pair(self, act: Op) -> tuple[int, ...]:
-        """A transfer's (sender, receiver) in global ranks; () for a compute."""
+        """A transfer's (sender, receiver) as pipeline ranks of this replica (ir/bound.py);
+        () for a compute."""
         if not act.kind.is_p2p:
             return ()
-        peer = self.peers[self.pipe.peer(act)]
-        return (self.rank, peer) if act.kind.is_send else (peer, self.rank)
+        me, peer = self.comm.rank, self.pipe.peer(act)
+        return (me, peer) if act.kind.is_send else (peer, me)
 
     def _payload(self, send: Op, flight: Flight) -> torch.Tensor:
         key = (send.stage, send.mb)

@@ -28,7 +28,10 @@ executor takes these from the bound plan and from nowhere else, and the proof
                     decayed first): the layout its gathers and reduce-scatters move in
                     chunks, which every member must share
     Instr.group     every collective: the ranks of its process group, in group order (a
-                    reduce-scatter's chunk p goes to group[p], an all-gather's comes from it)
+                    reduce-scatter's chunk p goes to group[p], an all-gather's comes from it);
+                    a pipeline transfer: (sender, receiver) as pipeline ranks of the rank's
+                    replica, global rank pipeline rank x dp + replica (the same instruction
+                    on every replica)
     Instr.divisor   every reduction: what each member's contribution is divided by before
                     the sum (an all-gather's is 1)
 

@@ -33,7 +33,8 @@ class Group(tuple[int, ...]):
 
 
 @lru_cache(maxsize=1 << 16)
-def _group(first: int, stop: int, step: int) -> Group:
+def span(first: int, stop: int, step: int) -> Group:
+    """The group range(first, stop, step), interned."""
     return Group(range(first, stop, step))
 
 
@@ -64,13 +65,13 @@ class Mesh:
     def size(self, dim: str) -> int:
         return self.shard if dim == SHARD else self.replicate
 
-    def members(self, rank: int, dim: str) -> Group:
+    def members(self, rank: int, dim: str, base: int = 0) -> Group:
         """The ranks of `rank`'s group along `dim`, in rank order (one interned object a
-        group)."""
+        group), each plus `base` (a pipeline rank's first global rank)."""
         if dim == SHARD:
-            first = rank - rank % self.shard
-            return _group(first, first + self.shard, 1)
-        return _group(rank % self.shard, self.world, self.shard)
+            first = base + rank - rank % self.shard
+            return span(first, first + self.shard, 1)
+        return span(base + rank % self.shard, base + self.world, self.shard)
 
     def index(self, rank: int, dim: str) -> int:
         """`rank`'s position in its group along `dim` (its shard, along SHARD)."""

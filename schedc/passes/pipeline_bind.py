@@ -9,8 +9,9 @@ compute that reads it, which the proof models as the receive's pending buffer):
     run allgather[<unit>]@mb0:fwd          FSDP per stage: before the rank's first F, each
                                            unit it holds, over its shard group
     run F[s]@j, B[s]@j, I[s]@j, W[s]@j      the program's computes, in its order
-    run SEND_F[s]@j ... RECV_B[s]@j          its transfers, each with the pair of global
-                                             ranks (sender, receiver) as its group
+    run SEND_F[s]@j ... RECV_B[s]@j          its transfers, each with the pair of pipeline
+                                             ranks (sender, receiver) of its replica as its
+                                             group: one instruction on every replica
     run allreduce[<bucket>]@mb{m-1}          DDP, dp > 1: each bucket of the rank's stages,
                                              right after the action that last writes it
                                              (pipelining's REDUCE_GRAD), over the ranks
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from schedc.ir.bound import Bound
+from schedc.ir.mesh import Group, span
 from schedc.ir.op import COMPUTE, STEP, Kind, Op, Phase
 from schedc.ir.pipeline import Item, Pipeline, last_grad_writers
 from schedc.ir.plan import Action, Instr, Plan
@@ -48,67 +50,97 @@ from schedc.passes.pipeline_memory import stage_buckets, stage_params
 
 
 def bind_pipeline(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]]) -> list[Bound]:
-    """Every global rank's bound plan, in rank order (the module docstring)."""
-    return [bind_rank(spec, pipe, programs, g) for g in range(pipe.pp * spec.dp)]
+    """Every global rank's bound plan, in rank order (the module docstring). The ranks of a
+    pipeline rank share its instructions where their groups are the same objects (one plan
+    a pipeline rank under DDP per stage, not one a global rank)."""
+    memo: dict = {}
+    return [bind_rank(spec, pipe, programs, g, memo) for g in range(pipe.pp * spec.dp)]
 
 
 @dataclass
 class _Sync:
     """A rank's collectives around its program (those before its first forward, those
-    each stage op completes) and its buckets or its shard."""
+    each stage op completes) and its buckets or its units."""
 
     before: list[Instr] = field(default_factory=list)
     after: dict[Op, list[Instr]] = field(default_factory=dict)
     buckets: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    shard: int | None = None
     replicate: tuple[int, ...] = ()  # HSDP: the ranks each gradient shard is summed over
     units: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FSDP: name -> params
 
 
-def bind_rank(spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]], me: int) -> Bound:
-    """Global rank `me`'s bound plan: what its executor runs."""
+def bind_rank(
+    spec: Spec, pipe: Pipeline, programs: dict[int, list[Item]], me: int, memo: dict | None = None
+) -> Bound:
+    """Global rank `me`'s bound plan: what its executor runs. `memo`, shared by the ranks of
+    one compile, keeps one plan per pipeline rank and groups, and one batch per replica."""
     assert spec.pipeline is not None
-    dp, m, units = spec.dp, pipe.microbatches, spec.pipeline.units
+    memo = {} if memo is None else memo
+    dp, m, mesh = spec.dp, pipe.microbatches, spec.stage_mesh
     p, d = divmod(me, dp)
-    program, held = programs[p], _held(spec, pipe, p)
-    sync = _units(spec, pipe, program, me, held) if units else _buckets(spec, pipe, program, me)
+    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
+    base = p * dp  # the groups, interned (ir/mesh.py): equal ranks' groups are one object
+    groups = (
+        (mesh.members(d, SHARD, base), mesh.members(d, REPLICATE, base))
+        if spec.pipeline.units
+        else (span(base, base + dp, 1),)
+    )
+    tied = Group((first * dp + d, last * dp + d)) if first != last and p in (first, last) else ()
+    key = ("plan", p, groups, tied)
+    if key not in memo:
+        memo[key] = _plan(spec, pipe, programs[p], p, groups, tied)
+    instrs, sync, held = memo[key]
+    if ("batch", d) not in memo:
+        B, S = spec.micro, spec.seqs
+        memo[("batch", d)] = tuple(
+            (ids.start, len(ids)) for ids in (sequence_ids(0, d, j, B, dp, S) for j in range(m))
+        )
+    shard = mesh.index(d, SHARD) if spec.pipeline.units else None
+    plan = Plan(me, (COMPUTE,), instrs, {}, {})
+    return Bound(
+        me, plan, memo[("batch", d)], Fraction(1, m), sync.buckets, shard=shard, params=held,
+        units=sync.units,
+    )  # fmt: skip
+
+
+def _plan(spec: Spec, pipe: Pipeline, program: list[Item], p: int, groups, tied) -> tuple:
+    """Pipeline rank `p`'s instructions with its data-parallel `groups` and `tied` pair,
+    its sync and the parameters it holds."""
+    m = pipe.microbatches
+    held = _held(spec, pipe, p)
+    if spec.pipeline.units:  # type: ignore[union-attr]
+        sync = _units(spec, pipe, program, p, held, *groups)
+    else:
+        sync = _buckets(spec, pipe, program, p, groups[0])
     instrs: list[Instr] = []
     first_f = next((a for item in program for a in item if a.kind is Kind.F), None)
     for item in program:
         for k, op in enumerate(item):
             if op == first_f:
                 instrs += sync.before
-            group = _pair(pipe, op, me, dp, d)
+            group = _pair(pipe, op, p)
             instrs.append(Instr(Action.RUN, COMPUTE, op, group=group, batched=k > 0))
             instrs += sync.after.get(op, ())
     if len(sync.replicate) > 1:  # HSDP: in the order the reduce-scatters launch
         scattered = [i.op.target for i in instrs if i.op and i.op.kind is Kind.REDUCESCATTER]
         instrs += [_run(Op(Kind.ALLREDUCE, u, m - 1), sync.replicate) for u in scattered]
-    first, last = pipe.rank_of(0), pipe.rank_of(pipe.stages - 1)
-    if first != last and p in (first, last):
-        pair = (first * dp + d, last * dp + d)
-        instrs.append(_run(Op(Kind.ALLREDUCE, TIED, m - 1), pair))
+    if tied:
+        instrs.append(_run(Op(Kind.ALLREDUCE, TIED, m - 1), tied))
     instrs.append(Instr(Action.RUN, COMPUTE, STEP))
-    plan = Plan(me, (COMPUTE,), tuple(instrs), {}, {})
-    B, S = spec.micro, spec.seqs
-    batch = tuple((ids.start, len(ids)) for ids in (sequence_ids(0, d, j, B, dp, S)
-                                                    for j in range(m)))  # fmt: skip
-    return Bound(
-        me, plan, batch, Fraction(1, m), sync.buckets, shard=sync.shard, params=held,
-        units=sync.units,
-    )  # fmt: skip
+    return tuple(instrs), sync, held
 
 
 def _run(op: Op, group: tuple[int, ...], divisor: int = 1) -> Instr:
     return Instr(Action.RUN, COMPUTE, op, group=group, divisor=divisor)
 
 
-def _pair(pipe: Pipeline, op: Op, me: int, dp: int, d: int) -> tuple[int, ...]:
-    """A transfer's group: (sender, receiver) in global ranks, the same on both ends."""
+def _pair(pipe: Pipeline, op: Op, p: int) -> tuple[int, ...]:
+    """A transfer's group: (sender, receiver) pipeline ranks of the rank's replica, the same
+    on both ends and on every replica."""
     if not op.kind.is_p2p:
         return ()
-    peer = pipe.peer(op) * dp + d
-    return (me, peer) if op.kind.is_send else (peer, me)
+    peer = pipe.peer(op)
+    return (p, peer) if op.kind.is_send else (peer, p)
 
 
 def _held(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
@@ -133,16 +165,14 @@ def _done_by(spec: Spec, pipe: Pipeline, program: list[Item], p: int):
     return done_by
 
 
-def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
+def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], p: int, replicas) -> _Sync:
     """DDP per stage: the rank's buckets (name -> parameters, passes/pipeline_memory.py
     `stage_buckets`, what the ledger counts), each all-reduced over the replicas right after
     the last backward that writes one of its parameters, in launch order."""
     ps, dp, m = spec.pipeline, spec.dp, pipe.microbatches
     assert ps is not None
-    p = me // dp
     stages = pipe.stages_of(p)
     block = {q: b.name for b in ps.buckets for q in b.params}  # a ddp block's names
-    replicas = tuple(p * dp + r for r in range(dp))
     done_by = _done_by(spec, pipe, program, p)
     sync = _Sync()
     for s in stages:
@@ -156,17 +186,16 @@ def _buckets(spec: Spec, pipe: Pipeline, program: list[Item], me: int) -> _Sync:
     return sync
 
 
-def _units(spec: Spec, pipe: Pipeline, program: list[Item], me: int, held) -> _Sync:
+def _units(
+    spec: Spec, pipe: Pipeline, program: list[Item], p: int, held, shards, replicate
+) -> _Sync:
     """FSDP per stage: the units whose parameters the rank holds (the tied wte's on both
     ends), gathered over the shard group before its first forward, reduce-scattered there
     and freed after the last backward that writes them, and under HSDP each shard summed
     over the replicate group before the update."""
     assert spec.pipeline is not None
-    dp, m, mesh = spec.dp, pipe.microbatches, spec.stage_mesh
-    p, d = divmod(me, dp)
-    shards = tuple(p * dp + r for r in mesh.members(d, SHARD))
-    replicate = tuple(p * dp + r for r in mesh.members(d, REPLICATE))
-    sync = _Sync(shard=mesh.index(d, SHARD), replicate=replicate)
+    dp, m = spec.dp, pipe.microbatches
+    sync = _Sync(replicate=replicate)
     mine: list[StageUnit] = [u for u in spec.pipeline.units if set(u.params) <= set(held)]
     done_by = _done_by(spec, pipe, program, p)
     for u in mine:

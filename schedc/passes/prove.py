@@ -35,13 +35,15 @@ import networkx as nx
 from schedc.ir.bound import Bound
 from schedc.ir.effects import gathers_read
 from schedc.ir.op import Kind, Op, Phase
+from schedc.ir.plan import Instr
 from schedc.ir.sizes import padded
 from schedc.ir.spec import SHARD, Spec, Strategy
 from schedc.lang.diagnostics import count
 from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
-from schedc.passes.prove_shape import shape
+from schedc.passes.prove_shape import inside_the_batch, shape
 from schedc.passes.prove_stage import StageRank, transfer
+from schedc.passes.symmetry import classes_of, first_stage_rank
 from schedc.passes.values import EMPTY, Maps, Theorem, Wrong
 
 
@@ -69,11 +71,12 @@ class Proof:
         )
 
 
-def prove(spec: Spec, bounds: list[Bound]) -> Proof:
+def prove(spec: Spec, bounds: list[Bound], classes: bool = True) -> Proof:
     """Prove `bounds` (every rank's bound plan) compute the single-process update, or raise
-    Refuted."""
+    Refuted. `classes`: by classes of ranks where the world has them (passes/symmetry.py),
+    else rank by rank."""
     t0 = time.perf_counter()
-    prover = _Prover(spec, bounds)
+    prover = _Prover(spec, bounds, classes)
     prover.run()
     return Proof(
         seqs=spec.seqs,
@@ -92,7 +95,7 @@ def _ratio(x: Fraction) -> str:
 class _Prover:
     """The ranks, their communicators, and the values they share."""
 
-    def __init__(self, spec: Spec, bounds: list[Bound]):
+    def __init__(self, spec: Spec, bounds: list[Bound], classes: bool = True):
         self.spec, self.bounds = spec, bounds
         self.fsdp = spec.sync is Strategy.FSDP
         # the ranks a unit is sharded over, as replicate x shard (a pipeline: of a stage's)
@@ -100,8 +103,12 @@ class _Prover:
         self.hsdp = self.fsdp and self.mesh.replicate > 1
         self._gathers: dict[Op, tuple[Op, ...]] = {}
         self.maps = Maps()
+        self.sym = classes_of(spec, bounds) if classes else None
         slices = {(b.rank, m): b.positions(m) for b in bounds for m in range(len(b.batch))}
-        self.theorem = Theorem(self.maps, spec.seqs, slices)
+        dp, first = self.mesh.world, first_stage_rank(spec)
+        readers = range(first * dp, (first + 1) * dp)
+        members = self.sym.sets.members if self.sym is not None else (lambda r: (r,))
+        self.theorem = Theorem(self.maps, spec.seqs, slices, readers, members)
         model = spec.model
         self.writers = {p.name: tuple(model.writers(p.name)) for p in model.params}
         self.numel = {p.name: p.numel for p in model.params}
@@ -115,8 +122,11 @@ class _Prover:
         self.stage_gathers: dict[int, tuple[Op, ...]] = {}  # FSDP per stage: what it reads
         if self.fsdp:
             self._fsdp_layout()
-        for b in bounds:  # what can be judged before anything runs
-            shape(spec, b)
+        executed = self.sym.reps if self.sym is not None else range(len(bounds))
+        for b in bounds:  # what can be judged before anything runs (a class: its plan once)
+            inside_the_batch(b, spec.seqs)
+        for r in executed:
+            shape(spec, bounds[r])
         for name in dict.fromkeys(n for b in bounds for n in b.buckets):
             self._agreed("buckets", name)  # one flat layout a bucket, on every holder
         self.queues: dict[tuple[str, tuple[int, ...]], dict[int, list[_Issue]]] = {}
@@ -124,7 +134,7 @@ class _Prover:
         self.matched: dict[tuple[str, tuple[int, ...]], int] = {}
         self.counts: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         rank = StageRank if spec.pipeline is not None else _Rank
-        self.ranks = [rank(self, b) for b in bounds]
+        self.ranks = {r: rank(self, bounds[r]) for r in executed}
 
     def gathers(self, op: Op) -> tuple[Op, ...]:
         """The all-gathers whose buffers compute op `op` reads (ir/effects.py; a stage op:
@@ -205,9 +215,9 @@ class _Prover:
     def run(self) -> None:
         while True:
             progressed = False
-            for r in self.ranks:
+            for r in self.ranks.values():
                 progressed |= r.advance()
-            if all(r.finished for r in self.ranks):
+            if all(r.finished for r in self.ranks.values()):
                 self._all_matched()
                 self._no_circle_of_streams()
                 self._shards_once()
@@ -218,17 +228,19 @@ class _Prover:
     # -- collectives ---------------------------------------------------------------------
 
     def issue(self, issue: _Issue, stream: str) -> None:
-        key = (stream, issue.instr.group)
+        group = self.global_group(issue.rank, issue.instr)
+        key = (stream, group)
         queues = self.queues.get(key)
-        if queues is None:
-            queues = self.queues[key] = {m: [] for m in issue.instr.group}
+        if queues is None:  # a class's line or plane: its representative issues for all
+            alone = self.spans(issue) is not None
+            queues = self.queues[key] = {m: [] for m in ((issue.rank,) if alone else group)}
             self.counts[key] = []
         mine = queues.get(issue.rank)
         if mine is None:
             raise Refuted(
                 issue.rank,
                 issue.index,
-                f"{issue.instr.op}: its group {issue.instr.group} does not hold its rank",
+                f"{issue.instr.op}: its group {group} does not hold its rank",
             )
         mine.append(issue)
         counts = self.counts[key]  # position -> members that have issued there
@@ -268,11 +280,35 @@ class _Prover:
         for i, out in zip(issues, outs):
             self.ranks[i.rank].land(i, out)
 
+    def global_group(self, rank: int, instr: Instr) -> tuple[int, ...]:
+        """An instruction's group in global ranks (a transfer's names pipeline ranks of the
+        rank's replica, ir/bound.py)."""
+        if instr.op is None or not instr.op.kind.is_p2p:
+            return instr.group
+        dp = self.mesh.world
+        return tuple(p * dp + rank % dp for p in instr.group)
+
+    def spans(self, issue: _Issue) -> tuple[int, ...] | None:
+        """The dimensions a collective of a class's representative spans, if the proof is by
+        classes and its group is a line or plane of the class (passes/symmetry.py)."""
+        return None if self.sym is None else self.sym.spans.get((issue.rank, issue.index))
+
     def _reduce(self, issues: list[_Issue]) -> list[dict[Piece, int]]:
         """Each member's output: the group's sum (of its pieces; a reduce-scatter's member p
-        keeps chunk p), each contribution divided by its sender's divisor."""
+        keeps chunk p), each contribution divided by its sender's divisor. A class's: its
+        members' translated sends summed, every chunk kept (each is some member's)."""
         op = issues[0].instr.op
         assert op is not None
+        dims = self.spans(issues[0])
+        if dims is not None:
+            i, sets = issues[0], self.sym.sets  # type: ignore[union-attr]
+
+            def over(r: int) -> tuple[int, int]:
+                return sets.widen(r, dims)
+
+            return [
+                {pc: self.maps.spread(m, over, dims, i.instr.divisor) for pc, m in i.sends.items()}
+            ]
         pieces = issues[0].sends.keys()
         for i in issues[1:]:
             if i.sends.keys() != pieces:
@@ -304,7 +340,7 @@ class _Prover:
         op = issues[0].instr.op
         assert op is not None
         versions = {i.version for i in issues}
-        for p, i in enumerate(issues):
+        for p, i in enumerate(issues if self.spans(issues[0]) is None else ()):
             held = self.ranks[i.rank].bound.shard
             if held != p:
                 raise Refuted(
@@ -381,7 +417,7 @@ class _Prover:
 
     def _deadlock(self) -> None:
         self._all_matched()  # names a collective some rank never issues, if there is one
-        stuck = [r for r in self.ranks if not r.finished]
+        stuck = [r for r in self.ranks.values() if not r.finished]
         where = "; ".join(f"rank {r.rank} {r.stopped()}" for r in stuck[:4])
         more = f"; and {len(stuck) - 4} more" if len(stuck) > 4 else ""
         r = stuck[0]
@@ -401,8 +437,9 @@ class _Prover:
         )
 
     def _shards_once(self) -> None:
-        """Every chunk of every unit is updated by exactly one rank of each shard group."""
-        if not self.fsdp:
+        """Every chunk of every unit is updated by exactly one rank of each shard group (by
+        classes: each rank's shard is its index there, passes/symmetry.py)."""
+        if not self.fsdp or self.sym is not None:
             return
         for group in self._shard_groups():
             held = sorted(self.bounds[r].shard or 0 for r in group)

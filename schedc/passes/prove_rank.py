@@ -434,7 +434,8 @@ class _Rank:
         pieces = buf.pieces
         del self.bufs[name]
         held = self.bound.shard or 0
-        want = self.p._chunk_of(unit, held, {pc: EMPTY for pc in self._full(unit)})
+        full = {pc: EMPTY for pc in self._full(unit)}  # by classes: every member's chunk
+        want = full if self.p.sym is not None else self.p._chunk_of(unit, held, full)
         if pieces.keys() != want.keys():
             raise self.fail(
                 at[2],

@@ -14,10 +14,9 @@ from schedc.passes.prove_rank import Refuted
 
 
 def shape(spec: Spec, b: Bound) -> None:
-    """Every micro-step reads positions of the step's global batch; every reduction divides
-    by a positive count; one update a step, nothing of the step after it; every buffer read
-    across streams kept alive there."""
-    _inside_the_batch(b, spec.seqs)
+    """Every reduction divides by a positive count; one update a step, nothing of the step
+    after it; every buffer read across streams kept alive there (each micro-step reading
+    positions of the step's global batch: `inside_the_batch`, every rank's)."""
     ops = [(k, i.op, i.divisor) for k, i in enumerate(b.plan.instrs) if i.op is not None]
     for k, op, divisor in ops:
         if divisor < 1:
@@ -29,7 +28,7 @@ def shape(spec: Spec, b: Bound) -> None:
     _kept_alive(spec, b)
 
 
-def _inside_the_batch(b: Bound, seqs: int) -> None:
+def inside_the_batch(b: Bound, seqs: int) -> None:
     for m, (first, n) in enumerate(b.batch):
         if first < 0 or n < 1 or first + n > seqs:
             raise Refuted(

@@ -22,6 +22,7 @@ summed over their pair of ranks (passes/pipeline_bind.py), as any collective of 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from schedc.ir.op import Kind, Op, stage_op
@@ -244,7 +245,7 @@ class StageRank(_Rank):
         buf.pending = False
 
 
-def transfer(ranks: list[Any], issues: list[_Issue]) -> None:  # StageRanks
+def transfer(ranks: Mapping[int, Any], issues: list[_Issue]) -> None:  # StageRanks
     """A send and the receive FIFO order pairs it with: the receive gets what was sent, and
     must be the transfer the send is for."""
     send, recv = issues

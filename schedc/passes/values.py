@@ -12,17 +12,21 @@ mean over the global batch), where a key's weight x spreads as x/c over the c po
 (rank, micro-step) read (ir/bound.py's batch slices). That is agree.py's sequence weights,
 per parameter element and after every collective.
 
+By classes of ranks (passes/symmetry.py) a key's rank may be a set of ranks, a negative
+integer: the ranks agreeing with one on all but some dimensions, each at the key's weight
+(a reduction over a class's group spreads a key over it: `Maps.spread`).
+
 Maps are interned: buffers hold small integers, and sums and checks are computed once per
 distinct argument, so a plan of thousands of parameter pieces costs a few hundred sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-Key = tuple[int, int, str]  # (rank, micro-step, layer)
+Key = tuple[int, int, str]  # (rank or set of ranks, micro-step, layer)
 EMPTY = 0  # the id of the empty map (a buffer nothing has written)
 
 Sub = tuple[tuple[tuple[int, str], Fraction], ...]  # one micro-step's: ((rank, layer), weight)
@@ -93,6 +97,22 @@ class Maps:
             self._memo[memo] = self._of({mb: self._combine_sub(ps) for mb, ps in per.items()})
         return self._memo[memo]
 
+    def spread(self, m: int, over: Callable[[int], tuple[int, int]], tag: object, div: int) -> int:
+        """The sum of a group's translated copies of `m` (passes/symmetry.py), each divided by
+        `div`: `over(rank)` is what a key's rank becomes summed over the group and how many
+        times each of its ranks is counted; `tag` names `over` for the memo."""
+        memo = ("spread", m, tag, div)
+        if memo not in self._memo:
+            outer: dict[int, int] = {}
+            for mb, sid in self.outers[m]:
+                d: dict[tuple[int, str], Fraction] = {}
+                for (r, layer), w in self.subs[sid]:
+                    into, times = over(r)
+                    d[(into, layer)] = d.get((into, layer), Fraction(0)) + w * times / div
+                outer[mb] = self._sub(d)
+            self._memo[memo] = self._of(outer)
+        return self._memo[memo]
+
     def _combine_sub(self, parts: list[tuple[int, int]]) -> int:
         if len(parts) == 1 and parts[0][1] == 1:
             return parts[0][0]
@@ -119,15 +139,28 @@ class Wrong:
 
 class Theorem:
     """Whether a map is the single-process gradient of a parameter written by `writers`;
-    `positions(rank, mb)` is the slice of the step's batch that (rank, mb) read."""
+    `slices[(rank, mb)]` is the slice of the step's batch that (rank, mb) read, `readers`
+    the ranks whose forward reads it (a pipeline's: its first stage's), `members(x)` the
+    ranks of a key's rank (passes/symmetry.py: a set of ranks, or one)."""
 
-    def __init__(self, maps: Maps, seqs: int, slices: dict[tuple[int, int], range]):
-        self.maps, self.S, self.slices = maps, seqs, slices
+    def __init__(
+        self,
+        maps: Maps,
+        seqs: int,
+        slices: dict[tuple[int, int], range],
+        readers: Sequence[int],
+        members: Callable[[int], tuple[int, ...]] = lambda r: (r,),
+    ):
+        self.maps, self.S, self.slices, self.members = maps, seqs, slices, members
         self._memo: dict[tuple[int, tuple[str, ...]], Wrong | None] = {}
-        # when the slices partition the step's batch, a map is right iff it holds every
-        # (rank, micro-step) of every writer at count/S: no position by position sum
-        seen = sorted(n for ids in slices.values() for n in ids)
-        self.partition = seen == list(range(seqs)) and all(len(i) for i in slices.values())
+        # when the readers' slices partition the step's batch, a map is right iff it holds
+        # every (reader, micro-step) of every writer at count/S: no position by position sum
+        self.readers = frozenset(readers)
+        mine = [ids for (r, _), ids in slices.items() if r in self.readers]
+        seen = sorted(n for ids in mine for n in ids)
+        self.partition = seen == list(range(seqs)) and all(len(i) for i in mine)
+        self.pairs = len(mine)
+        self._count: dict[tuple[int, int], int | None] = {}
 
     def check(self, m: int, writers: tuple[str, ...]) -> Wrong | None:
         memo = (m, writers)
@@ -136,25 +169,48 @@ class Theorem:
         return self._memo[memo]
 
     def _fast(self, m: int, writers: tuple[str, ...]) -> bool:
-        items = self.maps.items(m)
-        if not self.partition or len(items) != len(writers) * len(self.slices):
+        if not self.partition:
             return False
-        S = self.S
-        for (rank, mb, layer), w in items:
-            ids = self.slices.get((rank, mb))
-            if ids is None or layer not in writers or w * S != len(ids):
+        seen, keys = 0, set()
+        for (x, mb, layer), w in self.maps.items(m):
+            n = self._length(x, mb)
+            if n is None or layer not in writers or w * self.S != n:
                 return False
+            seen += len(self.members(x))
+            keys.add((x, mb, layer))
+        return seen == len(writers) * self.pairs and self._disjoint(keys)
+
+    def _length(self, x: int, mb: int) -> int | None:
+        """The one length of the slices of `x`'s ranks at `mb`, all readers; else None."""
+        if (x, mb) not in self._count:
+            ranks = self.members(x)
+            lengths = {len(self.slices.get((r, mb), ())) for r in ranks}
+            ok = len(lengths) == 1 and self.readers.issuperset(ranks)
+            self._count[(x, mb)] = lengths.pop() if ok else None
+        return self._count[(x, mb)]
+
+    def _disjoint(self, keys: set[tuple[int, int, str]]) -> bool:
+        """No (rank, micro-step, layer) twice among keys whose ranks are sets."""
+        if all(x >= 0 for x, _, _ in keys):
+            return True  # distinct keys of one rank each
+        seen: set[tuple[int, int, str]] = set()
+        for x, mb, layer in keys:
+            for r in self.members(x):
+                if (r, mb, layer) in seen:
+                    return False
+                seen.add((r, mb, layer))
         return True
 
     def _check(self, m: int, writers: tuple[str, ...]) -> Wrong | None:
         per: dict[str, list[Fraction]] = {w: [Fraction(0)] * self.S for w in writers}
-        for (rank, mb, layer), w in self.maps.items(m):
+        for (x, mb, layer), w in self.maps.items(m):
             if layer not in per:  # a layer that does not write this parameter: no such key
                 per[layer] = [Fraction(0)] * self.S
-            ids = self.slices.get((rank, mb), range(0))
-            for n in ids:
-                if 0 <= n < self.S:
-                    per[layer][n] += w / len(ids)
+            for rank in self.members(x):
+                ids = self.slices.get((rank, mb), range(0))
+                for n in ids:
+                    if 0 <= n < self.S:
+                        per[layer][n] += w / len(ids)
         want = Fraction(1, self.S)
         for layer, ws in per.items():
             if layer in writers and all(x == want for x in ws):
