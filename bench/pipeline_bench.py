@@ -120,7 +120,6 @@ def _schedc(args, ctx, schedule) -> tuple[float, list]:
     from schedc.exec.pipeline import PipelineExecutor
     from schedc.ir.pipeline import Schedule
     from schedc.passes.pipeline_bind import bind_rank
-    from schedc.passes.pipeline_gen import Generated
 
     job = ctx["job"](schedule)
     stages = "\n".join(f"  stage s{i} = {', '.join(layers)}" for i, layers in enumerate(job.split))
@@ -133,8 +132,7 @@ def _schedc(args, ctx, schedule) -> tuple[float, list]:
     c = compile_text(text, "<bench>")
     assert c.pipeline is not None
     bound = bind_rank(c.spec, c.pipeline.pipeline, c.pipeline.programs, dist.get_rank())
-    gen = Generated(c.pipeline.pipeline, c.pipeline.programs)
-    ex = PipelineExecutor(job, gen, ctx["comm"](schedule), bound, timed=True)
+    ex = PipelineExecutor(job, c.pipeline.pipeline, ctx["comm"](schedule), bound, timed=True)
     ms = _time(lambda s: ex.step(), args.steps)
     assert ex.spans is not None
     return ms, [s for s in ex.spans if s.step > 0]

@@ -202,7 +202,7 @@ def run_case(rank: int, groups, case: Case) -> list:
     dtype = getattr(torch, case.dtype)
     job = PipeJob(cfg, split, data, case.optim, case.steps, case.seed, dtype, **case.torch_dtypes())
     comm = pool_comm(rank, groups, gen.pipeline, case.world, case.dp, case.mesh)
-    ex = PipelineExecutor(job, gen, comm, case.bound(rank), record=True)
+    ex = PipelineExecutor(job, gen.pipeline, comm, case.bound(rank), record=True)
     return steps_as_bound(ex, case.steps)
 
 
@@ -356,7 +356,6 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     from schedc.exec.pipeline_train import precision as job_precision
     from schedc.lang.resolve import Overrides
     from schedc.passes.pipeline_bind import bind_rank
-    from schedc.passes.pipeline_gen import Generated
 
     c = compile_file(path, Overrides(steps=steps, precision=precision))
     spec, plan = c.spec, c.pipeline
@@ -367,7 +366,7 @@ def file_executor(rank: int, groups, path: str, precision: str | None, steps: in
     job = PipeJob(spec.model, split, data, spec.optim, steps, spec.seed, **job_precision(spec))
     comm = pool_comm(rank, groups, pipe, spec.world, spec.dp, spec.declared_mesh)
     bound = bind_rank(spec, pipe, plan.programs, rank)
-    return PipelineExecutor(job, Generated(pipe, plan.programs), comm, bound, record=record)
+    return PipelineExecutor(job, pipe, comm, bound, record=record)
 
 
 def measure_file(rank: int, groups, path: str, steps: int = 3) -> int:

@@ -1,6 +1,7 @@
-"""The pipeline executor: one rank's proven program (passes/pipeline_gen.py) run on its stages.
+"""The pipeline executor: one rank's proven bound plan (passes/pipeline_bind.py) run on its
+stages; the proof (passes/prove.py) is the compiler's, before any rank starts.
 
-    ex = PipelineExecutor(job, generated, comm, bound)   # bound: the rank's plan (pipeline_bind)
+    ex = PipelineExecutor(job, pipe, comm, bound)   # bound: the rank's plan (pipeline_bind)
     stats = ex.step()     # one optimizer step over the global batch's m micro-batches
 
 Each item of the rank's program runs in order (`Runner`, one small function a kind):
@@ -68,11 +69,8 @@ from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
 from schedc.ir.bound import Bound
 from schedc.ir.op import STEP, Kind, Op, stage_op
-from schedc.ir.pipeline import Item, format_item, items_of
-from schedc.lang.diagnostics import CompileError
+from schedc.ir.pipeline import Item, Pipeline, format_item, items_of
 from schedc.model.reference import clip_coef
-from schedc.passes.pipeline_check import prove
-from schedc.passes.pipeline_gen import Generated
 
 
 @dataclass
@@ -95,13 +93,12 @@ class PipelineExecutor:
     def __init__(
         self,
         job: PipeJob,
-        generated: Generated,
+        pipe: Pipeline,
         comm: PipeComm,
         bound: Bound,
         record: bool = False,
         timed: bool = False,
     ):
-        pipe, programs = generated.pipeline, generated.programs
         check_split(job.model, job.split)
         if len(job.split) != pipe.stages:
             raise ValueError(f"{len(job.split)} stages split, the schedule has {pipe.stages}")
@@ -110,9 +107,6 @@ class PipelineExecutor:
                 f"{job.batches.global_seqs} sequences do not split into {pipe.microbatches} "
                 f"equal micro-batches on each of {comm.replicas} replicas"
             )
-        proof = prove(pipe, programs)
-        if not proof.ok:
-            raise CompileError([f.diagnostic for f in proof.findings])
         self.job, self.pipe, self.comm, self.record = job, pipe, comm, record
         # the rank's bound plan's stage ops, in its order: what the proof read is what runs
         self.program: list[Item] = items_of(bound.plan.instrs)

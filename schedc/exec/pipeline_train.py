@@ -46,7 +46,6 @@ from schedc.exec.train import (
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
-from schedc.passes.pipeline_gen import Generated
 from schedc.passes.pipeline_plan import PipelinePlan
 
 
@@ -101,9 +100,8 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
         spec.seed,
         **precision(spec),
     )
-    generated = Generated(pipe, plan.programs)
     # the plan the proof read, bound to this rank (once): its collectives and operands run
-    return PipelineExecutor(job, generated, pipe_comm, compiled.bound(comm.rank), timed=timed)
+    return PipelineExecutor(job, pipe, pipe_comm, compiled.bound(comm.rank), timed=timed)
 
 
 def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:

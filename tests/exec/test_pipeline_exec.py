@@ -22,10 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedc.compiler import compile_file
-from schedc.ir.op import Kind, stage_op
-from schedc.lang.diagnostics import CompileError
 from schedc.lang.resources import pipeline_schedules
-from schedc.passes.pipeline_gen import Generated, Request, Schedule, generate
+from schedc.passes.pipeline_gen import Request, Schedule, generate
 from tests.oracle import Steps, assert_matches, reference_steps
 from tests.pipeline_ranks import Case, Merged, merged, reference, replicas
 from tests.pool import on_pools, ranks_of
@@ -220,33 +218,21 @@ def test_generated_pipelines_equal_reference(pool, case):
     tally("pipeline", case.schedule.value, f"pp{case.pp}{dp}")
 
 
-def _swapped(gen: Generated) -> Generated:
-    """rank 1 receives micro-batches 0 and 1 the other way round (a FIFO misdelivery)."""
-    prog = list(gen.programs[1])
-    i = prog.index((stage_op(Kind.RECV_F, 1, 0),))
-    j = prog.index((stage_op(Kind.RECV_F, 1, 1),))
-    prog[i], prog[j] = prog[j], prog[i]
-    return Generated(gen.pipeline, {**gen.programs, 1: prog})
-
-
-def test_an_unproven_program_is_refused_before_it_runs():
+def test_a_split_out_of_order_is_refused_before_it_runs():
+    """(A program the proof refutes never reaches an executor: the compile refuses it,
+    tests/passes/test_pipeline_proof.py, and every rank runs the plans rank 0 proved.)"""
     from schedc.exec.pipeline import PipelineExecutor
     from schedc.exec.pipeline_comm import PipeComm
     from schedc.exec.pipeline_model import PipeJob
+    from tests.pipeline_ranks import batches
 
     case = Case(Schedule.GPIPE, 2, 2)
     gen = generate(Request(Schedule.GPIPE, 2, 2))
-    from tests.pipeline_ranks import batches
-
     data = batches(case.seq_len, case.m, case.config.vocab_size)
-    job = PipeJob(case.config, case.split(2), data, case.optim, 1, case.seed)
-    with pytest.raises(CompileError) as e:
-        PipelineExecutor(job, _swapped(gen), PipeComm(0), case.bound(0))
-    assert "pp-fifo" in [d.code for d in e.value.diagnostics]
     with pytest.raises(ValueError, match="contiguous ranges"):
         PipelineExecutor(
             PipeJob(case.config, case.split(2)[::-1], data, case.optim, 1, case.seed),
-            gen,
+            gen.pipeline,
             PipeComm(0),
             case.bound(0),
         )

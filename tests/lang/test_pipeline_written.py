@@ -61,8 +61,8 @@ def test_written_generated_programs_prove_as_generated(schedule, pp, m, v):
 
 
 def test_the_bundled_written_1f1b_is_the_generated_one():
-    """What `schedc run` runs: exec/pipeline_train.py builds its executor from the plan's
-    programs (`Generated(plan.pipeline, plan.programs)`), so the written ones run as written."""
+    """What `schedc run` runs: exec/pipeline_train.py runs the rank's plan bound from the
+    plan's programs (passes/pipeline_bind.py), so the written ones run as written."""
     c = compile_file(PIPELINE / "tiny_pp2_written.sched")
     named = compile_text(
         (PIPELINE / "tiny_pp2_written.sched").read_text().split("  program on rank 0")[0]
