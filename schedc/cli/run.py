@@ -278,9 +278,6 @@ PIPELINE_NOT_YET = (
     ("--save", lambda a: a.save),
     ("--resume", lambda a: a.resume),
     ("--probe", lambda a: a.probe),
-    ("--init", lambda a: a.init),
-    ("--tensorboard", lambda a: a.tensorboard),
-    ("--nonfinite skip", lambda a: a.nonfinite == "skip"),
     ("--device cuda", lambda a: a.device == "cuda"),
 )
 
@@ -299,7 +296,7 @@ def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     if asked:
         raise UserError(
             f"{path} is a pipeline schedule, whose runs do not take {', '.join(asked)} yet: "
-            "a pipeline runs on CPU ranks, eager, logging its steps (--log-json)"
+            "a pipeline runs on CPU ranks, eager, logging its steps (--log-json, --tensorboard)"
         )
 
 

@@ -67,6 +67,7 @@ from schedc.exec.options import StepStats
 from schedc.exec.pipeline_comm import PipeComm, Posted, awaited
 from schedc.exec.pipeline_model import PipeJob, RankModel, check_split
 from schedc.exec.pipeline_sync import stage_sync
+from schedc.exec.update import nonfinite_flag
 from schedc.ir.bound import Bound
 from schedc.ir.op import STEP, Kind, Op, stage_op
 from schedc.ir.pipeline import Item, Pipeline, format_item, items_of
@@ -113,7 +114,7 @@ class PipelineExecutor:
         _one_update_last(bound)
         self.stages = pipe.stages_of(comm.rank)
         layers = [name for s in self.stages for name in job.split[s]]
-        self.model = RankModel(job.model, layers, job.seed, job.dtype)
+        self.model = RankModel(job.model, layers, job.seed, job.dtype, job.weights)
         self.named = list(self.model.named_parameters())
         # the rank's bound plan (passes/pipeline_bind.py): the operands the proof read
         self.bound, self.loss_scale = bound, bound.loss_scale
@@ -316,7 +317,10 @@ class PipelineExecutor:
     # -- the update --------------------------------------------------------------------------
 
     def update(self, losses: list[torch.Tensor]) -> StepStats:
-        """Tied gradients summed, global norm, clipping, AdamW; the step's loss and norm."""
+        """Tied gradients summed, global norm, clipping, AdamW (skipped on the device where
+        the loss or norm is not finite, exec/update.py); the step's loss and norm, and this
+        rank's micro-batch losses kept (`losses`: for naming a non-finite one)."""
+        self.losses = losses
         job, opt, c = self.job, self.job.optim, self.comm
         grads, counted = self.sync.grads()
         sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else None
@@ -326,6 +330,7 @@ class PipelineExecutor:
         totals[1] = torch.stack(losses).double().sum() if losses else 0.0
         dist.all_reduce(totals, group=c.group if c.replicas == 1 else c.world)
         norm = totals[0].sqrt().to(job.dtype)
+        bad = nonfinite_flag(totals[1], norm)  # both global: every rank skips alike
         lr = opt.lr_at(self.step_index, job.steps)
         stats = StepStats(self.step_index, 0.0, lr, 0.0, 0.0, 0.0)
         if self.record:
@@ -335,6 +340,7 @@ class PipelineExecutor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.sync.issue(STEP, ())
+        self.optimizer.found_inf = bad  # type: ignore[attr-defined]  # fused AdamW: skipped at 1
         self.optimizer.step()
         if self.record:
             stats.params = self.sync.full_tensors(grad=False)

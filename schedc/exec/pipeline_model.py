@@ -18,7 +18,7 @@ update.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,8 @@ class PipeJob:
     compute: torch.dtype | None = None  # the autocast dtype of forward; None: `dtype`
     gather: torch.dtype | None = None  # what FSDP units are gathered and computed in
     reduce: torch.dtype | None = None  # what gradients are all-reduced or reduce-scattered in
+    weights: Mapping[str, torch.Tensor] | None = None
+    """Step 0's weights by parameter name (--init hf:DIR, exec/hf.py); None: the seed's."""
 
 
 def split_layers(cfg: GPTConfig, stages: int) -> tuple[tuple[str, ...], ...]:
@@ -79,7 +81,12 @@ class RankModel(nn.Module):
     """The layers of one rank's stages (any subset of embed, h.i, head), GPT's arithmetic."""
 
     def __init__(
-        self, cfg: GPTConfig, layers: Iterable[str], seed: int, dtype: torch.dtype = torch.float32
+        self,
+        cfg: GPTConfig,
+        layers: Iterable[str],
+        seed: int,
+        dtype: torch.dtype = torch.float32,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
@@ -96,15 +103,20 @@ class RankModel(nn.Module):
         self.h = nn.ModuleDict({str(i): Block(cfg) for i in blocks})
         if "head" in self.layers:
             self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self._init(seed)
+        self._init(seed, weights)
         self.to(dtype)
 
     @torch.no_grad()
-    def _init(self, seed: int) -> None:
-        """The whole model's draws in its order; this rank keeps its own."""
+    def _init(self, seed: int, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """The whole model's draws in its order, or `weights`' (by name); this rank keeps its
+        own (the head's tied copy: wte.weight's)."""
         mine = dict(self.named_parameters())
         gen = torch.Generator().manual_seed(seed)
         for spec in self.config.params:
+            if weights is not None:
+                if spec.name in mine:
+                    mine[spec.name].copy_(weights[spec.name])
+                continue
             value = init_value(self.config, spec.name, spec.shape, gen)
             if spec.name in mine:
                 mine[spec.name].copy_(value)

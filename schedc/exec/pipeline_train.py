@@ -12,16 +12,19 @@ precision policy (bf16 autocast, gather and reduce dtypes), logging each step as
 does. Before step 1 the ranks agree as a DP run's do: the
 schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
 pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
-`PIPELINE_NOT_YET`): checkpoints, probes, evaluations, --init, CUDA. With --trace each rank
-times its items (exec/pipeline.py `timed`) and rank 0 writes them (analysis/pipeline_trace.py).
+`PIPELINE_NOT_YET`): checkpoints, probes, evaluations, CUDA. --log-json and --tensorboard
+record its steps as a DP run's, --nonfinite skip skips a non-finite update, and --init
+hf:DIR starts each rank's stages from a Hugging Face GPT-2's weights.
+With --trace each rank times its items (exec/pipeline.py `timed`) and rank 0 writes them
+(analysis/pipeline_trace.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -34,15 +37,26 @@ from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipelineExecutor
 from schedc.exec.pipeline_comm import make_comm
 from schedc.exec.pipeline_model import PipeJob
-from schedc.exec.report import RunClock, log, log_record, peak_memory, start_line, step_line
+from schedc.exec.report import (
+    Records,
+    RunClock,
+    log,
+    log_record,
+    peak_memory,
+    start_line,
+    step_line,
+)
 from schedc.exec.train import (
     TrainOptions,
     agree_at_startup,
     check_job,
     data_error,
     guarded,
+    read_init,
+    run_flags,
     set_up_host,
 )
+from schedc.exec.update import judge_nonfinite
 from schedc.ir.spec import Dtype
 from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
@@ -70,28 +84,38 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     comm, beats = join("gloo", opts.timeout_s)
 
     def run() -> None:
-        ex = _start(compiled, plan, comm, timed=bool(job.trace))
+        ex = _start(compiled, plan, comm, opts, job, device)
         log(comm, start_line(compiled, device, threads))
-        _steps(compiled, ex, comm, job, device)
+        _steps(compiled, ex, comm, opts, job, device)
         if job.trace:
             _write_trace(job.trace, compiled, ex, comm)
 
     return guarded(compiled, comm, beats, run)
 
 
-def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> PipelineExecutor:
-    """The data read, the ranks agreed, this rank's stages built."""
+def _start(
+    compiled: Compiled, plan: PipelinePlan, comm: Comm, opts: RunOptions, job: TrainOptions,
+    device: torch.device,
+) -> PipelineExecutor:  # fmt: skip
+    """The data read, the ranks agreed (on the run flags too, as a DP run's), step 0's
+    weights read (the seed's, or --init's), this rank's stages built."""
     spec = compiled.spec
     try:
         batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
     except DataError as e:
         raise RunError(data_error(e, spec.data.source)) from None
-    agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint())
+    flags = run_flags(job, device, opts)
+    agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint(), flags)
+    weights = None
+    if job.init:
+        phase.where = f"loading --init hf:{job.init}"
+        weights = read_init(Path(job.init), spec)
+        log(comm, f"schedc: weights of step 0 from hf:{job.init}")
     pipe = plan.pipeline
     stages = compiled.spec.pipeline.stages if compiled.spec.pipeline else ()
     # every rank makes every group; under HSDP per stage, the mesh's of the dp replicas
     pipe_comm = make_comm(comm.rank, spec.world, pipe, spec.declared_mesh)
-    job = PipeJob(
+    pj = PipeJob(
         spec.model,
         tuple(s.layers for s in stages),
         batches,
@@ -99,9 +123,11 @@ def _start(compiled: Compiled, plan: PipelinePlan, comm: Comm, timed: bool) -> P
         spec.steps,
         spec.seed,
         **precision(spec),
+        weights=weights,
     )
     # the plan the proof read, bound to this rank (once): its collectives and operands run
-    return PipelineExecutor(job, pipe, pipe_comm, compiled.bound(comm.rank), timed=timed)
+    bound = compiled.bound(comm.rank)
+    return PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
 
 
 def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:
@@ -133,11 +159,16 @@ def precision(spec) -> dict:
     }
 
 
-def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptions, device) -> None:
-    """The steps, each logged (and recorded with --log-json on rank 0), then the summary."""
+def _steps(
+    compiled: Compiled, ex: PipelineExecutor, comm: Comm, opts: RunOptions, job: TrainOptions,
+    device,
+) -> None:  # fmt: skip
+    """The steps, each logged (and recorded with --log-json and --tensorboard on rank 0; a
+    non-finite one stops the run or, with --nonfinite skip, is skipped: exec/update.py), then
+    the memory report and the summary."""
     spec = compiled.spec
     clock = RunClock(0, spec.steps)
-    records = open(job.log_json, "a") if job.log_json and comm.rank == 0 else None
+    records = Records(comm.rank, job.log_json, job.tensorboard)
     peak = 0  # the live heap's peak over the steps after the first (which makes AdamW's m, v)
     try:
         for s in range(spec.steps):
@@ -149,18 +180,12 @@ def _steps(compiled: Compiled, ex: PipelineExecutor, comm: Comm, job: TrainOptio
                 with HeapPeak() as heap:
                     st = ex.step()
                 peak = max(peak, held + heap.grew)
+            judge_nonfinite(st, ex.losses, comm, opts.nonfinite)
             log(comm, step_line(st, spec, device, clock.done(st)))
-            if not (math.isfinite(st.loss) and math.isfinite(st.grad_norm)):
-                raise RunError(  # every rank has both, all-reduced: every rank stops here
-                    f"step {st.step}: the loss is {st.loss}, the gradient norm "
-                    f"{st.grad_norm}; lower the learning rate"
-                )
-            if records:
-                records.write(json.dumps(log_record(st), allow_nan=False) + "\n")
-                records.flush()
+            records.write(log_record(st))
+            records.flush()
     finally:
-        if records:
-            records.close()
+        records.close()
     report_pipeline_memory(compiled, comm, peak)
     log(comm, clock.summary(peak_memory(device)))
 

@@ -395,11 +395,18 @@ def start_executor(
 def init_weights(ex: Executor, directory: Path) -> None:
     """A Hugging Face GPT-2's weights in place of the seed's, on every rank, each keeping its
     shard (exec/hf.py; the ranks agreed on the files' hash)."""
-    from schedc.exec import hf
     from schedc.exec.checkpoint.state import load_parameters
 
+    load_parameters(ex, read_init(directory, ex.spec))
+
+
+def read_init(directory: Path, spec: Spec) -> dict[str, torch.Tensor]:
+    """--init hf:DIR's weights, by schedc's parameter names (exec/hf.py); a file that
+    cannot be used is a RunError, said in one line."""
+    from schedc.exec import hf
+
     try:
-        load_parameters(ex, hf.load(directory, ex.spec.model, ex.spec.model_name))
+        return hf.load(directory, spec.model, spec.model_name)
     except UserError as e:
         raise RunError(str(e)) from None
 

@@ -55,7 +55,7 @@ class Update:
         if self.comm.world > 1:
             dist.all_reduce(loss, group=self.comm.group)
             loss /= self.comm.world
-        bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).to(torch.float32)
+        bad = nonfinite_flag(loss, norm)
         if opt.clip > 0:
             torch._foreach_mul_(grads, clip_coef(norm, opt.clip))
         for group in self.optimizer.param_groups:
@@ -74,27 +74,8 @@ class Update:
         --nonfinite skip, the update was skipped on the device and the step says why)."""
         stats = pending.stats
         stats.loss, stats.grad_norm = pending.loss.item(), pending.norm.item()
-        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
-            why = self._nonfinite(stats, losses)
-            if self.opts.nonfinite is not NonFinite.SKIP:
-                raise RunError(
-                    f"{why}; lower the learning rate, or run with --nonfinite skip to skip "
-                    "such updates"
-                )
-            stats.skipped = why  # the update was skipped on the device (found_inf)
+        judge_nonfinite(stats, losses, self.comm, self.opts.nonfinite)
         return stats
-
-    def _nonfinite(self, stats: StepStats, losses: list[torch.Tensor]) -> str:
-        """Name the step, and the ranks and micro-steps whose loss was not finite."""
-        mine = [(self.comm.rank, j) for j, loss in enumerate(losses) if not torch.isfinite(loss)]
-        bad = [x for part in self.comm.gather(mine) for x in part]
-        if bad:
-            where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
-            return f"step {stats.step}: the loss is not finite in {where}"
-        return (
-            f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
-            f"finite in every micro-step, so a backward produced it)"
-        )
 
     def state_bytes(self, with_grads: bool = True) -> int:
         """Bytes of the model states, from the tensors themselves: parameters (FSDP: shards,
@@ -111,3 +92,35 @@ class Update:
             if torch.is_tensor(t) and t.dim() > 0
         ]
         return sum(t.untyped_storage().nbytes() for t in held)
+
+
+def nonfinite_flag(loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """1.0 where the step's global loss or gradient norm is not finite, on the device: fused
+    AdamW's `found_inf`, which leaves parameters, moments and step count as they were."""
+    return (~(torch.isfinite(loss) & torch.isfinite(norm))).to(torch.float32)
+
+
+def judge_nonfinite(
+    stats: StepStats, losses: list[torch.Tensor], comm: Comm, nonfinite: NonFinite
+) -> None:
+    """After a step whose update was enqueued with `nonfinite_flag`: a non-finite loss or
+    norm stops the run, every rank alike (both are global), or under --nonfinite skip marks
+    the step skipped; either way naming the ranks and micro-steps whose loss was not finite
+    (`losses`: this rank's)."""
+    if math.isfinite(stats.loss) and math.isfinite(stats.grad_norm):
+        return
+    mine = [(comm.rank, j) for j, loss in enumerate(losses) if not torch.isfinite(loss)]
+    bad = [x for part in comm.gather(mine) for x in part]
+    if bad:
+        where = ", ".join(f"rank {r} micro-step {j}" for r, j in bad)
+        why = f"step {stats.step}: the loss is not finite in {where}"
+    else:
+        why = (
+            f"step {stats.step}: the gradient norm is {stats.grad_norm} (the loss was "
+            f"finite in every micro-step, so a backward produced it)"
+        )
+    if nonfinite is not NonFinite.SKIP:
+        raise RunError(
+            f"{why}; lower the learning rate, or run with --nonfinite skip to skip such updates"
+        )
+    stats.skipped = why  # the update was skipped on the device (found_inf)

@@ -9,6 +9,7 @@ other checks run in this process or fail before any step.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -155,6 +156,62 @@ def test_a_two_rank_fsdp_run_starts_from_the_hugging_face_weights(trained, hf_mo
     logits = hf_logits(hf_model, x)
     want = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).item()
     assert abs(records[0]["loss"] - want) < 1e-5, (records[0]["loss"], want)
+
+
+PIPELINE = """model nano
+world 2
+batch 8 x 32
+seed 5
+pipeline {
+  stage s0 = embed, h.0
+  stage s1 = h.1, head
+  degree 2
+  schedule 1f1b
+  microbatches 2
+}
+"""
+
+
+@pytest.mark.ranks
+def test_a_pipeline_run_starts_from_hugging_face_weights_and_skips_a_nonfinite_update(
+    dirs, hf_model, tmp_path
+):
+    """Each pipeline rank takes its stages' weights (the head's rank its tied copy of wte):
+    step 0's loss is Hugging Face's on the same global batch, and --tensorboard holds the
+    scalars of --log-json. From weights with a NaN in the last block, every loss is not
+    finite: under --nonfinite skip each step skips its update on every rank (found_inf, as
+    a DP run's) and says which rank and micro-batches."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    f, log, tb = tmp_path / "pp.sched", tmp_path / "log.jsonl", tmp_path / "tb"
+    f.write_text(PIPELINE)
+    r = torchrun(2, str(f), "--steps", "1", "--init", f"hf:{dirs / 'safetensors'}",
+                 "--log-json", str(log), "--tensorboard", str(tb))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "schedc: weights of step 0 from hf:" in r.stdout
+    x, y = tokens(PIPELINE)
+    logits = hf_logits(hf_model, x)
+    want = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).item()
+    [got] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert abs(got["loss"] - want) < 1e-5, (got["loss"], want)
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (0, pytest.approx(got["loss"], rel=1e-6))
+    ]
+    poisoned = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        poisoned.transformer.h[1].ln_2.bias[0] = float("nan")
+    poisoned.save_pretrained(tmp_path / "nan")
+    log = tmp_path / "nan.jsonl"
+    r = torchrun(2, str(f), "--steps", "2", "--init", f"hf:{tmp_path / 'nan'}",
+                 "--nonfinite", "skip", "--log-json", str(log))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [g["skipped"] for g in got] == [True, True], got
+    assert got[0]["skip_reason"] == (
+        "step 0: the loss is not finite in rank 1 micro-step 0, rank 1 micro-step 1"
+    )
 
 
 # -- out: schedc export -------------------------------------------------------------------------
