@@ -275,8 +275,6 @@ def run(args: argparse.Namespace) -> int:
 
 # what a pipeline run does not do yet: (flag, given?) -- each refused, not ignored
 PIPELINE_NOT_YET = (
-    ("--save", lambda a: a.save),
-    ("--resume", lambda a: a.resume),
     ("--probe", lambda a: a.probe),
     ("--device cuda", lambda a: a.device == "cuda"),
 )
@@ -288,6 +286,9 @@ def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     a user error, not silently dropped."""
     path, spec = compiled.source.path, compiled.spec
     asked = [flag for flag, given in PIPELINE_NOT_YET if given(args)]
+    if spec.pipeline.units:  # a stage's flat shards: not the per-parameter form saved yet
+        asked += [f"{flag} (with an fsdp block)" for flag in ("--save", "--resume")
+                  if getattr(args, flag[2:])]  # fmt: skip
     n, ev = spec.numerics, spec.evaluation
     if n.compile or n.loss_chunk is not None:
         asked.append("`compile` and `loss chunk`")

@@ -12,9 +12,10 @@ precision policy (bf16 autocast, gather and reduce dtypes), logging each step as
 does. Before step 1 the ranks agree as a DP run's do: the
 schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
 pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
-`PIPELINE_NOT_YET`): checkpoints, probes, evaluations, CUDA. --log-json and --tensorboard
-record its steps as a DP run's, --nonfinite skip skips a non-finite update, and --init
-hf:DIR starts each rank's stages from a Hugging Face GPT-2's weights.
+`PIPELINE_NOT_YET`): probes, evaluations, CUDA, checkpoints of a pipeline with an fsdp
+block. --log-json and --tensorboard record its steps as a DP run's, --nonfinite skip skips
+a non-finite update, --init hf:DIR starts each rank's stages from a Hugging Face GPT-2's
+weights, and --save / --resume write and read the checkpoints a DDP run does (`Saved`).
 With --trace each rank times its items (exec/pipeline.py `timed`) and rank 0 writes them
 (analysis/pipeline_trace.py).
 """
@@ -127,7 +128,36 @@ def _start(
     )
     # the plan the proof read, bound to this rank (once): its collectives and operands run
     bound = compiled.bound(comm.rank)
-    return PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
+    ex = PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
+    if job.resume:
+        from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
+        from schedc.exec.checkpoint.files import find
+
+        phase.where = f"loading {job.resume}"
+        step = store.load(Saved(compiled, ex, comm, batches), job.resume, key=job.key)
+        log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
+    return ex
+
+
+class Saved:
+    """A pipeline rank as the checkpoint store (exec/checkpoint/) reads a run: its stages'
+    parameters by name and their AdamW state, the one form a DDP or one-process run saves,
+    so a checkpoint moves between pipeline and data-parallel layouts (every parameter is
+    some rank's; replicas and the tied copies hold it alike, and DCP writes it once)."""
+
+    def __init__(self, compiled: Compiled, ex: PipelineExecutor, comm: Comm, batches):
+        self.compiled, self.spec, self.comm, self.batches = compiled, compiled.spec, comm, batches
+        self.ex, self.params = ex, dict(ex.named)
+        self.units: dict = {}  # no flat units: every parameter whole, by name
+        self.optimizer, self.device = ex.optimizer, torch.device("cpu")
+
+    @property
+    def step_index(self) -> int:
+        return self.ex.step_index
+
+    @step_index.setter
+    def step_index(self, step: int) -> None:
+        self.ex.step_index = step
 
 
 def _write_trace(path: str, compiled: Compiled, ex: PipelineExecutor, comm: Comm) -> None:
@@ -166,14 +196,15 @@ def _steps(
     """The steps, each logged (and recorded with --log-json and --tensorboard on rank 0; a
     non-finite one stops the run or, with --nonfinite skip, is skipped: exec/update.py), then
     the memory report and the summary."""
-    spec = compiled.spec
-    clock = RunClock(0, spec.steps)
+    spec, first = compiled.spec, ex.step_index
+    clock = RunClock(first, spec.steps)
     records = Records(comm.rank, job.log_json, job.tensorboard)
+    saved = Saved(compiled, ex, comm, ex.job.batches) if job.save else None
     peak = 0  # the live heap's peak over the steps after the first (which makes AdamW's m, v)
     try:
-        for s in range(spec.steps):
+        for s in range(first, spec.steps):
             phase.where = f"step {s}"
-            if s == 0:
+            if s == first:
                 st = ex.step()
             else:
                 held = held_bytes(ex)
@@ -184,10 +215,20 @@ def _steps(
             log(comm, step_line(st, spec, device, clock.done(st)))
             records.write(log_record(st))
             records.flush()
+            if saved is not None and (ex.step_index % job.save_every == 0 or s + 1 == spec.steps):
+                _save(saved, job, comm)
     finally:
         records.close()
     report_pipeline_memory(compiled, comm, peak)
     log(comm, clock.summary(peak_memory(device)))
+
+
+def _save(saved: Saved, job: TrainOptions, comm: Comm) -> None:
+    from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
+
+    phase.where = f"saving step {saved.step_index}"
+    path = store.save(saved, job.save, keep=job.keep, key=job.key)  # type: ignore[arg-type]
+    log(comm, f"schedc: checkpoint {path}")
 
 
 def held_bytes(ex: PipelineExecutor) -> int:

@@ -266,8 +266,8 @@ def let_go(beats: Heartbeat) -> None:
 
 def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> None:
     """Refuse what this job cannot run before it starts: more ranks than this node has GPUs,
-    a job of another world size than the schedule's, checkpoints of an HSDP schedule. On
-    CUDA, this rank's GPU becomes the current device."""
+    a job of another world size than the schedule's. On CUDA, this rank's GPU becomes the
+    current device."""
     spec = compiled.spec
     if device.type == "cuda":
         check_gpus(local_world(), torch.cuda.device_count())
@@ -280,13 +280,6 @@ def check_job(compiled: Compiled, job: TrainOptions, device: torch.device) -> No
             f"has {world_env} rank{'s' if world_env != 1 else ''}; on one node `schedc run "
             f"{compiled.source.path}` starts its {spec.world} ranks itself; across nodes, "
             f"torchrun's nnodes x nproc_per_node must make {spec.world}"
-        )
-    if spec.hsdp and (job.save or job.resume):
-        # the checkpoint lays a unit's shards out over the whole world (one DTensor dim);
-        # an HSDP shard is one of S, held by R ranks: refused, not saved wrongly
-        raise RunError(
-            f"{compiled.source.path}: checkpoints (--save, --resume) of HSDP schedules "
-            f"(mesh {spec.mesh}) are not supported yet; run without them, or without the mesh"
         )
 
 

@@ -129,19 +129,6 @@ def test_each_rank_moves_the_traffic_of_its_dimensions(pool6):
     assert all(g == want for g in got), (got[0], want)
 
 
-@pytest.mark.parametrize("flag", ["save", "resume"])
-def test_checkpoints_of_hsdp_schedules_are_refused(monkeypatch, tmp_path, flag):
-    from schedc.errors import RunError
-    from schedc.exec.options import RunOptions
-    from schedc.exec.train import TrainOptions, run_main
-
-    monkeypatch.setenv("WORLD_SIZE", "4")  # the world check passes; nothing starts
-    c = compile_text(twin("2 x 2"), "hsdp.sched")
-    job = TrainOptions(**{flag: str(tmp_path / "ckpt")})
-    with pytest.raises(RunError, match=r"HSDP schedules \(mesh 2 x 2\) are not supported yet"):
-        run_main(c, RunOptions(device="cpu"), job)
-
-
 # -- the replicate all-reduce on a stream of its own ---------------------------------------------
 
 SPLIT = twin("2 x 2") + "stream allreduce = ar\n"

@@ -124,7 +124,9 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("sched", ["tiny_ddp_overlap.sched", "tiny_fsdp_prefetch.sched+shards"])
+# (DDP's form, every parameter whole, resumes after a kill in tests/exec/test_pipeline_checkpoint.py,
+# by a pipeline run and as DP 4)
+@pytest.mark.parametrize("sched", ["tiny_fsdp_prefetch.sched+shards"])
 def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
     """Killed after the step-2 checkpoint and resumed: the same losses, bitwise. The FSDP case
     reads token shards and validates, so the kill lands mid-shard and the resumed run
@@ -189,6 +191,31 @@ def test_resume_after_a_kill_is_bitwise_identical(tmp_path, sched):
         )
         assert val == {s: val_want[s] for s in (3, 5)}, (val, val_want)
     a, b = final_state(straight), final_state(ck)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.faults
+def test_hsdp_resumes_bitwise_after_a_rank_is_killed_while_saving(tmp_path):
+    """HSDP 2 x 2: rank 1 dies (SIGKILL) once its shards of step 2's checkpoint are written;
+    rank 0 completes it. Resumed, the losses and the final units are a straight run's,
+    bitwise: a unit is a DTensor on the mesh, sharded over S and replicated over R."""
+    f = str(SCHEDULES / "tiny_hsdp.sched")
+    (code, _, err), *_ = run(4, f, "--steps", "4", "--save", str(tmp_path / "straight"),
+                             "--save-every", "4", "--log-json", str(tmp_path / "s.jsonl"))  # fmt: skip
+    assert code == 0, err
+    ck = tmp_path / "ck"
+    codes = run(4, f, "--steps", "4", "--save", str(ck), "--save-every", "2", "--timeout", "20",
+                env={CRASH_ENV: "after-write@1"})  # fmt: skip
+    assert any(c != 0 for c, _, _ in codes)
+    (code, out, err), *_ = run(4, f, "--steps", "4", "--resume", str(ck), "--save", str(ck),
+                               "--save-every", "4", "--log-json", str(tmp_path / "r.jsonl"))  # fmt: skip
+    assert code == 0, err
+    assert "at step 2" in out, out
+    want, got = losses(tmp_path / "s.jsonl"), losses(tmp_path / "r.jsonl")
+    assert got == {s: want[s] for s in (2, 3)}  # bitwise: == on floats
+    a, b = final_state(tmp_path / "straight"), final_state(ck)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k

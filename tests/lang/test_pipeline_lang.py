@@ -136,17 +136,18 @@ def test_a_pipeline_has_no_dependency_graph_yet_and_says_so_in_one_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, said",
+    "name, argv, said",
     [
-        (["--save", "ck"], "--save"),
-        (["--nonfinite", "skip", "--resume", "ck"], "--resume"),  # skip: taken
-        (["--compile", "on"], "`compile` and `loss chunk`"),
-        (["--val-every", "5"], None),  # refused by the compiler: val needs shards
+        ("tiny_pp2_dp2_fsdp", ["--save", "ck"], "--save (with an fsdp block)"),
+        ("tiny_pp2_dp2_fsdp", ["--resume", "ck"], "--resume (with an fsdp block)"),
+        ("tiny_pp4_1f1b", ["--probe", "--trace", "t.json"], "--probe"),
+        ("tiny_pp4_1f1b", ["--compile", "on"], "`compile` and `loss chunk`"),
+        ("tiny_pp4_1f1b", ["--val-every", "5"], None),  # refused by the compiler: val needs shards
     ],
 )
-def test_run_refuses_what_a_pipeline_run_does_not_do_yet(capsys, tmp_path, argv, said):
+def test_run_refuses_what_a_pipeline_run_does_not_do_yet(capsys, tmp_path, name, argv, said):
     """Before torch is imported, one line: nothing asked of a pipeline run is dropped."""
-    path = str(PIPELINE / "tiny_pp4_1f1b.sched")
+    path = str(PIPELINE / f"{name}.sched")
     assert main(["run", path, *argv]) == 1
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err

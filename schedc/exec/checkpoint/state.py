@@ -1,8 +1,9 @@
 """What a checkpoint saves of an executor, as a state dict that does not depend on D.
 
 Every parameter and its AdamW state. FSDP saves each unit's flat parameter and moments as a
-DTensor sharded on dim 0 over the unpadded length, which is exactly how its shards lie; a
-resume at another world size lets DCP reshard them. DDP state is replicated, and DCP writes
+DTensor sharded on dim 0 over the unpadded length, which is exactly how its shards lie (HSDP:
+on its mesh, replicated over the replicate dimension); a resume at another world size lets
+DCP reshard them. DDP state is replicated, and DCP writes
 it once. The item names are what layout.ITEM admits: `param.NAME`, `optim.NAME.exp_avg`,
 `unit.UNIT.param` and the like.
 """
@@ -31,10 +32,13 @@ def executor_state(ex) -> dict[str, torch.Tensor]:
 
 def _unit_state(ex) -> dict[str, torch.Tensor]:
     """FSDP: each unit's shard of its flat parameter and moments, one DTensor each."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     state: dict[str, torch.Tensor] = {}
     mesh = _mesh(ex)
+    # HSDP: sharded over the shard dimension, the same shard on each replica (DCP writes it
+    # once and gives it to each on a resume)
+    places = [Replicate(), Shard(0)] if ex.spec.hsdp else [Shard(0)]
     for u in ex.units.values():
         local = u.shard[: _kept(u)]
         parts = [p for group in u.optimizer_params() for p in group]
@@ -43,7 +47,7 @@ def _unit_state(ex) -> dict[str, torch.Tensor]:
             state[f"unit.{u.name}.{key}"] = DTensor.from_local(
                 t.contiguous(),
                 mesh,
-                [Shard(0)],
+                places,
                 run_check=False,
                 shape=torch.Size([u.numel]),
                 stride=(1,),
@@ -143,7 +147,16 @@ def _kept(u) -> int:
 
 
 def _mesh(ex):
-    from torch.distributed.device_mesh import DeviceMesh
+    """The device mesh a unit's DTensors lie on: the job's ranks, or under HSDP its mesh
+    replicate x shard in rank order (made once a run: making it is collective)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if ex.spec.hsdp:
+        if getattr(ex, "checkpoint_mesh", None) is None:
+            m = ex.spec.mesh
+            ex.checkpoint_mesh = init_device_mesh(
+                ex.device.type, (m.replicate, m.shard), mesh_dim_names=("replicate", "shard")
+            )
+        return ex.checkpoint_mesh
     group = ex.comm.group or dist.distributed_c10d._get_default_group()
     return DeviceMesh.from_group(group, ex.device.type)

@@ -63,7 +63,7 @@ def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
         "format": FORMAT,
         "step": ex.step_index,
         "world": ex.comm.world,
-        "strategy": ex.spec.kind,
+        "strategy": ex.spec.sync,  # a pipeline's per stage: its form is DP's
         "model": ex.spec.model_name,
         "model_config": dataclasses.asdict(ex.spec.model),
         "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
@@ -172,13 +172,16 @@ def _check_same_schedule(ex, path: Path, meta: dict) -> None:
     """The checkpoint was saved by a schedule of this strategy and model (and, for FSDP,
     these units): its tensors fit this executor's."""
     spec = ex.spec
-    if meta["strategy"] != spec.kind or meta["model_config"] != dataclasses.asdict(spec.model):
+    fsdp = (meta["strategy"] == Strategy.FSDP, spec.sync is Strategy.FSDP)
+    if fsdp[0] != fsdp[1] or meta["model_config"] != dataclasses.asdict(spec.model):
+        # a DDP, one-process or pipeline (DDP per stage) run saves every parameter whole by
+        # name, so each resumes the others; FSDP saves flat units
         raise CheckpointError(
             f"{path}: saved by a {meta['strategy']} schedule of model {meta['model']}; this is a "
-            f"{spec.kind} schedule of model {spec.model_name}"
+            f"{spec.sync} schedule of model {spec.model_name}"
         )
     ours = {u.name: u.numel for u in ex.units.values()}
-    if spec.kind is Strategy.FSDP and meta["units"] != ours:
+    if spec.sync is Strategy.FSDP and meta["units"] != ours:
         diff = sorted(set(meta["units"]) ^ set(ours)) or sorted(
             f"{u} ({meta['units'][u]} elements saved, {n} here)"
             for u, n in ours.items()
@@ -188,7 +191,7 @@ def _check_same_schedule(ex, path: Path, meta: dict) -> None:
             f"{path}: its FSDP units differ from this schedule's: {', '.join(map(str, diff))}"
         )
     saved = meta.get("unit_params")  # format 1 did not record them
-    if spec.kind is Strategy.FSDP and saved is not None and saved != unit_params(ex):
+    if spec.sync is Strategy.FSDP and saved is not None and saved != unit_params(ex):
         # units of the same sizes holding other parameters, or in another order, would load
         # without an error and train on scrambled weights
         raise CheckpointError(
