@@ -286,8 +286,8 @@ def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     a user error, not silently dropped."""
     path, spec = compiled.source.path, compiled.spec
     asked = [flag for flag, given in PIPELINE_NOT_YET if given(args)]
-    if spec.pipeline.units:  # a stage's flat shards: not the per-parameter form saved yet
-        asked += [f"{flag} (with an fsdp block)" for flag in ("--save", "--resume")
+    if spec.pipeline.units and spec.declared_mesh is not None:  # a 2-D stage mesh: not yet
+        asked += [f"{flag} (of HSDP per stage)" for flag in ("--save", "--resume")
                   if getattr(args, flag[2:])]  # fmt: skip
     n, ev = spec.numerics, spec.evaluation
     if n.compile or n.loss_chunk is not None:

@@ -9,13 +9,13 @@ program step after step (with world = degree x dp, global rank r runs pipeline r
 program on replica r % dp's slice of the batch, its stages' gradients all-reduced over dp,
 or reduce-scattered into each replica's shard under the file's fsdp block), in the file's
 precision policy (bf16 autocast, gather and reduce dtypes), logging each step as a DP run
-does. Before step 1 the ranks agree as a DP run's do: the
-schedule's meaning, the programs (in place of a plan's collectives) and the data. What a
-pipeline run does not do yet is refused by the CLI before torch is imported (cli/run.py
-`PIPELINE_NOT_YET`): probes, evaluations, CUDA, checkpoints of a pipeline with an fsdp
-block. --log-json and --tensorboard record its steps as a DP run's, --nonfinite skip skips
-a non-finite update, --init hf:DIR starts each rank's stages from a Hugging Face GPT-2's
-weights, and --save / --resume write and read the checkpoints a DDP run does (`Saved`).
+does. Before step 1 the ranks agree as a DP run's do: the schedule's meaning, the programs
+(in place of a plan's collectives), the data and the run flags. What a pipeline run does not
+do yet is refused by the CLI before torch is imported (cli/run.py `PIPELINE_NOT_YET`):
+probes, evaluations, CUDA, checkpoints of HSDP per stage. --log-json and --tensorboard
+record its steps as a DP run's, --nonfinite skip skips a non-finite update, --init hf:DIR
+starts each rank's stages from a Hugging Face GPT-2's weights, and --save / --resume write
+and read checkpoints as a DP run does (`Saved`).
 With --trace each rank times its items (exec/pipeline.py `timed`) and rank 0 writes them
 (analysis/pipeline_trace.py).
 """
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
@@ -86,8 +87,12 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
 
     def run() -> None:
         ex = _start(compiled, plan, comm, opts, job, device)
+        saved = Saved(compiled, ex, comm) if job.save or job.resume else None
+        if job.resume:
+            assert saved is not None
+            _resume(saved, job, comm)
         log(comm, start_line(compiled, device, threads))
-        _steps(compiled, ex, comm, opts, job, device)
+        _steps(compiled, ex, comm, opts, job, device, saved)
         if job.trace:
             _write_trace(job.trace, compiled, ex, comm)
 
@@ -128,28 +133,32 @@ def _start(
     )
     # the plan the proof read, bound to this rank (once): its collectives and operands run
     bound = compiled.bound(comm.rank)
-    ex = PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
-    if job.resume:
-        from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
-        from schedc.exec.checkpoint.files import find
-
-        phase.where = f"loading {job.resume}"
-        step = store.load(Saved(compiled, ex, comm, batches), job.resume, key=job.key)
-        log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
-    return ex
+    return PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
 
 
 class Saved:
-    """A pipeline rank as the checkpoint store (exec/checkpoint/) reads a run: its stages'
-    parameters by name and their AdamW state, the one form a DDP or one-process run saves,
-    so a checkpoint moves between pipeline and data-parallel layouts (every parameter is
-    some rank's; replicas and the tied copies hold it alike, and DCP writes it once)."""
+    """A pipeline rank as the checkpoint store (exec/checkpoint/) reads a run.
 
-    def __init__(self, compiled: Compiled, ex: PipelineExecutor, comm: Comm, batches):
-        self.compiled, self.spec, self.comm, self.batches = compiled, compiled.spec, comm, batches
-        self.ex, self.params = ex, dict(ex.named)
-        self.units: dict = {}  # no flat units: every parameter whole, by name
+    DDP per stage (or one replica): its stages' parameters by name and their AdamW state, the
+    one form a DDP or one-process run saves, so a checkpoint moves between pipeline and
+    data-parallel layouts (every parameter is some rank's; replicas and the tied copies hold
+    it alike, and DCP writes it once). FSDP per stage: its units' flat shards and moments,
+    as a DP FSDP run saves its units, each a DTensor on its stage's shard group (the tied
+    unit's copies on the first and last stage are one layout, written once); such a
+    checkpoint resumes the same pipeline's units (made once a run: making the groups is
+    collective)."""
+
+    def __init__(self, compiled: Compiled, ex: PipelineExecutor, comm: Comm):
+        self.compiled, self.spec, self.comm = compiled, compiled.spec, comm
+        self.ex, self.batches, self.params = ex, ex.job.batches, dict(ex.named)
+        self.units = {u.name: u for u in getattr(ex.sync, "units", ())}
         self.optimizer, self.device = ex.optimizer, torch.device("cpu")
+        if self.units:
+            self.checkpoint_mesh = _stage_mesh(ex, comm)
+            model, ps = compiled.spec.model, compiled.spec.pipeline
+            assert ps is not None
+            # every stage's units, in their flat order (meta.json names each parameter once)
+            self.schedule_units = {u.name: list(model.flat_order(u.params)) for u in ps.units}
 
     @property
     def step_index(self) -> int:
@@ -191,7 +200,7 @@ def precision(spec) -> dict:
 
 def _steps(
     compiled: Compiled, ex: PipelineExecutor, comm: Comm, opts: RunOptions, job: TrainOptions,
-    device,
+    device, saved: Saved | None,
 ) -> None:  # fmt: skip
     """The steps, each logged (and recorded with --log-json and --tensorboard on rank 0; a
     non-finite one stops the run or, with --nonfinite skip, is skipped: exec/update.py), then
@@ -199,7 +208,6 @@ def _steps(
     spec, first = compiled.spec, ex.step_index
     clock = RunClock(first, spec.steps)
     records = Records(comm.rank, job.log_json, job.tensorboard)
-    saved = Saved(compiled, ex, comm, ex.job.batches) if job.save else None
     peak = 0  # the live heap's peak over the steps after the first (which makes AdamW's m, v)
     try:
         for s in range(first, spec.steps):
@@ -215,12 +223,35 @@ def _steps(
             log(comm, step_line(st, spec, device, clock.done(st)))
             records.write(log_record(st))
             records.flush()
-            if saved is not None and (ex.step_index % job.save_every == 0 or s + 1 == spec.steps):
+            if job.save and (ex.step_index % job.save_every == 0 or s + 1 == spec.steps):
+                assert saved is not None
                 _save(saved, job, comm)
     finally:
         records.close()
     report_pipeline_memory(compiled, comm, peak)
     log(comm, clock.summary(peak_memory(device)))
+
+
+def _stage_mesh(ex: PipelineExecutor, comm: Comm):
+    """The device mesh of this rank's stage's shard group (its dp replicas)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = ex.comm.dp
+    if group is None:  # one replica: a group of this rank alone, every rank making each
+        dp = comm.world // ex.pipe.pp
+        groups = [dist.new_group([p * dp]) for p in range(ex.pipe.pp)]
+        group = groups[ex.comm.rank]
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _resume(saved: Saved, job: TrainOptions, comm: Comm) -> None:
+    from schedc.exec.checkpoint import store  # DCP: a second to import, so only here
+    from schedc.exec.checkpoint.files import find
+
+    assert job.resume is not None
+    phase.where = f"loading {job.resume}"
+    step = store.load(saved, job.resume, key=job.key)
+    log(comm, f"schedc: resumed from {find(job.resume)} at step {step}")
 
 
 def _save(saved: Saved, job: TrainOptions, comm: Comm) -> None:

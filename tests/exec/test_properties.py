@@ -54,8 +54,10 @@ from tests.strategies import (
 # CPU-s), paid for by fewer DDP, FSDP, float64 and rewritten examples (200, 200, 50, 100):
 # this file, run side by side with the one before the axis: 214 s vs 223 s, 172 CPU-s each
 # (180, 180, 85 until 2026-12-03; then fewer, to keep .ci/run under 10 minutes as the
-# pipeline suite joined it: fp32 cases stay well above the 100 asserted below)
-N_DDP, N_FSDP, N_FLOAT64, N_PAIRS, N_REWRITTEN = 150, 150, 40, 40, 70
+# pipeline suite joined it; 150, 150, 40, 40, 70 until 2026-12-06, then fewer as the
+# checkpoint runs of pipelines and HSDP joined: 120 draw 62 DDP and 52 FSDP fp32 cases, above
+# the 50 each that `ran_enough` asserts)
+N_DDP, N_FSDP, N_FLOAT64, N_PAIRS, N_REWRITTEN = 120, 120, 40, 40, 55
 JOB_S = 30  # a generated job takes under 5 s; a hang fails in 30 s, not the pool's 60
 
 

@@ -108,9 +108,20 @@ def _load_units(ex, state: dict[str, torch.Tensor], step: int) -> None:
 
 def unit_params(ex) -> dict[str, list[str]]:
     """Each FSDP unit's parameters in the order its flat parameter holds them (meta.json
-    `unit_params`: what a reader needs to cut `unit.U.param` into tensors); {} for DDP."""
+    `unit_params`: what a reader needs to cut `unit.U.param` into tensors); {} for DDP. Every
+    unit of the schedule: a DP rank holds each; a pipeline rank only its stages', so its
+    executor says the schedule's (`schedule_units`, exec/pipeline_train.py)."""
+    table = getattr(ex, "schedule_units", None)
+    if table is not None:
+        return table
     names = {id(p): n for n, p in ex.params.items()}
     return {u.name: [names[id(p)] for p, *_ in u.layout] for u in ex.units.values()}
+
+
+def unit_sizes(ex) -> dict[str, int]:
+    """Each unit of `unit_params` and its elements (meta.json `units`)."""
+    model = ex.spec.model
+    return {u: sum(model.param(n).numel for n in names) for u, names in unit_params(ex).items()}
 
 
 def load_parameters(ex, params: dict[str, torch.Tensor]) -> None:
@@ -123,6 +134,8 @@ def load_parameters(ex, params: dict[str, torch.Tensor]) -> None:
                 p.copy_(params[name])
             return
         for u, names in unit_params(ex).items():
+            if u not in ex.units:
+                continue  # another pipeline rank's
             unit = ex.units[u]
             flat = torch.cat([params[n].reshape(-1) for n in names])
             lo = unit.rank * unit.shard_len
@@ -147,10 +160,13 @@ def _kept(u) -> int:
 
 
 def _mesh(ex):
-    """The device mesh a unit's DTensors lie on: the job's ranks, or under HSDP its mesh
-    replicate x shard in rank order (made once a run: making it is collective)."""
+    """The device mesh a unit's DTensors lie on: the job's ranks, under HSDP its mesh
+    replicate x shard in rank order (made once a run: making it is collective), or the one
+    the executor says (a pipeline stage's shard group: exec/pipeline_train.py)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if getattr(ex, "checkpoint_mesh", None) is not None:  # made already (a pipeline stage's)
+        return ex.checkpoint_mesh
     if ex.spec.hsdp:
         if getattr(ex, "checkpoint_mesh", None) is None:
             m = ex.spec.mesh

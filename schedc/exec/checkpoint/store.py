@@ -23,7 +23,12 @@ from schedc.exec.checkpoint.dcp_metadata import SafeReader
 from schedc.exec.checkpoint.files import find, mac
 from schedc.exec.checkpoint.layout import FORMAT, HMAC_FILE, CheckpointError, step_dir
 from schedc.exec.checkpoint.meta_json import verify
-from schedc.exec.checkpoint.state import executor_state, load_executor_state, unit_params
+from schedc.exec.checkpoint.state import (
+    executor_state,
+    load_executor_state,
+    unit_params,
+    unit_sizes,
+)
 from schedc.ir.spec import Strategy
 from schedc.model.arch import GPTConfig
 
@@ -44,14 +49,14 @@ def save(ex, root: str | os.PathLike, keep: int = 2, key: bytes | None = None) -
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(ex)
-    _crash_point("before-write", rank)
+    _crash_point("before-write", rank, ex.step_index)
     dcp.save(executor_state(ex), checkpoint_id=str(tmp), process_group=ex.comm.group)
     # every rank's CPU RNG state, in rank order
     rng = ex.comm.gather(base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
-    _crash_point("after-write", rank)
+    _crash_point("after-write", rank, ex.step_index)
     if rank == 0:
         _write_meta(ex, tmp, rng, key)
-        _crash_point("before-rename", rank)
+        _crash_point("before-rename", rank, ex.step_index)
         _publish(tmp, final, keep)
     _barrier(ex)
     return final
@@ -67,7 +72,7 @@ def _write_meta(ex, tmp: Path, rng: list[str], key: bytes | None) -> None:
         "model": ex.spec.model_name,
         "model_config": dataclasses.asdict(ex.spec.model),
         "schedule_sha256": hashlib.sha256(ex.compiled.source.text.encode()).hexdigest(),
-        "units": {u.name: u.numel for u in ex.units.values()},
+        "units": unit_sizes(ex),
         "unit_params": unit_params(ex),
         "rng": rng,
         "stream": _stream(ex),
@@ -106,11 +111,12 @@ def _publish(tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _crash_point(where: str, rank: int) -> None:
-    """Die here, as a SIGKILL would, when a test asks for it (SCHEDC_CRASH_AT=where[@rank])."""
-    want = os.environ.get(CRASH_ENV, "")
+def _crash_point(where: str, rank: int, step: int | None = None) -> None:
+    """Die here, as a SIGKILL would, when a test asks for it
+    (SCHEDC_CRASH_AT=where[@rank][#step]: at the save of that step only)."""
+    want, _, at = os.environ.get(CRASH_ENV, "").partition("#")
     point, _, who = want.partition("@")
-    if point == where and (not who or int(who) == rank):
+    if point == where and (not who or int(who) == rank) and (not at or int(at) == step):
         os.kill(os.getpid(), 9)
 
 
@@ -180,7 +186,7 @@ def _check_same_schedule(ex, path: Path, meta: dict) -> None:
             f"{path}: saved by a {meta['strategy']} schedule of model {meta['model']}; this is a "
             f"{spec.sync} schedule of model {spec.model_name}"
         )
-    ours = {u.name: u.numel for u in ex.units.values()}
+    ours = unit_sizes(ex)
     if spec.sync is Strategy.FSDP and meta["units"] != ours:
         diff = sorted(set(meta["units"]) ^ set(ours)) or sorted(
             f"{u} ({meta['units'][u]} elements saved, {n} here)"
