@@ -282,18 +282,16 @@ PIPELINE_NOT_YET = (
 
 def refuse_for_pipeline(args: argparse.Namespace, compiled) -> None:
     """A pipeline schedule runs on CPU ranks, eager (in fp32 or its precision policy), without
-    checkpoints, probes or evaluations yet (exec/pipeline_train.py): anything else asked is
+    probes or checkpoints of HSDP per stage yet (exec/pipeline_train.py): anything else asked is
     a user error, not silently dropped."""
     path, spec = compiled.source.path, compiled.spec
     asked = [flag for flag, given in PIPELINE_NOT_YET if given(args)]
     if spec.pipeline.units and spec.declared_mesh is not None:  # a 2-D stage mesh: not yet
         asked += [f"{flag} (of HSDP per stage)" for flag in ("--save", "--resume")
                   if getattr(args, flag[2:])]  # fmt: skip
-    n, ev = spec.numerics, spec.evaluation
+    n = spec.numerics
     if n.compile or n.loss_chunk is not None:
         asked.append("`compile` and `loss chunk`")
-    if ev.val_every or ev.sample_every or ev.hellaswag_on:
-        asked.append("evaluations (`eval`)")
     if asked:
         raise UserError(
             f"{path} is a pipeline schedule, whose runs do not take {', '.join(asked)} yet: "

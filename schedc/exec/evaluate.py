@@ -12,7 +12,8 @@ step's plan and its proof: it reads the parameters after an update and changes n
   rank (build-nanogpt's loop; its rank 0's samples), and decodes them with GPT-2's tokenizer.
 
 Each reads the model with every parameter (FullModel): under FSDP a copy gathered from the
-shards, a collective every rank joins, even where only rank 0 samples.
+shards, a collective every rank joins, even where only rank 0 samples; a pipeline's the same,
+from its stages (exec/pipeline_eval.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from schedc.errors import RunError
-from schedc.exec.executor import Executor
 from schedc.exec.failures import phase
 from schedc.ir.spec import Strategy
 from schedc.model.arch import GPT2_VOCAB
@@ -50,14 +50,14 @@ class FullModel:
     evaluations read it (the gather is a collective: every rank calls `get` the same times,
     as the step index it keys on is the same on every rank)."""
 
-    def __init__(self, ex: Executor):
+    def __init__(self, ex) -> None:  # an Executor, or exec/pipeline_eval.py's Evaluated
         self.ex = ex
         self._copy: GPT | None = None
         self._step = -1  # the step index the copy holds
 
     def get(self) -> GPT:
         ex = self.ex
-        if ex.spec.kind is not Strategy.FSDP:
+        if ex.spec.kind is not Strategy.FSDP and ex.spec.pipeline is None:
             return ex.model
         if self._copy is None:
             self._copy = init_model(ex.spec.model, ex.spec.seed, ex.opts.dtype).to(ex.device)
@@ -83,7 +83,10 @@ class Validation:
         total = torch.zeros((), dtype=torch.float64, device=ex.device)
         for b in range(self.batches):
             for mb in range(ex.spec.accum):
-                x, y = self.val.rows(b, ex.bound.positions(mb))
+                ids = ex.bound.positions(mb)
+                if not ids:  # a pipeline rank past the first stage reads none
+                    continue
+                x, y = self.val.rows(b, ids)
                 with ex.autocast_forward():
                     _, loss = model(x.to(ex.device), y.to(ex.device))
                 total += loss.double() * x.numel()
@@ -178,7 +181,8 @@ class Evaluations:
     "hellaswag_acc_norm", "hellaswag_acc", "hellaswag_correct_norm", "hellaswag_total"}`,
     `{"step", "sample", "text"}` (rank 0's only)."""
 
-    def __init__(self, ex: Executor, val: GlobalBatches | None, hellaswag: list[Example] | None):
+    def __init__(self, ex, val: GlobalBatches | None, hellaswag: list[Example] | None):
+        # ex: exec/executor.py's Executor, or a pipeline rank's view (exec/pipeline_eval.py)
         cfg, full = ex.spec.evaluation, FullModel(ex)
         self.ex, self.cfg = ex, cfg
         self.validation = Validation(full, val, cfg.val_batches) if val is not None else None

@@ -12,7 +12,8 @@ precision policy (bf16 autocast, gather and reduce dtypes), logging each step as
 does. Before step 1 the ranks agree as a DP run's do: the schedule's meaning, the programs
 (in place of a plan's collectives), the data and the run flags. What a pipeline run does not
 do yet is refused by the CLI before torch is imported (cli/run.py `PIPELINE_NOT_YET`):
-probes, evaluations, CUDA, checkpoints of HSDP per stage. --log-json and --tensorboard
+probes, CUDA, checkpoints of HSDP per stage. Its eval block runs as a DP run's
+(exec/pipeline_eval.py). --log-json and --tensorboard
 record its steps as a DP run's, --nonfinite skip skips a non-finite update, --init hf:DIR
 starts each rank's stages from a Hugging Face GPT-2's weights, and --save / --resume write
 and read checkpoints as a DP run does (`Saved`).
@@ -32,16 +33,18 @@ import torch.distributed as dist
 
 from schedc.analysis.pipeline_trace import trace_file
 from schedc.compiler import Compiled
-from schedc.errors import RunError
+from schedc.exec.evaluate import Evaluations
 from schedc.exec.failures import join, phase
 from schedc.exec.heap import HeapPeak
 from schedc.exec.options import TORCH_DTYPES, Comm, RunOptions
 from schedc.exec.pipeline import PipelineExecutor
 from schedc.exec.pipeline_comm import make_comm
+from schedc.exec.pipeline_eval import Evaluated
 from schedc.exec.pipeline_model import PipeJob
 from schedc.exec.report import (
     Records,
     RunClock,
+    eval_line,
     log,
     log_record,
     peak_memory,
@@ -50,17 +53,14 @@ from schedc.exec.report import (
 )
 from schedc.exec.train import (
     TrainOptions,
-    agree_at_startup,
+    agree,
     check_job,
-    data_error,
     guarded,
     read_init,
-    run_flags,
     set_up_host,
 )
 from schedc.exec.update import judge_nonfinite
 from schedc.ir.spec import Dtype
-from schedc.model.data import DataError, load_batches
 from schedc.passes.memory import fmt_bytes
 from schedc.passes.pipeline_plan import PipelinePlan
 
@@ -86,13 +86,13 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
     comm, beats = join("gloo", opts.timeout_s)
 
     def run() -> None:
-        ex = _start(compiled, plan, comm, opts, job, device)
+        ex, evals = _start(compiled, plan, comm, opts, job, device)
         saved = Saved(compiled, ex, comm) if job.save or job.resume else None
         if job.resume:
             assert saved is not None
             _resume(saved, job, comm)
         log(comm, start_line(compiled, device, threads))
-        _steps(compiled, ex, comm, opts, job, device, saved)
+        _steps(compiled, ex, comm, opts, job, device, saved, evals)
         if job.trace:
             _write_trace(job.trace, compiled, ex, comm)
 
@@ -102,16 +102,12 @@ def run_pipeline(compiled: Compiled, opts: RunOptions, job: TrainOptions) -> int
 def _start(
     compiled: Compiled, plan: PipelinePlan, comm: Comm, opts: RunOptions, job: TrainOptions,
     device: torch.device,
-) -> PipelineExecutor:  # fmt: skip
+) -> tuple[PipelineExecutor, Evaluations]:  # fmt: skip
     """The data read, the ranks agreed (on the run flags too, as a DP run's), step 0's
-    weights read (the seed's, or --init's), this rank's stages built."""
+    weights read (the seed's, or --init's), this rank's stages built, and what its `eval`
+    measures between steps (exec/pipeline_eval.py)."""
     spec = compiled.spec
-    try:
-        batches = load_batches(spec.data, spec.seq_len, spec.seqs, spec.model.vocab_size)
-    except DataError as e:
-        raise RunError(data_error(e, spec.data.source)) from None
-    flags = run_flags(job, device, opts)
-    agree_at_startup(compiled, comm, _Programs(plan), batches.fingerprint(), flags)
+    batches, val, hellaswag = agree(compiled, comm, opts, job, device, _Programs(plan))
     weights = None
     if job.init:
         phase.where = f"loading --init hf:{job.init}"
@@ -133,7 +129,8 @@ def _start(
     )
     # the plan the proof read, bound to this rank (once): its collectives and operands run
     bound = compiled.bound(comm.rank)
-    return PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
+    ex = PipelineExecutor(pj, pipe, pipe_comm, bound, timed=bool(job.trace))
+    return ex, Evaluations(Evaluated(compiled, ex, comm, opts), val, hellaswag)
 
 
 class Saved:
@@ -200,7 +197,7 @@ def precision(spec) -> dict:
 
 def _steps(
     compiled: Compiled, ex: PipelineExecutor, comm: Comm, opts: RunOptions, job: TrainOptions,
-    device, saved: Saved | None,
+    device, saved: Saved | None, evals: Evaluations,
 ) -> None:  # fmt: skip
     """The steps, each logged (and recorded with --log-json and --tensorboard on rank 0; a
     non-finite one stops the run or, with --nonfinite skip, is skipped: exec/update.py), then
@@ -222,6 +219,10 @@ def _steps(
             judge_nonfinite(st, ex.losses, comm, opts.nonfinite)
             log(comm, step_line(st, spec, device, clock.done(st)))
             records.write(log_record(st))
+            for rec in evals.after(st.step):  # validation, HellaSwag, samples: each due
+                log(comm, eval_line(rec, spec.steps, spec.evaluation.val_batches))
+                records.write(rec)
+                clock.evaluated(rec)
             records.flush()
             if job.save and (ex.step_index % job.save_every == 0 or s + 1 == spec.steps):
                 assert saved is not None

@@ -320,12 +320,18 @@ def busy_hint(threads: int, load: float, cores: int) -> str:
 
 
 def agree(
-    compiled: Compiled, comm: Comm, opts: RunOptions, job: TrainOptions, device: torch.device
+    compiled: Compiled,
+    comm: Comm,
+    opts: RunOptions,
+    job: TrainOptions,
+    device: torch.device,
+    plan: Collectives | None = None,
 ) -> tuple[GlobalBatches, GlobalBatches | None, list[Example] | None]:
     """Read the data and agree with every rank before anything else communicates: building
     the executor creates a process group per stream, which would wait forever for a rank
     whose schedule has other streams. Returns the batches, the validation batches and the
-    HellaSwag examples (None where not measured)."""
+    HellaSwag examples (None where not measured). `plan`: what is compared of the rank's
+    communication (a pipeline's programs; else its plan's collectives)."""
     from schedc.exec.checkpoint.layout import CheckpointError
 
     spec = compiled.spec
@@ -340,7 +346,7 @@ def agree(
     hellaswag, scored = read_hellaswag_file(spec)
     flags = run_flags(job, device, opts)
     data = batches.fingerprint() + (f", val {val.fingerprint()}" if val else "") + scored
-    agree_at_startup(compiled, comm, compiled.plan(comm.rank), data, flags)
+    agree_at_startup(compiled, comm, plan or compiled.plan(comm.rank), data, flags)
     if flags["--resume"].startswith("unusable: "):  # the same on every rank: agreed
         raise CheckpointError(flags["--resume"].removeprefix("unusable: "))
     if flags["--init"].startswith("unusable: "):

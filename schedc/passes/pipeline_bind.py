@@ -107,7 +107,7 @@ def _plan(spec: Spec, pipe: Pipeline, program: list[Item], p: int, groups, tied)
     """Pipeline rank `p`'s instructions with its data-parallel `groups` and `tied` pair,
     its sync and the parameters it holds."""
     m = pipe.microbatches
-    held = _held(spec, pipe, p)
+    held = held_params(spec, pipe, p)
     if spec.pipeline.units:  # type: ignore[union-attr]
         sync = _units(spec, pipe, program, p, held, *groups)
     else:
@@ -143,7 +143,7 @@ def _pair(pipe: Pipeline, op: Op, p: int) -> tuple[int, ...]:
     return (p, peer) if op.kind.is_send else (peer, p)
 
 
-def _held(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
+def held_params(spec: Spec, pipe: Pipeline, p: int) -> tuple[str, ...]:
     """The parameters pipeline rank `p` holds, in the model's order: its stages' (the tied
     wte once, the head's copy where it has the head but not the embed)."""
     names = {q for s in pipe.stages_of(p) for q in stage_params(spec, s)}

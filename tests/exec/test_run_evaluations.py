@@ -4,7 +4,8 @@ across ranks and all-reduced, samples from rank 0, and --tensorboard's scalars.
 One real 2-rank FSDP run (torchrun, shared by the module) with validation, HellaSwag and
 samples after every 2 steps and the last, --log-json and --tensorboard; the single-process
 oracle's parameters after the same steps give what one process scores. Samples are held
-token for token against build-nanogpt's loop in one process."""
+token for token against build-nanogpt's loop in one process. The same eval block in a
+2-stage pipeline run logs the same validation losses and HellaSwag counts."""
 
 from __future__ import annotations
 
@@ -168,3 +169,35 @@ def test_samples_are_build_nanogpts_token_for_token(world1):
     # the prompt (8 tokens) counts toward sample_tokens: a length it fills is refused at start
     with pytest.raises(RunError, match="sample_prompt is 8 tokens, and sample_tokens \\(8\\)"):
         Samples(FullModel(ex), 3, 8, PROMPT)
+
+
+@pytest.mark.ranks
+def test_a_pipeline_run_evaluates_as_the_fsdp_run_does(run, tmp_path):
+    """The same model, data and eval block as a 2-stage pipeline on 2 ranks (4 micro-batches
+    of 2: the same update): its validation losses are the FSDP run's within the suite's fp32
+    bound, its HellaSwag counts the same, and rank 0 logs as many samples of the prompt.
+    Evaluation reads the whole model, each parameter broadcast from its stage's rank."""
+    text, _, want, _ = run
+    pipeline = text.replace("micro 2\n", "").replace(
+        "fsdp { unit all = embed .. head }",
+        "pipeline {\n  stage s0 = embed, h.0\n  stage s1 = h.1, head\n  degree 2\n"
+        "  schedule 1f1b\n  microbatches 4\n}",
+    )
+    f, log = tmp_path / "pp.sched", tmp_path / "pp.jsonl"
+    f.write_text(pipeline)
+    r = torchrun(2, str(f), "--steps", str(STEPS), "--log-json", str(log))
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(x) for x in log.read_text().splitlines()]
+
+    def of(records, key):
+        return {r["step"]: r[key] for r in records if key in r}
+
+    val, val_want = of(got, "val_loss"), of(want, "val_loss")
+    assert val.keys() == val_want.keys() == {1, 2}
+    for s in val:
+        assert val[s] == pytest.approx(val_want[s], rel=1e-5), (s, val, val_want)
+    assert of(got, "hellaswag_correct_norm") == of(want, "hellaswag_correct_norm")
+    assert of(got, "hellaswag_total") == of(want, "hellaswag_total")
+    samples = [r["text"] for r in got if "sample" in r]
+    assert len(samples) == len([r for r in want if "sample" in r]) == 6
+    assert all(t.startswith(PROMPT) for t in samples)

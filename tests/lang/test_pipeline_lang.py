@@ -138,8 +138,8 @@ def test_a_pipeline_has_no_dependency_graph_yet_and_says_so_in_one_line(capsys):
 @pytest.mark.parametrize(
     "name, argv, said",
     [
-        ("tiny_pp2_dp2_fsdp", ["--save", "ck"], "--save (with an fsdp block)"),
-        ("tiny_pp2_dp2_fsdp", ["--resume", "ck"], "--resume (with an fsdp block)"),
+        ("tiny_pp2_hsdp", ["--save", "ck"], "--save (of HSDP per stage)"),
+        ("tiny_pp2_hsdp", ["--resume", "ck"], "--resume (of HSDP per stage)"),
         ("tiny_pp4_1f1b", ["--probe", "--trace", "t.json"], "--probe"),
         ("tiny_pp4_1f1b", ["--compile", "on"], "`compile` and `loss chunk`"),
         ("tiny_pp4_1f1b", ["--val-every", "5"], None),  # refused by the compiler: val needs shards
