@@ -155,3 +155,24 @@ def test_export_of_a_pipeline_checkpoint_gives_the_loss_the_run_logged(chain, tm
     loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
     logged = losses(d / "pp2.jsonl")[4]
     assert loss.item() == pytest.approx(logged, rel=TOL["float32"].loss_rtol)
+
+
+def test_a_one_process_run_resumes_a_pipeline_checkpoint_with_its_parameters(chain, world1):
+    """PP 2 x DP 2's checkpoint after 4 updates, resumed by one process (the same model and
+    global batch): it holds exactly the saved parameters, each loaded from the pipeline rank
+    that wrote it."""
+    from schedc.exec.checkpoint import store
+    from tests.world1 import executor
+
+    d, _ = chain
+    ck = d / "pp2" / "step_00000004"
+    ex = executor(HEAD.replace("world 4", "world 1") + "micro 2\n", steps=6)
+    try:
+        assert store.load(ex, ck) == 4
+        _, _, saved = read_parameters(ck)
+        held = ex.strategy.full_tensors(grad=False)
+        assert held.keys() == saved.keys()
+        for name, t in saved.items():
+            assert torch.equal(held[name], t), name
+    finally:
+        ex.close()
