@@ -10,15 +10,15 @@ program on replica r % dp's slice of the batch, its stages' gradients all-reduce
 or reduce-scattered into each replica's shard under the file's fsdp block), in the file's
 precision policy (bf16 autocast, gather and reduce dtypes), logging each step as a DP run
 does. Before step 1 the ranks agree as a DP run's do: the schedule's meaning, the programs
-(in place of a plan's collectives), the data and the run flags. What a pipeline run does not
-do yet is refused by the CLI before torch is imported (cli/run.py `PIPELINE_NOT_YET`):
-probes, CUDA, checkpoints of HSDP per stage. Its eval block runs as a DP run's
-(exec/pipeline_eval.py). --log-json and --tensorboard
-record its steps as a DP run's, --nonfinite skip skips a non-finite update, --init hf:DIR
-starts each rank's stages from a Hugging Face GPT-2's weights, and --save / --resume write
-and read checkpoints as a DP run does (`Saved`).
-With --trace each rank times its items (exec/pipeline.py `timed`) and rank 0 writes them
-(analysis/pipeline_trace.py).
+(in place of a plan's collectives), the data and the run flags.
+
+What a DP run does besides its steps, a pipeline run does with the DP run's own code: its
+`eval` block (exec/pipeline_eval.py), --log-json and --tensorboard, --nonfinite skip, --init
+hf:DIR (each rank's stages from a Hugging Face GPT-2's weights) and --save / --resume
+(`Saved`). With --trace each rank times its items (exec/pipeline.py `timed`) and rank 0
+writes them (analysis/pipeline_trace.py). What it does not do yet is refused by the CLI
+before torch is imported (cli/run.py `PIPELINE_NOT_YET`): probes, CUDA, `compile`, `loss
+chunk`, checkpoints of HSDP per stage.
 """
 
 from __future__ import annotations

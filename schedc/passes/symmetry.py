@@ -185,6 +185,8 @@ class _Translated:
 
     def __call__(self, g: int, q: int) -> bool:
         a, b = self.bounds[g], self.bounds[q]
+        if a.rank != g:
+            return False  # a plan bound to another rank than its place: judged rank by rank
         if g == q:
             return self._own_shard(b)
         if (a.loss_scale, a.steps, a.params, a.grad_keys) != (
