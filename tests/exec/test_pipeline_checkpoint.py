@@ -7,12 +7,13 @@ PP 2 x DP 2 with FSDP per stage, rank 1 killed (SIGKILL) as a save begins, resum
 killed run's own losses, bitwise. A chain of layouts, each resuming the checkpoint of the one
 before (PP 4 -> PP 2 x DP 2 -> DP 4 -> PP 2 x DP 2), logs the losses of the first within the
 suite's fp32 bound, and the PP 2 x DP 2 checkpoint exports to a transformers model with the
-loss the run logged. Each world-4 run starts 4 processes: CI's torch tier pays for each.
+loss the run logged. Each world-4 job starts 4 processes: CI's torch tier pays for each.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 from schedc.exec.checkpoint.store import CRASH_ENV, read_parameters
 from tests.goldens import REPO
 from tests.oracle import TOL
-from tests.ranks import torchrun
+from tests.ranks import finish, start_ranks
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks, pytest.mark.xdist_group("pp_checkpoint")]
 
@@ -55,8 +56,19 @@ def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-def run(*args: str, env: dict | None = None):
-    return torchrun(4, *args, env=env)
+@dataclass
+class Ran:
+    returncode: int  # 0 when every rank exited 0, else the first rank's that did not
+    stdout: str  # rank 0's
+    stderr: str  # every rank's
+
+
+def run(*args: str, env: dict | None = None) -> Ran:
+    """`schedc run ARGS` on 4 ranks started as torchrun starts them, without its agent (one
+    process fewer importing torch on CI's two cores: these tests start eight such jobs)."""
+    out = finish(start_ranks([args] * 4, env))
+    code = next((c for c, _, _ in out if c), 0)
+    return Ran(code, out[0][1], "\n".join(e for _, _, e in out))
 
 
 def close(got: dict[int, float], want: dict[int, float]) -> None:
