@@ -25,6 +25,7 @@ from schedc.ir.bound import Bound
 from schedc.ir.op import Kind
 from schedc.ir.plan import Instr
 from schedc.ir.spec import Spec
+from schedc.passes.symmetry import data_mesh
 from tests.plan_mutations import Variant, _instrs, _on_one_rank
 
 Change = Callable[[Bound, Instr], "Instr | None"]  # None: not applicable here
@@ -126,8 +127,7 @@ def _bound_changes(spec: Spec, b: Bound) -> Iterator[tuple[str, dict]]:
         layer = next(iter(b.folds))
         yield "folds", {"folds": {**b.folds, layer: ()}}
     if b.shard is not None:  # the next chunk (past the last, where a group has one)
-        mesh = spec.stage_mesh if spec.pipeline is not None else spec.mesh
-        yield "shard", {"shard": (b.shard + 1) % max(2, mesh.shard)}
+        yield "shard", {"shard": (b.shard + 1) % max(2, data_mesh(spec).shard)}
     yield "steps", {"steps": b.steps + 1}
     if b.params:
         yield "params", {"params": b.params[:-1]}

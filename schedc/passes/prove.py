@@ -43,7 +43,7 @@ from schedc.passes.pipeline_memory import stage_params
 from schedc.passes.prove_rank import Piece, Refuted, _Issue, _Rank
 from schedc.passes.prove_shape import inside_the_batch, shape
 from schedc.passes.prove_stage import StageRank, transfer
-from schedc.passes.symmetry import classes_of, first_stage_rank
+from schedc.passes.symmetry import classes_of, data_mesh, readers
 from schedc.passes.values import EMPTY, Maps, Theorem, Wrong
 
 
@@ -99,16 +99,14 @@ class _Prover:
         self.spec, self.bounds = spec, bounds
         self.fsdp = spec.sync is Strategy.FSDP
         # the ranks a unit is sharded over, as replicate x shard (a pipeline: of a stage's)
-        self.mesh = spec.stage_mesh if spec.pipeline is not None else spec.mesh
+        self.mesh = data_mesh(spec)
         self.hsdp = self.fsdp and self.mesh.replicate > 1
         self._gathers: dict[Op, tuple[Op, ...]] = {}
         self.maps = Maps()
         self.sym = classes_of(spec, bounds) if classes else None
         slices = {(b.rank, m): b.positions(m) for b in bounds for m in range(len(b.batch))}
-        dp, first = self.mesh.world, first_stage_rank(spec)
-        readers = range(first * dp, (first + 1) * dp)
         members = self.sym.sets.members if self.sym is not None else (lambda r: (r,))
-        self.theorem = Theorem(self.maps, spec.seqs, slices, readers, members)
+        self.theorem = Theorem(self.maps, spec.seqs, slices, readers(spec), members)
         model = spec.model
         self.writers = {p.name: tuple(model.writers(p.name)) for p in model.params}
         self.numel = {p.name: p.numel for p in model.params}

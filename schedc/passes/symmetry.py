@@ -109,26 +109,32 @@ class Symmetry:
     sets: RankSets
     reps: tuple[int, ...]
     spans: dict[tuple[int, int], tuple[int, ...]]  # (representative, instruction) -> dims
-    readers: tuple[int, ...]  # the ranks whose slices partition the batch
+
+
+def data_mesh(spec: Spec) -> Mesh:
+    """The mesh the proof's data-parallel groups lie on: a stage's replicate x shard, or
+    without a pipeline the world's."""
+    return spec.stage_mesh if spec.pipeline is not None else spec.mesh
+
+
+def readers(spec: Spec) -> range:
+    """The ranks whose forward reads the batch: the first stage's pipeline rank's (every
+    rank without a pipeline)."""
+    ps, dp = spec.pipeline, data_mesh(spec).world
+    first = ps.pipeline(spec.accum).rank_of(0) if ps is not None else 0
+    return range(first * dp, (first + 1) * dp)
 
 
 def classes_of(spec: Spec, bounds: Sequence[Bound]) -> Symmetry | None:
     """The world's classes of ranks, if it has them."""
     ps = spec.pipeline
-    mesh = spec.stage_mesh if ps is not None else spec.mesh
-    return symmetry(bounds, mesh, ps.degree if ps is not None else 1, first_stage_rank(spec))
+    return symmetry(bounds, data_mesh(spec), ps.degree if ps is not None else 1, readers(spec))
 
 
-def first_stage_rank(spec: Spec) -> int:
-    """The pipeline rank whose forward reads the batch (its first stage's; 0: no pipeline)."""
-    ps = spec.pipeline
-    return ps.pipeline(spec.accum).rank_of(0) if ps is not None else 0
-
-
-def symmetry(bounds: Sequence[Bound], mesh: Mesh, pp: int, first: int) -> Symmetry | None:
+def symmetry(bounds: Sequence[Bound], mesh: Mesh, pp: int, read: range) -> Symmetry | None:
     """The world's classes, if every rank is its representative translated (the module
-    docstring); `mesh` is a stage's replicate x shard, `first` the pipeline rank that reads
-    the batch."""
+    docstring); `mesh` is a stage's replicate x shard, `read` the ranks that read the
+    batch."""
     dp = mesh.world
     if len(bounds) != pp * dp or dp == 1:
         return None
@@ -139,17 +145,15 @@ def symmetry(bounds: Sequence[Bound], mesh: Mesh, pp: int, first: int) -> Symmet
         for k, ins in enumerate(bounds[q].plan.instrs):
             if ins.group and ins.op is not None and ins.op.is_collective:
                 found = _span_of(ins.group, q, mesh, sets)
-                chunked = ins.op is not None and ins.op.kind in CHUNKED
-                if found is None or (chunked and found != (2,)):
+                if found is None or (ins.op.kind in CHUNKED and found != (2,)):
                     return None  # a group of no shape, or chunks moved but by shard index
                 spans[(q, k)] = found
     check = _Translated(bounds, mesh, sets, spans)
     if not all(check(g, g - g % dp) for g in range(len(bounds))):
         return None
-    readers = tuple(range(first * dp, (first + 1) * dp))
-    if not _replicas_read_alike(bounds, readers, dp):
+    if not _replicas_read_alike(bounds, read, dp):
         return None
-    return Symmetry(sets, reps, {k: v for k, v in spans.items() if v}, readers)
+    return Symmetry(sets, reps, {k: v for k, v in spans.items() if v})
 
 
 def _span_of(group, q: int, mesh: Mesh, sets: RankSets) -> tuple[int, ...] | None:
@@ -235,11 +239,11 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
-def _replicas_read_alike(bounds: Sequence[Bound], readers: tuple[int, ...], dp: int) -> bool:
+def _replicas_read_alike(bounds: Sequence[Bound], read: range, dp: int) -> bool:
     """Every rank's slices are its replica's reader's, and the readers' slices of a
     micro-step have one length: then translating a rank's values translates its checks."""
-    lengths = [n for _, n in bounds[readers[0]].batch]
+    lengths = [n for _, n in bounds[read[0]].batch]
     for b in bounds:
-        if b.batch != bounds[readers[b.rank % dp]].batch:
+        if b.batch != bounds[read[b.rank % dp]].batch:
             return False
-    return all([n for _, n in bounds[r].batch] == lengths for r in readers)
+    return all([n for _, n in bounds[r].batch] == lengths for r in read)

@@ -107,10 +107,6 @@ def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from schedc.exec.checkpoint.dcp_metadata import SafeReader
-    from schedc.exec.checkpoint.files import find
-    from schedc.exec.checkpoint.meta_json import verify
-
     path = find(ckpt)
     verify(path)
     reader = SafeReader(str(path))
