@@ -168,11 +168,10 @@ def _mesh(ex):
     if getattr(ex, "checkpoint_mesh", None) is not None:  # made already (a pipeline stage's)
         return ex.checkpoint_mesh
     if ex.spec.hsdp:
-        if getattr(ex, "checkpoint_mesh", None) is None:
-            m = ex.spec.mesh
-            ex.checkpoint_mesh = init_device_mesh(
-                ex.device.type, (m.replicate, m.shard), mesh_dim_names=("replicate", "shard")
-            )
+        m = ex.spec.mesh
+        ex.checkpoint_mesh = init_device_mesh(
+            ex.device.type, (m.replicate, m.shard), mesh_dim_names=("replicate", "shard")
+        )
         return ex.checkpoint_mesh
     group = ex.comm.group or dist.distributed_c10d._get_default_group()
     return DeviceMesh.from_group(group, ex.device.type)
